@@ -1,0 +1,36 @@
+"""Reference (XLA) attention with the SBD mask: the oracle every kernel is tested against."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .mask import TokenMeta, dense_mask
+
+
+def reference_attention(q_BTHD, k_BSKD, v_BSKD, q_meta: TokenMeta, kv_meta: TokenMeta, *, scale=None):
+    """Grouped-query attention under the SBD mask.
+
+    q_BTHD: [B, T, H, D]; k/v_BSKD: [B, S, K, D] with H a multiple of K (GQA; K/V are not repeated).
+    q_meta fields [B, T], kv_meta fields [B, S]. Softmax in float32. Rows with no visible key
+    (padding queries) return zeros. Returns [B, T, H, D] in q's dtype.
+    """
+    B, T, H, D = q_BTHD.shape
+    K = k_BSKD.shape[2]
+    if H % K:
+        raise ValueError(f"query heads {H} must be a multiple of kv heads {K}")
+    G = H // K
+    scale = D ** -0.5 if scale is None else scale
+    q_BTKGD = q_BTHD.reshape(B, T, K, G, D)
+    s_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD,
+                         preferred_element_type=jnp.float32) * scale
+    mask_BTS = dense_mask(q_meta, kv_meta)
+    mask_B11TS = mask_BTS[:, None, None]
+    s_BKGTS = jnp.where(mask_B11TS, s_BKGTS, -jnp.inf)
+    m = jnp.max(s_BKGTS, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s_BKGTS - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    o_BTKGD = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_BSKD.dtype), v_BSKD,
+                         preferred_element_type=jnp.float32)
+    return o_BTKGD.reshape(B, T, H, D).astype(q_BTHD.dtype)

@@ -1,0 +1,211 @@
+"""Frozen-dataclass configs: construction from dicts/YAML with strict key checking and
+`key=value` command-line overrides.
+
+Every config in the project goes through `from_dict`, so an unknown key is always an error that
+names the key and lists the valid ones (never a silently ignored typo).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from pathlib import Path
+from typing import Any, Mapping, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix (unknown key, bad value, missing file)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 style (`rope_type == "llama3"`) frequency scaling. `None` in ModelConfig = plain RoPE."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-3.x / Qwen3 decoder. Field names follow HF `config.json` where one exists."""
+
+    model_type: str = "llama"  # "llama" | "qwen3"
+    vocab_size: int = 32000
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    head_dim: int | None = None  # None -> hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    mask_token_id: int | None = None  # the SBD `<m>` token; None -> model not SBD-ready
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    param_dtype: str = "float32"  # storage dtype of parameters
+    dtype: str = "float32"  # compute dtype of activations / matmuls
+    attention_impl: str = "xla"  # "xla" | "pallas"
+
+    def __post_init__(self):
+        if self.model_type not in ("llama", "qwen3"):
+            raise ConfigError(f"model_type {self.model_type!r} is not supported (supported: 'llama', 'qwen3')")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError("hidden_size must be divisible by num_attention_heads when head_dim is not given")
+        if self.head_dim is not None and self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                raise ConfigError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
+        if self.attention_impl not in ("xla", "pallas"):
+            raise ConfigError(f"attention_impl must be 'xla' or 'pallas', got {self.attention_impl!r}")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+
+
+# ----------------------------------------------------------------------------------------------
+# generic dict <-> dataclass machinery
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """Convert `value` to the annotated type `tp` (handles Optional, nested dataclasses, tuples)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if value is None:
+        if tp is type(None) or type(None) in args or tp is Any:
+            return None
+        raise ConfigError(f"{where} may not be null")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        return from_dict(tp, value, where=where)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(a, value, where)
+            except (ConfigError, TypeError, ValueError) as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}: cannot interpret {value!r} ({'; '.join(errors)})")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        inner = args[0] if args else Any
+        return tuple(_coerce(inner, v, where) for v in value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where} must be a boolean, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be an integer, got {value!r}") from None
+    if tp is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be a number, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str | None = None) -> T:
+    """Build dataclass `cls` from `data`; unknown keys raise ConfigError naming them."""
+    where = where or cls.__name__
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {unknown} in {where}; valid keys: {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {k: _coerce(hints[k], v, f"{where}.{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def _parse_override_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=value` overrides (values parsed as YAML) to a nested dict, returning a new dict."""
+    out = json.loads(json.dumps(data))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, text = item.split("=", 1)
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p!r} is not a section")
+        node[parts[-1]] = _parse_override_value(text)
+    return out
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    with path.open() as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at top level")
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
+    """YAML file (optional) + `key=value` overrides -> frozen dataclass `cls`."""
+    data = load_yaml(path) if path else {}
+    return from_dict(cls, apply_overrides(data, list(overrides)))

@@ -1,0 +1,5 @@
+from .transformer import (KVCache, causal_meta, forward, init_cache, init_params, lm_head, param_axes,
+                          param_shapes)
+
+__all__ = ["KVCache", "causal_meta", "forward", "init_cache", "init_params", "lm_head", "param_axes",
+           "param_shapes"]

@@ -1,0 +1,53 @@
+"""Shared layers of Llama-3.x and Qwen3 as pure functions: RMSNorm, RoPE (with llama3 scaling), SwiGLU."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import ModelConfig
+
+
+def rms_norm(x, weight, eps):
+    """HF RMSNorm: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] (float64 numpy: computed once, exactly as HF does)."""
+    dim = cfg.resolved_head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x_BTHD, positions_BT, inv_freq):
+    """Rotate-half RoPE (HF convention). Angles in float32."""
+    angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x = x_BTHD.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTHD.dtype)
+
+
+def swiglu(x_BTD, w_gate_DF, w_up_DF, w_down_FD):
+    gate = jnp.einsum("btd,df->btf", x_BTD, w_gate_DF)
+    up = jnp.einsum("btd,df->btf", x_BTD, w_up_DF)
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down_FD)

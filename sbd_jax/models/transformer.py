@@ -1,0 +1,219 @@
+"""The Llama-3.x / Qwen3 decoder as pure functions of an explicit parameter pytree.
+
+Parameters (a plain nested dict; layers stacked on a leading axis L and run with `lax.scan`):
+  embed            [V, D]
+  layers/attn_norm [L, D]       layers/mlp_norm [L, D]
+  layers/wq        [L, D, H, Dh] layers/wk, wv [L, D, K, Dh]   layers/wo [L, H, Dh, D]
+  layers/bq [L,H,Dh] bk,bv [L,K,Dh] bo [L,D]          (only with attention_bias)
+  layers/q_norm, k_norm [L, Dh]                        (only Qwen3, qk_norm)
+  layers/w_gate, w_up [L, D, F] layers/w_down [L, F, D]
+  final_norm       [D]
+  lm_head          [D, V]       (absent when tie_word_embeddings)
+
+`forward` is the single entry point used by training, decoding, the demo and the tests.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ..attention import TokenMeta, attention
+from ..attention.mask import CLEAN
+from ..config import ModelConfig
+from .layers import apply_rope, rms_norm, rope_inv_freq, swiglu
+
+# logical axis names per parameter (used by sbd_jax.sharding to lay parameters out on a mesh)
+PARAM_AXES = {
+    "embed": ("vocab", "embed"),
+    "final_norm": ("norm",),
+    "lm_head": ("embed", "vocab"),
+    "layers": {
+        "attn_norm": ("layers", "norm"),
+        "mlp_norm": ("layers", "norm"),
+        "wq": ("layers", "embed", "heads", "head_dim"),
+        "wk": ("layers", "embed", "kv_heads", "head_dim"),
+        "wv": ("layers", "embed", "kv_heads", "head_dim"),
+        "wo": ("layers", "heads", "head_dim", "embed"),
+        "bq": ("layers", "heads", "head_dim"),
+        "bk": ("layers", "kv_heads", "head_dim"),
+        "bv": ("layers", "kv_heads", "head_dim"),
+        "bo": ("layers", "norm"),
+        "q_norm": ("layers", "head_dim"),
+        "k_norm": ("layers", "head_dim"),
+        "w_gate": ("layers", "embed", "mlp"),
+        "w_up": ("layers", "embed", "mlp"),
+        "w_down": ("layers", "mlp", "embed"),
+    },
+}
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """Shapes of every parameter for `cfg` (the layout contract for init, checkpoints and HF I/O)."""
+    L, D, F = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
+    H, K, Dh, V = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim, cfg.vocab_size
+    layers = {
+        "attn_norm": (L, D), "mlp_norm": (L, D),
+        "wq": (L, D, H, Dh), "wk": (L, D, K, Dh), "wv": (L, D, K, Dh), "wo": (L, H, Dh, D),
+        "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D),
+    }
+    if cfg.attention_bias:
+        layers.update(bq=(L, H, Dh), bk=(L, K, Dh), bv=(L, K, Dh), bo=(L, D))
+    if cfg.qk_norm:
+        layers.update(q_norm=(L, Dh), k_norm=(L, Dh))
+    shapes = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+def param_axes(cfg: ModelConfig) -> dict:
+    """Logical axes with the same tree structure as `param_shapes(cfg)` (tuples are leaves)."""
+    return {k: ({kk: PARAM_AXES["layers"][kk] for kk in v} if k == "layers" else PARAM_AXES[k])
+            for k, v in param_shapes(cfg).items()}
+
+
+def init_params(cfg: ModelConfig, key, *, std: float = 0.02) -> dict:
+    """Random init as HF does (normal(0, std) matrices, ones for norms, zeros for biases)."""
+    shapes = param_shapes(cfg)
+    flat, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(flat))
+    dtype = jnp.dtype(cfg.param_dtype)
+    leaves = []
+    for (path, shape), k in zip(flat, keys):
+        name = path[-1].key
+        if name.endswith("norm"):
+            leaves.append(jnp.ones(shape, dtype))
+        elif name in ("bq", "bk", "bv", "bo"):
+            leaves.append(jnp.zeros(shape, dtype))
+        else:
+            leaves.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+class KVCache(NamedTuple):
+    """Static-shape KV cache. Slot s of row b holds the (clean, causal) K/V of position s of that
+    row's sequence; `lengths[b]` = number of committed slots. k, v: [L, B, S, K, Dh]."""
+
+    k: jnp.ndarray
+    v: jnp.ndarray
+    lengths: jnp.ndarray
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.resolved_head_dim)
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+
+def cache_meta(cache: KVCache) -> TokenMeta:
+    """Metadata of the cache slots as keys: clean tokens of segment 1 at position = slot."""
+    B, S = cache.k.shape[1], cache.k.shape[2]
+    slot = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    seg = (slot < cache.lengths[:, None]).astype(jnp.int32)
+    return TokenMeta(seg, slot, jnp.zeros_like(slot), slot)
+
+
+def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, write_slot_BT,
+           kv_meta: TokenMeta | None):
+    dt = jnp.dtype(cfg.dtype)
+    p = jax.tree.map(lambda a: a.astype(dt), lp)
+    x = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dhk->bthk", x, p["wq"])
+    k = jnp.einsum("btd,dhk->bthk", x, p["wk"])
+    v = jnp.einsum("btd,dhk->bthk", x, p["wv"])
+    if cfg.attention_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, meta.position, inv_freq)
+    k = apply_rope(k, meta.position, inv_freq)
+    if cache_kv is None:
+        new_cache_kv = None
+        o = attention(q, k, v, meta, meta, impl=cfg.attention_impl)
+    else:
+        ck, cv = cache_kv
+        B = ck.shape[0]
+        rows = jnp.arange(B)[:, None]
+        ck = ck.at[rows, write_slot_BT].set(k.astype(ck.dtype), mode="drop")
+        cv = cv.at[rows, write_slot_BT].set(v.astype(cv.dtype), mode="drop")
+        new_cache_kv = (ck, cv)
+        # keys = committed cache (clean) + this window's copy tokens (its clean tokens are in the cache)
+        keys = jnp.concatenate([ck.astype(dt), k], axis=1)
+        vals = jnp.concatenate([cv.astype(dt), v], axis=1)
+        o = attention(q, keys, vals, meta, kv_meta, impl=cfg.attention_impl)
+    h_BTD = h_BTD + jnp.einsum("bthk,hkd->btd", o, p["wo"]) + (p["bo"] if cfg.attention_bias else 0)
+    x = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
+    h_BTD = h_BTD + swiglu(x, p["w_gate"], p["w_up"], p["w_down"])
+    return h_BTD, new_cache_kv
+
+
+def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: KVCache | None = None,
+            *, return_hidden: bool = False):
+    """Run the model on tokens with SBD metadata.
+
+    Without a cache: attention among the given tokens under the SBD mask (training, the doubled
+    `[x ; x_hat]` sequence, brute-force references, plain causal use with stream=0).
+
+    With a cache (decoding; one sequence per row, segment 1 for real tokens, 0 for padding): every
+    clean, non-padding token writes its K/V at slot = its position; queries then attend the cache
+    (slots < the new length) and this call's copy tokens. Returns `(logits [B,T,V] float32, cache)`
+    (`cache` is None when none was given). With `return_hidden`, the final-norm hidden states
+    [B,T,D] are returned instead of logits.
+    """
+    tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+    if tokens_BT.ndim != 2:
+        raise ValueError(f"tokens must be [batch, time], got shape {tokens_BT.shape}")
+    dt = jnp.dtype(cfg.dtype)
+    inv_freq = rope_inv_freq(cfg)
+    h = params["embed"].astype(dt)[tokens_BT]
+
+    if cache is None:
+        def body(h, lp):
+            h, _ = _layer(cfg, inv_freq, h, lp, meta, None, None, None)
+            return h, None
+        h, _ = jax.lax.scan(body, h, params["layers"])
+        new_cache = None
+    else:
+        S = cache.max_len
+        writes = (meta.stream == CLEAN) & (meta.segment > 0)
+        write_slot = jnp.where(writes, meta.position, S)  # out of range -> dropped
+        new_len = jnp.maximum(cache.lengths, jnp.max(jnp.where(writes, meta.position + 1, 0), axis=1))
+        committed = cache._replace(lengths=new_len)
+        window_keys = meta._replace(segment=jnp.where(meta.stream == CLEAN, 0, meta.segment))
+        kv_meta = TokenMeta(*(jnp.concatenate([a, b], axis=1)
+                              for a, b in zip(cache_meta(committed), window_keys)))
+
+        def body(h, xs):
+            lp, ck, cv = xs
+            h, (ck, cv) = _layer(cfg, inv_freq, h, lp, meta, (ck, cv), write_slot, kv_meta)
+            return h, (ck, cv)
+        h, (ks, vs) = jax.lax.scan(body, h, (params["layers"], cache.k, cache.v))
+        new_cache = KVCache(ks, vs, new_len)
+
+    h = rms_norm(h, params["final_norm"].astype(dt), cfg.rms_norm_eps)
+    if return_hidden:
+        return h, new_cache
+    return lm_head(params, cfg, h), new_cache
+
+
+def lm_head(params: dict, cfg: ModelConfig, h_BTD):
+    dt = jnp.dtype(cfg.dtype)
+    if cfg.tie_word_embeddings:
+        w_VD = params["embed"].astype(dt)
+        return jnp.einsum("btd,vd->btv", h_BTD, w_VD, preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", h_BTD, params["lm_head"].astype(dt), preferred_element_type=jnp.float32)
+
+
+def causal_meta(lengths_B, T: int) -> TokenMeta:
+    """Metadata for plain causal use: row b holds one sequence of length lengths_B[b], right-padded."""
+    from ..attention import clean_meta
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (jnp.shape(lengths_B)[0], T))
+    seg = (pos < jnp.asarray(lengths_B)[:, None]).astype(jnp.int32)
+    return clean_meta(seg, pos)

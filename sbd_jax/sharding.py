@@ -1,0 +1,119 @@
+"""Device meshes and logical-axis sharding rules, shared by training and decoding.
+
+Parameters carry logical axis names (`sbd_jax.models.transformer.PARAM_AXES`); `DEFAULT_RULES` maps
+them onto the mesh axes ("data", "fsdp", "tensor"). A dimension whose size the mesh axis does not
+divide is replicated instead (so e.g. 8 KV heads on a tensor axis of 16 still works)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .config import ConfigError, ModelConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "head_dim": None,
+    "layers": None,
+    "norm": None,
+    "cache_len": None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh shape; -1 on one axis = all remaining devices. Same options for train.py and decode.py."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+def maybe_initialize_distributed() -> bool:
+    """Call `jax.distributed.initialize()` when the environment describes a multi-process job
+    (JAX_COORDINATOR_ADDRESS / SLURM / TPU pod metadata via JAX_PROCESS_COUNT). Returns True if it did."""
+    markers = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "SLURM_JOB_NUM_NODES", "TPU_WORKER_HOSTNAMES")
+    if any(m in os.environ for m in markers) and os.environ.get("SBD_NO_DISTRIBUTED") != "1":
+        if os.environ.get("SLURM_JOB_NUM_NODES", "1") == "1" and not any(
+                m in os.environ for m in markers if not m.startswith("SLURM")):
+            return False
+        jax.distributed.initialize()
+        return True
+    return False
+
+
+def make_mesh(cfg: MeshConfig | None = None, devices=None) -> Mesh:
+    cfg = cfg or MeshConfig()
+    devices = list(devices if devices is not None else jax.devices())
+    n = len(devices)
+    shape = [cfg.data, cfg.fsdp, cfg.tensor]
+    if sum(s == -1 for s in shape) > 1:
+        raise ConfigError(f"mesh {shape}: at most one axis may be -1")
+    if any(s == 0 or s < -1 for s in shape):
+        raise ConfigError(f"mesh {shape}: axis sizes must be >= 1 (or -1 for 'the rest')")
+    known = int(np.prod([s for s in shape if s != -1]))
+    if -1 in shape:
+        if n % known:
+            raise ConfigError(f"mesh {dict(zip(MESH_AXES, shape))} does not divide the {n} devices")
+        shape[shape.index(-1)] = n // known
+    if int(np.prod(shape)) != n:
+        raise ConfigError(f"mesh {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} devices, "
+                          f"but {n} are available")
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def logical_to_spec(axes: tuple, shape: tuple, mesh: Mesh, rules=None) -> P:
+    rules = DEFAULT_RULES if rules is None else rules
+    spec, used = [], set()
+    for name, dim in zip(axes, shape):
+        target = rules.get(name) if name is not None else None
+        if target is None:
+            spec.append(None)
+            continue
+        names = (target,) if isinstance(target, str) else tuple(target)
+        names = tuple(a for a in names if a not in used and mesh.shape[a] > 1)
+        size = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+        if not names or dim % size:
+            spec.append(None)
+            continue
+        used.update(names)
+        spec.append(names[0] if len(names) == 1 else names)
+    return P(*spec)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh, rules=None) -> dict:
+    from .models.transformer import param_axes, param_shapes
+    shapes, axes = param_shapes(cfg), param_axes(cfg)
+    is_leaf = lambda x: isinstance(x, tuple)  # noqa: E731
+    return jax.tree.map(lambda ax, sh: NamedSharding(mesh, logical_to_spec(ax, sh, mesh, rules)),
+                        axes, shapes, is_leaf=is_leaf)
+
+
+def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, rules=None) -> dict:
+    return jax.device_put(params, param_shardings(cfg, mesh, rules))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2, batch_size: int | None = None) -> NamedSharding:
+    """Leading (batch) dim over data x fsdp; replicated if the batch does not divide."""
+    axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    n = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    if not axes or (batch_size is not None and batch_size % n):
+        return NamedSharding(mesh, P(*([None] * ndim)))
+    return NamedSharding(mesh, P(axes if len(axes) > 1 else axes[0], *([None] * (ndim - 1))))
+
+
+def cache_sharding(cfg: ModelConfig, mesh: Mesh, batch_size: int) -> NamedSharding:
+    """KV cache [L, B, S, K, Dh]: batch over data/fsdp, KV heads over tensor (matching wk/wv)."""
+    b = batch_sharding(mesh, 1, batch_size).spec[0]
+    kv = logical_to_spec(("kv_heads",), (cfg.num_key_value_heads,), mesh)[0]
+    return NamedSharding(mesh, P(None, b, None, kv, None))
