@@ -72,7 +72,11 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError("hidden_size must be divisible by num_attention_heads when head_dim is not given")
-        if self.head_dim is not None and self.head_dim % 2:
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")

@@ -1,0 +1,80 @@
+"""Shared fixtures. The HF reference runs in a separate interpreter (.venv-ref, Python 3.11 + torch CPU +
+transformers; see README) because torch's CPU wheel is only available for Python 3.11 here while the
+project runs on Python 3.12 / jax 0.11.2. Set SBD_HF_PYTHON to point elsewhere."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+HF_REF_SCRIPT = Path(__file__).with_name("hf_ref.py")
+
+
+def hf_python() -> str:
+    py = os.environ.get("SBD_HF_PYTHON", str(ROOT / ".venv-ref" / "bin" / "python"))
+    if not Path(py).exists():
+        raise RuntimeError(f"HF reference interpreter {py!r} not found: run `make install` (it builds .venv-ref) "
+                           "or set SBD_HF_PYTHON")
+    return py
+
+
+def run_hf(*args) -> None:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([hf_python(), str(HF_REF_SCRIPT), *map(str, args)], capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"hf_ref.py {args[0]} failed:\n{proc.stderr[-4000:]}")
+
+
+class HFRef:
+    """Thin client of tests/hf_ref.py."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.n = 0
+
+    def _p(self, name):
+        self.n += 1
+        return self.tmp / f"{self.n}_{name}"
+
+    def make(self, arch: str, config: dict, seed=0, std=0.02, dtype="float32", max_shard_size="5GB") -> Path:
+        spec = self._p("spec.json")
+        spec.write_text(json.dumps(dict(arch=arch, config=config, seed=seed, std=std, dtype=dtype,
+                                        max_shard_size=max_shard_size)))
+        out = self._p("model")
+        run_hf("make", spec, out)
+        return out
+
+    def logits(self, model_dir, tokens, lengths=None) -> np.ndarray:
+        tp, op = self._p("tokens.npy"), self._p("logits.npy")
+        np.save(tp, np.asarray(tokens))
+        extra = []
+        if lengths is not None:
+            lp = self._p("lengths.npy")
+            np.save(lp, np.asarray(lengths))
+            extra = [lp]
+        run_hf("logits", model_dir, tp, op, *extra)
+        return np.load(op)
+
+    def generate(self, model_dir, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        pp, op = self._p("prompts.json"), self._p("gen.json")
+        pp.write_text(json.dumps([list(map(int, p)) for p in prompts]))
+        run_hf("generate", model_dir, pp, max_new, op)
+        return json.loads(op.read_text())
+
+
+@pytest.fixture
+def hf_ref(tmp_path) -> HFRef:
+    return HFRef(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def hf_ref_session(tmp_path_factory) -> HFRef:
+    return HFRef(tmp_path_factory.mktemp("hf"))

@@ -1,0 +1,69 @@
+"""HF `transformers` reference, run in the separate test-only venv (.venv-ref: Python 3.11, torch CPU,
+transformers). Invoked as a subprocess by tests (see conftest.py `hf_ref`), never imported by sbd_jax.
+
+  python hf_ref.py make     SPEC.json OUT_DIR       random-init HF model from SPEC (arch, config, seed, std, dtype) -> save_pretrained
+  python hf_ref.py logits   MODEL_DIR TOKENS.npy OUT.npy [LENGTHS.npy]   float32 logits [B,T,V] (right-padded rows)
+  python hf_ref.py generate MODEL_DIR PROMPTS.json MAX_NEW OUT.json     greedy generate per prompt (no EOS stop)
+"""
+import json
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+
+def make(spec_path, out_dir):
+    spec = json.load(open(spec_path))
+    arch = spec["arch"]
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[arch]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[arch]
+    cfg = cfg_cls(**spec["config"])
+    torch.manual_seed(spec.get("seed", 0))
+    model = model_cls(cfg)
+    std = spec.get("std", 0.02)
+    with torch.no_grad():  # larger-than-default random weights give sharper, more discriminating logits
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, std)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, std)
+    model = model.to(getattr(torch, spec.get("dtype", "float32")))
+    model.save_pretrained(out_dir, max_shard_size=spec.get("max_shard_size", "5GB"))
+
+
+def load(model_dir):
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def logits(model_dir, tokens_path, out_path, lengths_path=None):
+    model = load(model_dir)
+    toks = torch.from_numpy(np.load(tokens_path).astype(np.int64))
+    B, T = toks.shape
+    lengths = np.load(lengths_path) if lengths_path else np.full((B,), T)
+    mask = torch.from_numpy((np.arange(T)[None] < lengths[:, None]).astype(np.int64))
+    with torch.no_grad():
+        out = model(input_ids=toks, attention_mask=mask).logits.float().numpy()
+    np.save(out_path, out)
+
+
+def generate(model_dir, prompts_path, max_new, out_path):
+    model = load(model_dir)
+    results = []
+    for prompt in json.load(open(prompts_path)):
+        ids = torch.tensor([prompt], dtype=torch.int64)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=int(max_new),
+                                 min_new_tokens=int(max_new), do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+        results.append(out[0, len(prompt):].tolist())
+    json.dump(results, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    cmd, *args = sys.argv[1:]
+    {"make": make, "logits": logits, "generate": generate}[cmd](*args)
