@@ -1,0 +1,47 @@
+# sbd_jax: `make demo` (the main job) and `make test` both install what they need first.
+SHELL := /bin/bash
+PYENV_ROOT ?= $(shell pyenv root 2>/dev/null || echo $$HOME/.pyenv)
+PY312 ?= $(firstword $(wildcard $(PYENV_ROOT)/versions/3.12.*/bin/python) $(shell command -v python3.12))
+PY311 ?= $(firstword $(wildcard $(PYENV_ROOT)/versions/3.11.*/bin/python) $(shell command -v python3.11))
+VENV := .venv
+REF := .venv-ref
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+PYTEST_ARGS ?=
+
+.PHONY: install test demo demo-quick bench lint clean
+
+install: $(VENV)/.installed $(REF)/.installed
+
+$(VENV)/.installed: pyproject.toml requirements/lock-py312.txt
+	@test -n "$(PY312)" || { echo "Python 3.12 not found (set PY312=/path/to/python3.12)"; exit 1; }
+	$(PY312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c requirements/lock-py312.txt -e ".[test]"
+	touch $@
+
+$(REF)/.installed: requirements/ref-py311.txt
+	@test -n "$(PY311)" || { echo "Python 3.11 not found (set PY311=/path/to/python3.11)"; exit 1; }
+	$(PY311) -m venv $(REF)
+	$(REF)/bin/python -m pip install -q -r requirements/ref-py311.txt
+	touch $@
+
+test: install
+	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) tests
+
+demo: $(VENV)/.installed
+	$(PY) -m sbd_jax.demo $(DEMO_ARGS)
+
+demo-quick: $(VENV)/.installed
+	$(PY) -m sbd_jax.demo --quick $(DEMO_ARGS)
+
+bench: $(VENV)/.installed
+	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check sbd_jax tests train.py decode.py bench
+
+clean:
+	rm -rf $(VENV) $(REF) .pytest_cache

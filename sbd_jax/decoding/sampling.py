@@ -1,0 +1,124 @@
+"""Per-position entropies, the two SBD acceptance rules and token sampling (pure, jittable).
+
+Shapes: B = batch rows, K = block positions, V = vocabulary.
+
+Entropies (SBD.md inference step 3): H_i is the entropy of the model's own distribution
+q_i = softmax(logits_i), i.e. at temperature 1, whatever the sampling temperature. With
+`tempered_entropy=True` and a temperature T > 0, H is computed on softmax(logits / T) instead (the EB
+paper's / diffusers' convention); rows decoded greedily (T == 0) always use temperature 1, because a
+one-hot tempered distribution has zero entropy and would accept every position.
+
+Acceptance rules (SBD.md inference step 4), both applied to the still-masked positions only:
+  "eb"        sort by H ascending, i_1, i_2, ...; accept i_1..i_s for the largest s >= 1 with
+              H_{i_1} + ... + H_{i_{s-1}} <= gamma (the last accepted entropy is not counted).
+  "threshold" accept every position with H_i < gamma, and at least the one of lowest entropy.
+Ties in H are broken by position (stable sort / first argmin), so the rule is deterministic.
+
+Sampling: temperature, then top-k, then top-p (HF's order) shape the distribution p_i used to draw
+the token; temperature 0 means argmax of the raw logits. Randomness is per row: row b at its n-th
+model call draws from `fold_in(key_b, n)`, so a row's output does not depend on which other rows
+share its batch (given per-row keys), and the cached and brute-force decoders draw identically.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+RULES = ("eb", "threshold")
+
+
+def entropy(logits_BKV, temperature_B=None, *, tempered: bool = False):
+    """Entropy (nats, float32) of softmax(logits) per position -> [B, K]. With `tempered`, rows with
+    temperature > 0 use softmax(logits / T)."""
+    logits = logits_BKV.astype(jnp.float32)
+    if tempered:
+        if temperature_B is None:
+            raise ValueError("tempered entropy needs the temperature")
+        t = jnp.asarray(temperature_B, jnp.float32)[:, None, None]
+        logits = logits / jnp.where(t > 0, t, 1.0)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    h = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return jnp.maximum(h, 0.0)  # rounding can make a one-hot entropy -0.0 / -1e-9
+
+
+def accept_eb(h_BK, masked_BK, gamma_B):
+    """EB rule: bool [B, K] of accepted positions (a subset of `masked`, non-empty when any is masked)."""
+    inf = jnp.float32(jnp.inf)
+    h = jnp.where(masked_BK, h_BK, inf)
+    order = jnp.argsort(h, axis=-1, stable=True)  # masked first, ascending entropy
+    h_sorted = jnp.take_along_axis(h, order, axis=-1)
+    masked_sorted = jnp.take_along_axis(masked_BK, order, axis=-1)
+    finite = jnp.where(masked_sorted, h_sorted, 0.0)
+    before = jnp.cumsum(finite, axis=-1) - finite  # sum of the entropies ranked strictly before
+    ok_sorted = masked_sorted & (before <= jnp.asarray(gamma_B, jnp.float32)[:, None])
+    ok_sorted = ok_sorted.at[:, 0].set(masked_sorted[:, 0])  # s >= 1 even if gamma is tiny
+    inv = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(ok_sorted, inv, axis=-1)
+
+
+def accept_threshold(h_BK, masked_BK, gamma_B):
+    """Threshold rule: H < gamma among masked positions, plus the lowest-entropy masked one."""
+    h = jnp.where(masked_BK, h_BK, jnp.inf)
+    best = jnp.argmin(h, axis=-1)
+    K = h_BK.shape[-1]
+    is_best = (jnp.arange(K)[None, :] == best[:, None]) & jnp.any(masked_BK, axis=-1, keepdims=True)
+    return masked_BK & ((h < jnp.asarray(gamma_B, jnp.float32)[:, None]) | is_best)
+
+
+def accept(rule: str, h_BK, masked_BK, gamma_B):
+    if rule == "eb":
+        return accept_eb(h_BK, masked_BK, gamma_B)
+    if rule == "threshold":
+        return accept_threshold(h_BK, masked_BK, gamma_B)
+    raise ValueError(f"unknown acceptance rule {rule!r} (expected one of {RULES})")
+
+
+def shape_logits(logits_BKV, temperature_B, *, top_k: int = 0, top_p: float = 1.0):
+    """Sampling logits: divide by temperature (rows with T == 0 keep raw logits, they take the argmax
+    anyway), keep the top_k largest (0 = all; ties at the k-th value are kept), then the smallest set
+    whose probability reaches top_p (1.0 = all; the most likely token is always kept)."""
+    logits = logits_BKV.astype(jnp.float32)
+    t = jnp.asarray(temperature_B, jnp.float32)[:, None, None]
+    logits = logits / jnp.where(t > 0, t, 1.0)
+    V = logits.shape[-1]
+    if top_k and top_k < V:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        sorted_desc = -jnp.sort(-logits, axis=-1)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly more likely than this one
+        keep_sorted = before < top_p
+        # smallest kept logit value = cut-off (ties at the cut-off are kept)
+        cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return logits
+
+
+def row_keys(key, batch: int):
+    """Normalise `key` to one typed PRNG key per row: a single key (typed or raw uint32[2]) is split
+    into `batch` keys; a batch of keys (typed [B] or raw [B, 2]) is used as is."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.shape == (2,):
+            key = jax.random.wrap_key_data(key.astype(jnp.uint32))
+        elif key.ndim == 2 and key.shape[-1] == 2:
+            key = jax.random.wrap_key_data(key.astype(jnp.uint32))
+        else:
+            raise ValueError(f"key must be a PRNG key, a raw uint32[2] key or a batch of them, got shape {key.shape}")
+    if key.shape == ():
+        return jax.random.split(key, batch)
+    if key.shape != (batch,):
+        raise ValueError(f"per-row keys must have shape ({batch},), got {key.shape}")
+    return key
+
+
+def sample(logits_BKV, keys_B, step_B, temperature_B, *, top_k: int = 0, top_p: float = 1.0):
+    """Token per position [B, K] (int32): argmax for rows with temperature 0, else a draw from the
+    shaped distribution with key fold_in(keys_B[b], step_B[b])."""
+    greedy = jnp.argmax(logits_BKV, axis=-1).astype(jnp.int32)
+    shaped = shape_logits(logits_BKV, temperature_B, top_k=top_k, top_p=top_p)
+    step_keys = jax.vmap(jax.random.fold_in)(keys_B, step_B)
+    drawn = jax.vmap(lambda k, lg: jax.random.categorical(k, lg, axis=-1))(step_keys, shaped).astype(jnp.int32)
+    t = jnp.asarray(temperature_B, jnp.float32)[:, None]
+    return jnp.where(t > 0, drawn, greedy)

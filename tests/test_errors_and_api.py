@@ -1,0 +1,131 @@
+"""Clear errors for bad configs/checkpoints, the NNX face, and the jitted functional path."""
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import sbd_jax
+from sbd_jax.config import ConfigError, from_dict, load_config
+from sbd_jax.io import CheckpointError
+from sbd_jax.models import causal_meta
+from sbd_jax.models.nnx_model import SBDTransformer
+
+CFG = sbd_jax.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, mask_token_id=63)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    params = sbd_jax.init_params(CFG, jax.random.key(0))
+    return sbd_jax.save_pretrained(CFG, params, tmp_path / "m")
+
+
+def test_unknown_model_config_key():
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['hiden_size'\]"):
+        from_dict(sbd_jax.ModelConfig, {"hiden_size": 3})
+
+
+def test_unknown_key_in_yaml_and_override(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("vocab_size: 10\nhidden_size: 8\nnum_attention_heads: 2\nnum_key_value_heads: 2\n")
+    assert load_config(sbd_jax.ModelConfig, p, ["num_hidden_layers=3"]).num_hidden_layers == 3
+    with pytest.raises(ConfigError, match="num_layerz"):
+        load_config(sbd_jax.ModelConfig, p, ["num_layerz=3"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(sbd_jax.ModelConfig, tmp_path / "nope.yaml")
+
+
+def test_unknown_hf_config_key(saved):
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["sliding_attention_magic"] = 7
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="sliding_attention_magic"):
+        sbd_jax.from_pretrained(saved)
+    assert sbd_jax.from_pretrained(saved, allow_unknown_keys=True)[0].vocab_size == 64
+
+
+def test_unsupported_model_type(saved):
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["model_type"] = "mistral"
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="model_type 'mistral'.*not supported"):
+        sbd_jax.from_pretrained(saved)
+
+
+def test_unsupported_rope_type(saved):
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="yarn"):
+        sbd_jax.from_pretrained(saved)
+
+
+def test_missing_dir_and_files(saved, tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        sbd_jax.from_pretrained(tmp_path / "meta-llama/Llama-3.1-8B")
+    (saved / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        sbd_jax.from_pretrained(saved)
+
+
+def test_missing_and_truncated_shard(tmp_path):
+    params = sbd_jax.init_params(CFG, jax.random.key(0))
+    d = sbd_jax.save_pretrained(CFG, params, tmp_path / "m", max_shard_bytes=10_000)
+    shards = sorted(d.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    backup = tmp_path / "backup"
+    shutil.copy(shards[1], backup)
+    data = shards[1].read_bytes()
+    shards[1].write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        sbd_jax.from_pretrained(d)
+    shards[1].unlink()
+    with pytest.raises(CheckpointError, match=f"{shards[1].name}.*missing"):
+        sbd_jax.from_pretrained(d)
+    shutil.copy(backup, shards[1])
+    assert sbd_jax.from_pretrained(d)[0] == CFG
+
+
+def test_wrong_weight_shape_and_vocab(saved):
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["vocab_size"] = 65
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"'model.embed_tokens.weight' has shape \(64, 32\), expected \(65, 32\)"):
+        sbd_jax.from_pretrained(saved)
+
+
+def test_bad_model_config_values():
+    with pytest.raises(ConfigError, match="multiple of num_key_value_heads"):
+        sbd_jax.ModelConfig(num_attention_heads=6, num_key_value_heads=4)
+    with pytest.raises(ConfigError, match="mask_token_id"):
+        sbd_jax.ModelConfig(vocab_size=10, hidden_size=8, num_attention_heads=2, num_key_value_heads=2,
+                            mask_token_id=10)
+    with pytest.raises(ValueError, match="tokens must be"):
+        sbd_jax.forward(sbd_jax.init_params(CFG, jax.random.key(0)), CFG, jnp.ones((3,), jnp.int32), None)
+
+
+def test_nnx_module_split_merge_jit_matches_functional():
+    model = SBDTransformer(CFG, rngs=nnx.Rngs(0))
+    toks = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
+    meta = causal_meta(jnp.array([5, 3]), 5)
+    eager, _ = model(toks, meta)
+    graphdef, state = nnx.split(model)
+    jitted = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, meta)[0])(state, toks)
+    functional, _ = jax.jit(sbd_jax.forward, static_argnums=1)(model.params(), CFG, toks, meta)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(functional), np.asarray(eager), atol=1e-6)
+
+
+def test_bf16_compute_with_f32_master_weights():
+    cfg_bf = sbd_jax.ModelConfig(**{**CFG.__dict__, "dtype": "bfloat16"})
+    params = sbd_jax.init_params(CFG, jax.random.key(1), std=0.1)
+    toks = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
+    meta = causal_meta(jnp.array([6, 6]), 6)
+    hi, _ = sbd_jax.forward(params, CFG, toks, meta)
+    lo, _ = sbd_jax.forward(params, cfg_bf, toks, meta)
+    assert params["embed"].dtype == jnp.float32 and lo.dtype == jnp.float32
+    assert np.abs(np.asarray(hi) - np.asarray(lo)).max() < 5e-2 * max(1.0, np.abs(np.asarray(hi)).max())
