@@ -1,0 +1,122 @@
+"""Fused SBD attention kernels in Pallas (training flash attention + flash-decoding).
+
+`pallas_attention(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta)` has the signature and semantics of
+`reference_attention` (the oracle): GQA, f32 softmax, rows that see nothing return 0. It picks a
+kernel from the shapes (see `PallasOptions.kernel`), is differentiable (custom VJP: flash
+backward kernels for dq and dk/dv, whichever forward kernel ran) and picks the Pallas backend
+from `jax.default_backend()` (CPU -> interpret mode).
+
+Verified: interpret mode on CPU against `reference_attention` (tests/test_pallas_*.py).
+Not verified: compiled GPU (Triton) and TPU (Mosaic) lowering - no device was available.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ..mask import TokenMeta
+from .decode import decode_forward
+from .flash_train import train_backward, train_forward
+from .options import (DEFAULT_BLOCKS, BlockSizes, PallasOptions, PallasOptionsError,
+                      check_head_dim, check_triton_blocks)
+
+
+class PallasAttentionError(ValueError):
+    """Inputs the kernels cannot take (shapes, dtypes, metadata)."""
+
+
+def choose_kernel(Tq: int, Tk: int, opts: PallasOptions) -> str:
+    """"decode" when there are more keys than queries (a KV cache in front of the window) and
+    the window is small; otherwise "train". Overridden by opts.kernel != "auto"."""
+    if opts.kernel != "auto":
+        return opts.kernel
+    return "decode" if (Tk > Tq and Tq <= opts.decode_max_q) else "train"
+
+
+def _forward(q, k, v, q_meta, kv_meta, opts):
+    kind = choose_kernel(q.shape[1], k.shape[1], opts)
+    fn = decode_forward if kind == "decode" else train_forward
+    return fn(q, k, v, q_meta, kv_meta, opts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _sbd_attention(q, k, v, q_meta, kv_meta, opts):
+    return _forward(q, k, v, q_meta, kv_meta, opts)[0]
+
+
+def _sbd_attention_fwd(q, k, v, q_meta, kv_meta, opts):
+    o, lse = _forward(q, k, v, q_meta, kv_meta, opts)
+    return o, (q, k, v, q_meta, kv_meta, o, lse)
+
+
+def _sbd_attention_bwd(opts, res, do):
+    q, k, v, q_meta, kv_meta, o, lse = res
+    dq, dk, dv = train_backward(q, k, v, q_meta, kv_meta, o, lse, do, opts)
+    return dq, dk, dv, None, None
+
+
+_sbd_attention.defvjp(_sbd_attention_fwd, _sbd_attention_bwd)
+
+
+def _validate(q, k, v, q_meta, kv_meta):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise PallasAttentionError(f"{name} must be 4-D [batch, time, heads, head_dim], "
+                                       f"got shape {getattr(x, 'shape', None)}")
+    B, Tq, H, D = q.shape
+    if k.shape != v.shape:
+        raise PallasAttentionError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise PallasAttentionError(f"k/v shape {k.shape} does not match q {q.shape} "
+                                   "(batch and head_dim must agree)")
+    K = k.shape[2]
+    if H % K:
+        raise PallasAttentionError(f"query heads {H} must be a multiple of kv heads {K}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise PallasAttentionError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise PallasAttentionError(f"q, k, v must be floating point, got {q.dtype}")
+    for name, meta, T in (("q_meta", q_meta, Tq), ("kv_meta", kv_meta, k.shape[1])):
+        if not isinstance(meta, TokenMeta):
+            raise PallasAttentionError(f"{name} must be a TokenMeta, got {type(meta).__name__}")
+        for field, f in zip(TokenMeta._fields, meta):
+            if tuple(jnp.shape(f)) != (B, T):
+                raise PallasAttentionError(f"{name}.{field} has shape {tuple(jnp.shape(f))}, "
+                                           f"expected {(B, T)}")
+            if not jnp.issubdtype(jnp.result_type(f), jnp.integer):
+                raise PallasAttentionError(f"{name}.{field} must be integer, got {jnp.result_type(f)}")
+
+
+def pallas_attention(q_BTHD, k_BSKD, v_BSKD, q_meta: TokenMeta, kv_meta: TokenMeta, *,
+                     kernel: str = "auto", backend: str | None = None,
+                     blocks: BlockSizes | None = None, scale: float | None = None,
+                     options: PallasOptions | None = None):
+    """SBD attention with Pallas kernels; drop-in for `reference_attention`.
+
+    q_BTHD [B, T, H, D]; k/v_BSKD [B, S, K, D] (H a multiple of K); metadata [B, T] / [B, S].
+    `kernel`: "auto" | "train" | "decode"; `backend`: None (from jax.default_backend()) |
+    "interpret" | "triton" | "tpu"; `blocks`: tile sizes (None: per-backend defaults);
+    or pass a whole `options` (then the other keywords must be left at their defaults).
+    """
+    if options is None:
+        options = PallasOptions(kernel=kernel, backend=backend, blocks=blocks, scale=scale)
+    elif (kernel, backend, blocks, scale) != ("auto", None, None, None):
+        raise PallasOptionsError("pass either `options` or the individual keywords, not both")
+    _validate(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta)
+    opts = options.resolved()
+    D = q_BTHD.shape[-1]
+    if opts.scale is None:
+        opts = dataclasses.replace(opts, scale=float(D) ** -0.5)
+    check_head_dim(opts.backend, D)
+    check_triton_blocks(opts.backend, opts.blocks)
+    q_meta = TokenMeta(*(jnp.asarray(f, jnp.int32) for f in q_meta))
+    kv_meta = TokenMeta(*(jnp.asarray(f, jnp.int32) for f in kv_meta))
+    return _sbd_attention(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta, opts)
+
+
+__all__ = ["BlockSizes", "DEFAULT_BLOCKS", "PallasAttentionError", "PallasOptions",
+           "PallasOptionsError", "choose_kernel", "decode_forward", "pallas_attention",
+           "train_backward", "train_forward"]

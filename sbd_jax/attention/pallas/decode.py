@@ -1,0 +1,131 @@
+"""Flash-decoding SBD attention: a decode window of queries (k or 2k tokens) against a static
+KV cache with per-row valid lengths plus the window's in-block SBD mask.
+
+Layouts: q [B, Tq, H, D] (small), k/v [B, S, K, D] = whatever the caller concatenated (cache
+slots, then the window's copy tokens), metadata [B, Tq] / [B, S]. Per-row valid lengths need no
+special argument: cache slots past a row's length carry segment 0 in kv_meta, so the exact tile
+table (`tiling`, from `sbd_mask`) drops those tiles and they are never read.
+
+One program = (row b, KV head, split s), grid (B, K, num_splits):
+  * GQA/MQA: its query block holds ALL G query heads of the KV head, as R = Tq * G rows
+    (row r = (token r // G, head r % G), padded to a power of two), so each K/V tile is read
+    once for the G heads;
+  * flash-decoding: a row's visible key tiles (a compact list) are divided evenly between the
+    splits, so batch 1 still gives K * num_splits programs and ragged lengths stay balanced;
+  * each split writes a normalised partial output and its log-sum-exp; XLA merges the splits.
+K/V are read in place (no padding copy of the cache) unless S < block: the last tile starts at
+S - block and only its columns >= j * block count ("fresh" columns), so no load is out of bounds.
+
+NOT VERIFIED on GPU/TPU (written to the Triton lowering's rules; run only in interpret mode).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ..mask import TokenMeta
+from .kernel_common import (meta_all, meta_tile, online_softmax_step, softmax_finish,
+                            softmax_init, tile_mask)
+from .options import PallasOptions, call_kwargs, next_pow2
+from .tiling import compact_tiles, pack_meta, pad_meta, tile_visibility
+
+
+def _decode_kernel(tab_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, o_ref, lse_ref, *, scale,
+                   block_k, num_splits, kv_len):
+    q = q_ref[...]  # [R, D]
+    qf = meta_all(qm_ref)  # 4 x [R]
+    cnt = tab_ref[0]
+    per = lax.div(cnt + (num_splits - 1), num_splits)
+    lo = jnp.minimum(pl.program_id(2) * per, cnt)
+    hi = jnp.minimum(lo + per, cnt)
+    cols = jnp.arange(block_k, dtype=jnp.int32)
+
+    def body(n, carry):
+        first = tab_ref[n + 1] * block_k
+        start = jnp.minimum(first, kv_len - block_k)  # last tile shifted back in bounds
+        k = k_ref[pl.ds(start, block_k), :]
+        v = v_ref[pl.ds(start, block_k), :]
+        fresh = (start + cols) >= first  # columns already counted by the previous tile: off
+        mask = tile_mask(qf, meta_tile(km_ref, start, block_k)) & fresh[None, :]
+        return online_softmax_step(q, k, v, mask, scale, carry)
+
+    acc, m, l = lax.fori_loop(lo, hi, body, softmax_init(q.shape[0], q.shape[1]))
+    o, lse = softmax_finish(acc, m, l)
+    o_ref[...] = o
+    lse_ref[...] = lse
+
+
+def auto_num_splits(batch: int, kv_heads: int, n_tiles: int) -> int:
+    """Enough programs to fill the device (about 2 per streaming multiprocessor) but at least
+    4 key tiles per split."""
+    try:
+        sms = int(getattr(jax.devices()[0], "core_count", 0)) or 132
+    except Exception:  # pragma: no cover - device query failure
+        sms = 132
+    want = -(-2 * sms // max(batch * kv_heads, 1))
+    return max(1, min(want, n_tiles // 4 if n_tiles >= 4 else 1))
+
+
+def merge_splits(o_part, lse_part):
+    """o_part [..., S, R, D] normalised per split, lse_part [..., S, R] -> (o [..., R, D], lse)."""
+    m = jnp.max(lse_part, axis=-2, keepdims=True)
+    w = jnp.exp(lse_part - m)  # splits that saw nothing have lse NEG -> weight 0 (or all 1 and o 0)
+    tot = jnp.sum(w, axis=-2)
+    o = jnp.sum(w[..., None] * o_part, axis=-3) / tot[..., None]
+    return o, jnp.squeeze(m, -2) + jnp.log(tot)
+
+
+def decode_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOptions):
+    """-> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
+    B, Tq, H, D = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = H // K
+    bk = opts.blocks.decode_block_k
+    if S < bk:  # tiny cache: pad (cheap); otherwise K/V are read in place
+        pad = [(0, 0), (0, bk - S), (0, 0), (0, 0)]
+        k, v, kv_meta, S = jnp.pad(k, pad), jnp.pad(v, pad), pad_meta(kv_meta, bk), bk
+    nk = -(-S // bk)
+    ns = opts.blocks.num_splits or auto_num_splits(B, K, nk)
+    ns = max(1, min(ns, nk))
+
+    # the whole window is one query tile: [B, 1, nk] -> compact list [B, P]
+    tab = compact_tiles(tile_visibility(q_meta, kv_meta, Tq, bk)[:, 0])
+    P = tab.shape[-1]
+
+    R = max(16, next_pow2(Tq * G))
+    q_rows = q.reshape(B, Tq, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, Tq * G, D)
+    q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, R - Tq * G), (0, 0)])
+    row_meta = TokenMeta(*(jnp.repeat(jnp.asarray(f, jnp.int32), G, axis=1) for f in q_meta))
+    qm = pack_meta(pad_meta(row_meta, R))  # [B, 4, R]
+    km = pack_meta(kv_meta)  # [B, 4, S]
+
+    o_part, lse_part = pl.pallas_call(
+        functools.partial(_decode_kernel, scale=opts.scale, block_k=bk, num_splits=ns, kv_len=S),
+        grid=(B, K, ns),
+        in_specs=[
+            pl.BlockSpec((None, P), lambda b, h, s: (b, 0)),
+            pl.BlockSpec((None, None, R, D), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, S, None, D), lambda b, h, s: (b, 0, h, 0)),
+            pl.BlockSpec((None, S, None, D), lambda b, h, s: (b, 0, h, 0)),
+            pl.BlockSpec((None, 4, R), lambda b, h, s: (b, 0, 0)),
+            pl.BlockSpec((None, 4, S), lambda b, h, s: (b, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, R, D), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((B, K, ns, R, D), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, ns, R), jnp.float32)],
+        name="sbd_flash_decode",
+        **call_kwargs(opts.backend, opts.blocks,
+                      dimension_semantics=("parallel", "parallel", "parallel")),
+    )(tab, q_rows, k, v, qm, km)
+
+    o, lse = merge_splits(o_part, lse_part)  # [B, K, R, D], [B, K, R]
+    o = o[:, :, :Tq * G].reshape(B, K, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, H, D)
+    lse = lse[:, :, :Tq * G].reshape(B, K, Tq, G).transpose(0, 1, 3, 2).reshape(B, H, Tq)
+    return o.astype(q.dtype), lse

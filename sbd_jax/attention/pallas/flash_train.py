@@ -1,0 +1,225 @@
+"""Flash-style SBD attention over whole sequences (training: the doubled `[x ; x_hat]` input),
+forward and backward, computing only the tile pairs the SBD mask can reach.
+
+Layouts: q [B, Tq, H, D], k/v [B, Tk, K, D] with H = K * G (GQA/MQA: a query head h reads KV
+head h // G through the BlockSpec index map; K/V are never repeated in memory). Metadata is
+packed to int32 [B, 4, T]. Tile lists come from `tiling` (exact, from `sbd_mask`).
+
+Kernels (grid, loop):
+  forward  grid (B, H, nq)  loop over the visible key tiles of its query tile  -> o, lse
+  dq       grid (B, H, nq)  same loop                                          -> dq
+  dk/dv    grid (B, K, nk)  loop over the visible query tiles of its key tile, and over the G
+                            query heads sharing the KV head (dk/dv summed in registers: no
+                            atomics, no [B, T, H, D] dk buffer)                -> dk, dv
+Memory is O(T) plus the O((T/block)^2) int32 tile lists; no score matrix is materialised.
+Sequences are padded to a multiple of the tile (padding = segment 0: never visible).
+
+NOT VERIFIED on GPU/TPU (written to the Triton lowering's rules; run only in interpret mode).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ..mask import TokenMeta
+from .kernel_common import (dot_nn, dot_nt, dot_tn, meta_all, meta_tile, online_softmax_step,
+                            probs, softmax_finish, softmax_init, tile_mask)
+from .options import PallasOptions, call_kwargs, next_pow2
+from .tiling import pack_meta, pad_meta, tile_lists
+
+
+def fit_block(block: int, length: int) -> int:
+    """Shrink a tile to the (power-of-two) sequence length when the sequence is short."""
+    return min(block, max(16, next_pow2(length)))
+
+
+def _pad_seq(x, length):
+    T = x.shape[1]
+    return x if T == length else jnp.pad(x, [(0, 0), (0, length - T)] + [(0, 0)] * (x.ndim - 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+
+
+def _fwd_kernel(tab_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, o_ref, lse_ref, *, scale, block_k):
+    q = q_ref[...]  # [bq, D]
+    qf = meta_all(qm_ref)  # 4 x [bq]
+
+    def body(n, carry):
+        start = pl.multiple_of(tab_ref[n + 1] * block_k, block_k)
+        k = k_ref[pl.ds(start, block_k), :]
+        v = v_ref[pl.ds(start, block_k), :]
+        mask = tile_mask(qf, meta_tile(km_ref, start, block_k))
+        return online_softmax_step(q, k, v, mask, scale, carry)
+
+    acc, m, l = lax.fori_loop(0, tab_ref[0], body, softmax_init(q.shape[0], q.shape[1]))
+    o, lse = softmax_finish(acc, m, l)
+    o_ref[...] = o.astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+def train_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOptions):
+    """-> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
+    B, Tq, H, D = q.shape
+    Tk, K = k.shape[1], k.shape[2]
+    G = H // K
+    bq, bk = fit_block(opts.blocks.block_q, Tq), fit_block(opts.blocks.block_k, Tk)
+    nq, nk = -(-Tq // bq), -(-Tk // bk)
+    Tqp, Tkp = nq * bq, nk * bk
+    tab = tile_lists(q_meta, kv_meta, bq, bk)  # [B, nq, P]
+    P = tab.shape[-1]
+    qp, kp, vp = _pad_seq(q, Tqp), _pad_seq(k, Tkp), _pad_seq(v, Tkp)
+    qm, km = pack_meta(pad_meta(q_meta, Tqp)), pack_meta(pad_meta(kv_meta, Tkp))
+    kv_head = lambda h: lax.div(h, G)
+    o, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, scale=opts.scale, block_k=bk),
+        grid=(B, H, nq),
+        in_specs=[
+            pl.BlockSpec((None, None, P), lambda b, h, i: (b, i, 0)),
+            pl.BlockSpec((None, bq, None, D), lambda b, h, i: (b, i, h, 0)),
+            pl.BlockSpec((None, Tkp, None, D), lambda b, h, i: (b, 0, kv_head(h), 0)),
+            pl.BlockSpec((None, Tkp, None, D), lambda b, h, i: (b, 0, kv_head(h), 0)),
+            pl.BlockSpec((None, 4, bq), lambda b, h, i: (b, 0, i)),
+            pl.BlockSpec((None, 4, Tkp), lambda b, h, i: (b, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, bq, None, D), lambda b, h, i: (b, i, h, 0)),
+            pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((B, Tqp, H, D), q.dtype),
+                   jax.ShapeDtypeStruct((B, H, Tqp), jnp.float32)],
+        name="sbd_flash_fwd",
+        **call_kwargs(opts.backend, opts.blocks,
+                      dimension_semantics=("parallel", "parallel", "parallel")),
+    )(tab, qp, kp, vp, qm, km)
+    return o[:, :Tq], lse[:, :, :Tq]
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+
+
+def _dq_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qm_ref, km_ref, dq_ref,
+               *, scale, block_k):
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    qf = meta_all(qm_ref)
+
+    def body(n, dq):
+        start = pl.multiple_of(tab_ref[n + 1] * block_k, block_k)
+        k = k_ref[pl.ds(start, block_k), :]
+        v = v_ref[pl.ds(start, block_k), :]
+        mask = tile_mask(qf, meta_tile(km_ref, start, block_k))
+        p = probs(q, k, lse, mask, scale)
+        ds = p * (dot_nt(do, v) - delta[:, None])
+        return dq + dot_nn(ds.astype(k.dtype), k)
+
+    dq = lax.fori_loop(0, tab_ref[0], body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, qm_ref, km_ref,
+                dk_ref, dv_ref, *, scale, block_q, groups):
+    k, v = k_ref[...], v_ref[...]  # [bk, D]
+    kf = meta_all(km_ref)
+
+    def tile(n, carry):
+        start = pl.multiple_of(tab_ref[n + 1] * block_q, block_q)
+        mask = tile_mask(meta_tile(qm_ref, start, block_q), kf)  # shared by the G heads
+
+        def head(g, carry):
+            dk, dv = carry
+            q = q_ref[pl.ds(start, block_q), g, :]
+            do = do_ref[pl.ds(start, block_q), g, :]
+            lse = lse_ref[g, pl.ds(start, block_q)]
+            delta = delta_ref[g, pl.ds(start, block_q)]
+            p = probs(q, k, lse, mask, scale)
+            dv = dv + dot_tn(p.astype(do.dtype), do)
+            ds = p * (dot_nt(do, v) - delta[:, None])
+            dk = dk + dot_tn(ds.astype(q.dtype), q)
+            return dk, dv
+
+        return lax.fori_loop(0, groups, head, carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, tab_ref[0], tile, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def train_backward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, o, lse, do,
+                   opts: PallasOptions):
+    """Gradients (dq, dk, dv) of the SBD attention given o, lse [B, H, Tq] and do = dL/do."""
+    B, Tq, H, D = q.shape
+    Tk, K = k.shape[1], k.shape[2]
+    G = H // K
+    blk = opts.blocks
+    bq, bk = fit_block(blk.block_q, Tq), fit_block(blk.block_k, Tk)
+    bq2, bk2 = fit_block(blk.block_q_dkv, Tq), fit_block(blk.block_k_dkv, Tk)
+    Tqp = -(-Tq // max(bq, bq2)) * max(bq, bq2)  # powers of two: a multiple of both
+    Tkp = -(-Tk // max(bk, bk2)) * max(bk, bk2)
+    nq, nk2 = Tqp // bq, Tkp // bk2
+
+    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+    qp, dop = _pad_seq(q, Tqp), _pad_seq(do.astype(q.dtype), Tqp)
+    kp, vp = _pad_seq(k, Tkp), _pad_seq(v, Tkp)
+    lsep = jnp.pad(lse, [(0, 0), (0, 0), (0, Tqp - Tq)])
+    deltap = jnp.pad(delta, [(0, 0), (0, 0), (0, Tqp - Tq)])
+    qmp, kmp = pad_meta(q_meta, Tqp), pad_meta(kv_meta, Tkp)
+    qm, km = pack_meta(qmp), pack_meta(kmp)
+    kw = call_kwargs(opts.backend, blk, dimension_semantics=("parallel", "parallel", "parallel"))
+    kv_head = lambda h: lax.div(h, G)
+
+    tab_q = tile_lists(qmp, kmp, bq, bk)  # [B, nq, P]
+    P = tab_q.shape[-1]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=opts.scale, block_k=bk),
+        grid=(B, H, nq),
+        in_specs=[
+            pl.BlockSpec((None, None, P), lambda b, h, i: (b, i, 0)),
+            pl.BlockSpec((None, bq, None, D), lambda b, h, i: (b, i, h, 0)),
+            pl.BlockSpec((None, Tkp, None, D), lambda b, h, i: (b, 0, kv_head(h), 0)),
+            pl.BlockSpec((None, Tkp, None, D), lambda b, h, i: (b, 0, kv_head(h), 0)),
+            pl.BlockSpec((None, bq, None, D), lambda b, h, i: (b, i, h, 0)),
+            pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
+            pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
+            pl.BlockSpec((None, 4, bq), lambda b, h, i: (b, 0, i)),
+            pl.BlockSpec((None, 4, Tkp), lambda b, h, i: (b, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, bq, None, D), lambda b, h, i: (b, i, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, Tqp, H, D), q.dtype),
+        name="sbd_flash_dq", **kw,
+    )(tab_q, qp, kp, vp, dop, lsep, deltap, qm, km)
+
+    tab_k = tile_lists(qmp, kmp, bq2, bk2, by_q=False, by_k=True)  # [B, nk2, P2]
+    P2 = tab_k.shape[-1]
+    q5 = qp.reshape(B, Tqp, K, G, D)
+    do5 = dop.reshape(B, Tqp, K, G, D)
+    lse4 = lsep.reshape(B, K, G, Tqp)
+    delta4 = deltap.reshape(B, K, G, Tqp)
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, scale=opts.scale, block_q=bq2, groups=G),
+        grid=(B, K, nk2),
+        in_specs=[
+            pl.BlockSpec((None, None, P2), lambda b, h, j: (b, j, 0)),
+            pl.BlockSpec((None, Tqp, None, G, D), lambda b, h, j: (b, 0, h, 0, 0)),
+            pl.BlockSpec((None, Tqp, None, G, D), lambda b, h, j: (b, 0, h, 0, 0)),
+            pl.BlockSpec((None, None, G, Tqp), lambda b, h, j: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, G, Tqp), lambda b, h, j: (b, h, 0, 0)),
+            pl.BlockSpec((None, bk2, None, D), lambda b, h, j: (b, j, h, 0)),
+            pl.BlockSpec((None, bk2, None, D), lambda b, h, j: (b, j, h, 0)),
+            pl.BlockSpec((None, 4, Tqp), lambda b, h, j: (b, 0, 0)),
+            pl.BlockSpec((None, 4, bk2), lambda b, h, j: (b, 0, j)),
+        ],
+        out_specs=[pl.BlockSpec((None, bk2, None, D), lambda b, h, j: (b, j, h, 0)),
+                   pl.BlockSpec((None, bk2, None, D), lambda b, h, j: (b, j, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, Tkp, K, D), k.dtype),
+                   jax.ShapeDtypeStruct((B, Tkp, K, D), v.dtype)],
+        name="sbd_flash_dkv", **kw,
+    )(tab_k, q5, do5, lse4, delta4, kp, vp, qm, km)
+    return dq[:, :Tq], dk[:, :Tk], dv[:, :Tk]
