@@ -1,0 +1,74 @@
+"""orbax checkpoints of the whole training state (params, optimizer state, step, PRNG key) plus the
+data iterator position (JSON), every N steps and at the end, keeping the last K; and the final
+export to HF layout.
+
+Atomicity: orbax writes a step into a temporary directory and renames it to `<step>` only once
+every file is written (and the commit marker is in place), so a process killed mid-save leaves at
+most a stray temporary directory that `latest_step()` ignores; the previous complete step stays
+restorable. tests/test_training_loop.py checks this with a SIGKILL.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from ..config import ModelConfig
+from ..io.hf import save_pretrained
+from .step import TrainState
+
+
+def _state_dict(state: TrainState) -> dict:
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng}
+
+
+class Checkpointer:
+    """Thin wrapper over `ocp.CheckpointManager` with items "state" (pytree) and "data" (JSON)."""
+
+    def __init__(self, directory: str | os.PathLike, *, every: int = 500, keep: int = 3, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every, create=True,
+                                               enable_async_checkpointing=async_save)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, step: int, state: TrainState, data_state: dict, *, force: bool = False) -> bool:
+        """Save if `step` is on the interval (or `force`). Returns whether a save started."""
+        return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_state_dict(state)),
+                                                               data=ocp.args.JsonSave(data_state)),
+                                 force=force)
+
+    def restore(self, abstract: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
+        """Restore into the structure/shardings of `abstract` (ShapeDtypeStructs with shardings)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {str(self.directory)!r}")
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_state_dict(abstract)), data=ocp.args.JsonRestore()))
+        s = out["state"]
+        return TrainState(s["step"], s["params"], s["opt_state"], s["rng"]), dict(out["data"])
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def export_hf(cfg: ModelConfig, params: dict, out_dir: str | os.PathLike, *, dtype: str | None = None) -> Path | None:
+    """Write the params in HF layout (config.json with mask_token_id + safetensors). With several
+    processes the params are gathered and process 0 writes."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        params = multihost_utils.process_allgather(params, tiled=True)
+        if jax.process_index() != 0:
+            return None
+    return save_pretrained(cfg, params, out_dir, dtype=dtype)

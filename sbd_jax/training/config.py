@@ -1,0 +1,165 @@
+"""Training configuration: frozen dataclasses loaded through `sbd_jax.config.load_config` (strict keys,
+`a.b=value` overrides). One YAML file = one `TrainConfig`; see configs/tiny_sbd.yaml."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ..config import ConfigError, ModelConfig, load_config
+from ..sharding import MeshConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from: a local HF directory (`init_from`) or a random init of `config`."""
+
+    init_from: str | None = None  # local HF-layout directory (never a hub name)
+    config: ModelConfig | None = None  # architecture for a random init (used when init_from is null)
+    init_std: float = 0.02
+    param_dtype: str | None = None  # master-weight dtype override (float32 recommended for training)
+    dtype: str | None = None  # compute dtype override (bfloat16 = mixed precision, f32 master weights)
+    attention_impl: str | None = None  # "xla" | "pallas" override
+    mask_token_id: int | None = None  # the `<m>` id; overrides the checkpoint's config
+    add_mask_token: bool = False  # no free id: grow embed/lm_head by one row and use id = old vocab size
+
+    def __post_init__(self):
+        if self.init_from is None and self.config is None:
+            raise ConfigError("model: set either model.init_from (a local HF directory) or model.config "
+                              "(an architecture for a random init)")
+        if self.init_from is not None and self.config is not None:
+            raise ConfigError("model: set only one of model.init_from and model.config")
+        for name in ("param_dtype", "dtype"):
+            v = getattr(self, name)
+            if v is not None and v not in ("float32", "bfloat16", "float16"):
+                raise ConfigError(f"model.{name} must be float32, bfloat16 or float16, got {v!r}")
+        if self.mask_token_id is not None and self.add_mask_token:
+            raise ConfigError("model: set only one of model.mask_token_id and model.add_mask_token")
+
+
+@dataclasses.dataclass(frozen=True)
+class SBDConfig:
+    """How training examples are built (SBD.md, training section)."""
+
+    k_max: int = 16  # block size drawn uniformly from [2, k_max] at every step (the paper: [2, 16])
+    block_size: int | None = None  # fixed block size instead of the random draw
+    ntp_only: bool = False  # the NTP baseline: same code path, only the clean half is run
+    block_align: str = "document"  # "document" (paper) | "response" (SFT: blocks start at the response)
+
+    def __post_init__(self):
+        if self.k_max < 2:
+            raise ConfigError(f"sbd.k_max must be >= 2 (blocks of 2..k_max), got {self.k_max}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ConfigError(f"sbd.block_size must be >= 1, got {self.block_size}")
+        if self.block_align not in ("document", "response"):
+            raise ConfigError(f"sbd.block_align must be 'document' or 'response', got {self.block_align!r}")
+
+    @property
+    def largest_block(self) -> int:
+        return self.block_size if self.block_size is not None else self.k_max
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """A local dataset read through `datasets`, tokenized and packed into rows of `seq_len` tokens."""
+
+    path: str | None = None  # jsonl/json/parquet/arrow file(s) (glob ok) or a `save_to_disk` directory
+    format: str = "auto"  # auto | json | parquet | arrow | disk
+    split: str = "train"  # split to use when the source holds several
+    mode: str = "auto"  # auto | text | sft  (auto: `text_field` present -> text, else prompt/response)
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    tokenizer: str | None = None  # tokenizer.json, or a directory with tokenizer.json (+ tokenizer_config.json)
+    chat_template: bool = True  # SFT: wrap prompt/response with the tokenizer's chat template when it has one
+    add_eos: bool = True  # append EOS to every document (not with a chat template: it ends the turn itself)
+    seq_len: int = 512  # L: the packed row length (the SBD input is 2L)
+    shuffle: bool = True
+    seed: int = 0  # document order (per epoch) is a pure function of (seed, epoch)
+    min_doc_tokens: int = 2  # shorter pieces are dropped (NTP needs 2 tokens)
+    cache_dir: str | None = None  # `datasets` cache directory
+    num_proc: int | None = None  # tokenization workers
+
+    def __post_init__(self):
+        if self.format not in ("auto", "json", "parquet", "arrow", "disk"):
+            raise ConfigError(f"data.format must be auto/json/parquet/arrow/disk, got {self.format!r}")
+        if self.mode not in ("auto", "text", "sft"):
+            raise ConfigError(f"data.mode must be auto/text/sft, got {self.mode!r}")
+        if self.seq_len < 2:
+            raise ConfigError(f"data.seq_len must be >= 2, got {self.seq_len}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
+    warmup_steps: int = 200
+    decay_steps: int | None = None  # None -> TrainConfig.steps
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    weight_decay: float = 0.1  # decoupled (AdamW); never applied to norms and biases
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float | None = 1.0  # global-norm clipping; null = off
+    grad_accum: int = 1  # microbatches per step (the batch is split, losses are exact global means)
+
+    def __post_init__(self):
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ConfigError(f"optim.schedule must be cosine/linear/constant, got {self.schedule!r}")
+        if self.grad_accum < 1:
+            raise ConfigError(f"optim.grad_accum must be >= 1, got {self.grad_accum}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 500  # save every N steps (and always at the end)
+    keep: int = 3  # keep the last K checkpoints
+    async_save: bool = True
+    export_hf: bool = True  # write the final weights in HF layout to <out_dir>/hf
+    export_dtype: str | None = None  # dtype of the HF export (default: the master-weight dtype)
+
+    def __post_init__(self):
+        if self.every < 1 or self.keep < 1:
+            raise ConfigError("checkpoint.every and checkpoint.keep must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: ModelSource
+    data: DataConfig = DataConfig()
+    sbd: SBDConfig = SBDConfig()
+    optim: OptimConfig = OptimConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+    out_dir: str = "runs/sbd"
+    steps: int = 1000
+    batch_size: int = 8  # global rows of L tokens per optimizer step
+    seed: int = 0  # parameter init (random init) and the training PRNG (masks, block sizes)
+    loss_chunk: int = 0  # >0: compute lm_head + CE over time chunks of this many tokens (saves memory)
+    log_every: int = 1
+    progress: bool = True  # tqdm progress bar
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.batch_size % self.optim.grad_accum:
+            raise ConfigError(f"batch_size ({self.batch_size}) must be a multiple of optim.grad_accum "
+                              f"({self.optim.grad_accum})")
+        if not self.sbd.ntp_only and self.data.seq_len < self.sbd.largest_block:
+            what = "sbd.block_size" if self.sbd.block_size is not None else "sbd.k_max"
+            raise ConfigError(f"data.seq_len ({self.data.seq_len}) is shorter than {what} "
+                              f"({self.sbd.largest_block}): a block cannot be longer than a row")
+        if self.loss_chunk < 0:
+            raise ConfigError(f"loss_chunk must be >= 0, got {self.loss_chunk}")
+        if self.log_every < 1:
+            raise ConfigError(f"log_every must be >= 1, got {self.log_every}")
+
+
+def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """YAML + `key=value` overrides -> TrainConfig (unknown keys raise ConfigError naming them)."""
+    return load_config(TrainConfig, path, list(overrides))

@@ -1,0 +1,371 @@
+"""Training data: local files through `datasets` -> tokenized documents -> packed rows of L tokens,
+in a deterministic, resumable order.
+
+- Sources: jsonl/json, parquet, arrow files (a path, a glob, or a directory of such files), or a
+  directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` (`load_from_disk`).
+- Records: plain text (`text_field`) or prompt/response (`prompt_field`, `response_field`). For
+  prompt/response the tokenizer's chat template (tokenizer_config.json `chat_template` or
+  chat_template.jinja) wraps the pair when present; the prompt's tokens are loss-masked out.
+- Tokenizer: a `tokenizers` tokenizer.json (or a directory with one), or any callable text -> ids.
+- Packing: documents in a per-epoch permutation (a pure function of (seed, epoch)) are placed whole,
+  one after another, into rows of L tokens; a document that does not fit the rest of a row starts
+  the next row (the rest is padding, segment 0). Text longer than L is cut into L-token pieces, each
+  its own document (positions restart); a prompt/response pair longer than L is truncated (the
+  pair is dropped when no response token fits). Pieces shorter than `min_doc_tokens` are dropped.
+- Iterator state {epoch, cursor, offset, rows} (JSON) is saved with each checkpoint; `restore`
+  continues with exactly the rows an uninterrupted run would have produced.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..config import ConfigError
+from .config import DataConfig
+from .examples import PackedBatch
+
+
+class DataError(ConfigError):
+    """A dataset that cannot be used as configured (missing file/field, no usable rows...)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizer
+
+
+class Tokenizer:
+    """Minimal tokenizer interface used by the pipeline: `encode(text, special) -> list[int]`,
+    `eos_id`, and the chat template (jinja source) with its bos/eos strings when there is one."""
+
+    def __init__(self, encode: Callable[..., list[int]], *, eos_id: int | None = None,
+                 chat_template: str | None = None, bos_token: str = "", eos_token: str = ""):
+        self._encode = encode
+        self.eos_id = eos_id
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        return list(self._encode(text, special))
+
+    @classmethod
+    def from_callable(cls, fn: Callable[[str], list[int]], **kw) -> "Tokenizer":
+        return cls(lambda text, special: fn(text), **kw)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:  # pragma: no cover - jinja2 is a dependency
+            raise DataError("rendering a chat template needs the `jinja2` package") from None
+
+        def raise_exception(msg):
+            raise TemplateError(msg)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token)
+        except TemplateError as e:
+            raise DataError(f"the tokenizer's chat template failed to render: {e}") from None
+
+
+def _token_str(v) -> str:
+    if isinstance(v, dict):
+        return v.get("content", "")
+    return v or ""
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A local tokenizer.json (or a directory holding tokenizer.json, optionally tokenizer_config.json
+    and chat_template.jinja). Never downloads."""
+    from tokenizers import Tokenizer as HFTok
+    p = Path(path)
+    tok_file = p / "tokenizer.json" if p.is_dir() else p
+    if not tok_file.is_file():
+        raise DataError(f"tokenizer file {str(tok_file)!r} does not exist (pass a tokenizer.json or a "
+                        "directory that contains one; hub names are not downloaded)")
+    try:
+        tk = HFTok.from_file(str(tok_file))
+    except Exception as e:  # tokenizers raises a plain Exception on bad JSON
+        raise DataError(f"cannot read tokenizer {str(tok_file)!r}: {e}") from None
+    conf = {}
+    conf_file = tok_file.parent / "tokenizer_config.json"
+    if conf_file.is_file():
+        conf = json.loads(conf_file.read_text())
+    template = conf.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    jinja_file = tok_file.parent / "chat_template.jinja"
+    if template is None and jinja_file.is_file():
+        template = jinja_file.read_text()
+    bos, eos = _token_str(conf.get("bos_token")), _token_str(conf.get("eos_token"))
+    eos_id = tk.token_to_id(eos) if eos else None
+    return Tokenizer(lambda text, special: tk.encode(text, add_special_tokens=special).ids,
+                     eos_id=eos_id, chat_template=template, bos_token=bos, eos_token=eos)
+
+
+# ----------------------------------------------------------------------------------------------
+# records
+
+
+_EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+def load_records(cfg: DataConfig):
+    """-> a `datasets.Dataset` of raw records."""
+    import datasets
+    if not cfg.path:
+        raise DataError("data.path is not set (a local jsonl/json/parquet/arrow file or a saved dataset dir)")
+    p = Path(cfg.path)
+    fmt = cfg.format
+    files: list[str] = []
+    if fmt == "auto" or fmt != "disk":
+        if p.is_dir():
+            if any((p / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
+                fmt = "disk"
+            else:
+                files = sorted(str(f) for f in p.iterdir() if f.suffix in _EXT)
+        else:
+            files = sorted(glob.glob(str(p))) if any(c in str(p) for c in "*?[") else (
+                [str(p)] if p.is_file() else [])
+        if fmt != "disk" and not files:
+            raise DataError(f"data.path {cfg.path!r} does not exist or holds no jsonl/json/parquet/arrow files")
+        if fmt == "auto" and files:
+            kinds = {_EXT.get(Path(f).suffix) for f in files}
+            if None in kinds or len(kinds) != 1:
+                raise DataError(f"data.path {cfg.path!r}: cannot infer one format from {files[:5]}; "
+                                "set data.format")
+            fmt = kinds.pop()
+    if fmt == "disk":
+        if not p.is_dir():
+            raise DataError(f"data.path {cfg.path!r} is not a saved dataset directory")
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            if cfg.split not in ds:
+                raise DataError(f"split {cfg.split!r} is not in {cfg.path!r} (splits: {sorted(ds)})")
+            ds = ds[cfg.split]
+        return ds
+    return datasets.load_dataset(fmt, data_files=files, split="train", cache_dir=cfg.cache_dir)
+
+
+def _resolve_mode(cfg: DataConfig, columns: list[str]) -> str:
+    if cfg.mode == "text" or (cfg.mode == "auto" and cfg.text_field in columns):
+        if cfg.text_field not in columns:
+            raise DataError(f"data.text_field {cfg.text_field!r} is not a column of {cfg.path!r} "
+                            f"(columns: {columns})")
+        return "text"
+    missing = [f for f in (cfg.prompt_field, cfg.response_field) if f not in columns]
+    if missing:
+        raise DataError(f"{cfg.path!r} has neither the text field {cfg.text_field!r} nor the prompt/response "
+                        f"fields {[cfg.prompt_field, cfg.response_field]} (columns: {columns})")
+    return "sft"
+
+
+class Documents:
+    """Tokenized documents as one flat int32 array + offsets; `n_prompt[i]` = loss-masked prefix."""
+
+    def __init__(self, values: np.ndarray, offsets: np.ndarray, n_prompt: np.ndarray):
+        self.values = np.asarray(values, np.int32)
+        self.offsets = np.asarray(offsets, np.int64)
+        self.n_prompt = np.asarray(n_prompt, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.n_prompt)
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def doc(self, i: int) -> np.ndarray:
+        return self.values[self.offsets[i]:self.offsets[i + 1]]
+
+    @classmethod
+    def from_lists(cls, docs: list[list[int]], n_prompt: list[int] | None = None) -> "Documents":
+        lens = np.array([len(d) for d in docs], np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lens)])
+        values = np.concatenate([np.asarray(d, np.int32) for d in docs]) if docs else np.zeros(0, np.int32)
+        return cls(values, offsets, np.zeros(len(docs), np.int64) if n_prompt is None else n_prompt)
+
+
+def tokenize_records(ds, cfg: DataConfig, tok: Tokenizer) -> Documents:
+    """Tokenize a `datasets.Dataset` into `Documents` (batched `map`, in memory)."""
+    columns = list(ds.column_names)
+    mode = _resolve_mode(cfg, columns)
+    use_template = mode == "sft" and cfg.chat_template and tok.chat_template
+    eos = tok.eos_id if cfg.add_eos and not use_template else None
+
+    def text_fn(batch):
+        ids = []
+        for t in batch[cfg.text_field]:
+            x = tok.encode(t, True) if isinstance(t, str) and t else []
+            if x and eos is not None and x[-1] != eos:
+                x.append(eos)
+            ids.append(x)
+        return {"input_ids": ids, "n_prompt": [0] * len(ids)}
+
+    def sft_fn(batch):
+        ids, n_prompt = [], []
+        for pr, re in zip(batch[cfg.prompt_field], batch[cfg.response_field]):
+            if not isinstance(pr, str) or not isinstance(re, str) or not re:
+                ids.append([])
+                n_prompt.append(0)
+                continue
+            if use_template:
+                p_text = tok.render_chat([{"role": "user", "content": pr}], True)
+                full = tok.render_chat([{"role": "user", "content": pr}, {"role": "assistant", "content": re}],
+                                       False)
+                if not full.startswith(p_text):
+                    raise DataError("the chat template's rendering of [user, assistant] does not start with "
+                                    "its rendering of [user] + generation prompt; set data.chat_template=false")
+                p_ids, r_ids = tok.encode(p_text, False), tok.encode(full[len(p_text):], False)
+            else:
+                p_ids, r_ids = tok.encode(pr, True), tok.encode(re, False)
+                if eos is not None:
+                    r_ids = r_ids + [eos]
+            ids.append(p_ids + r_ids)
+            n_prompt.append(len(p_ids))
+        return {"input_ids": ids, "n_prompt": n_prompt}
+
+    keep_in_memory = cfg.cache_dir is None
+    out = ds.map(text_fn if mode == "text" else sft_fn, batched=True, remove_columns=columns,
+                 keep_in_memory=keep_in_memory, num_proc=cfg.num_proc, desc="tokenizing",
+                 load_from_cache_file=not keep_in_memory)
+    table = out.with_format("arrow")[:]
+    col = table.column("input_ids").combine_chunks()
+    offsets = col.offsets.to_numpy().astype(np.int64)
+    values = col.values.to_numpy(zero_copy_only=False).astype(np.int32)
+    n_prompt = table.column("n_prompt").to_numpy().astype(np.int64)
+    return Documents(values, offsets - offsets[0], n_prompt)
+
+
+# ----------------------------------------------------------------------------------------------
+# packing
+
+
+class PackedIterator:
+    """Endless iterator of `PackedBatch` (numpy int32 [batch_size, seq_len]) over `docs`."""
+
+    def __init__(self, docs: Documents, seq_len: int, batch_size: int, *, seed: int = 0, shuffle: bool = True,
+                 min_doc_tokens: int = 2, source: str = "the dataset"):
+        self.docs, self.L, self.B = docs, int(seq_len), int(batch_size)
+        self.seed, self.shuffle, self.min_tokens = int(seed), bool(shuffle), max(int(min_doc_tokens), 1)
+        n_usable = self._count_usable()
+        if n_usable == 0:
+            raise DataError(f"{source} has no usable rows: {len(docs)} record(s), none gives a piece of at least "
+                            f"{self.min_tokens} tokens (with a response token inside seq_len={self.L} for "
+                            "prompt/response data); check the field names and the data")
+        self.n_usable_pieces = n_usable
+        self._epoch, self._cursor, self._offset, self._rows = 0, 0, 0, 0
+        self._perm = self._permutation(0)
+
+    # -- state --------------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"epoch": self._epoch, "cursor": self._cursor, "offset": self._offset, "rows": self._rows,
+                "seed": self.seed, "seq_len": self.L}
+
+    def restore(self, state: dict) -> None:
+        if state.get("seq_len", self.L) != self.L or state.get("seed", self.seed) != self.seed:
+            raise DataError(f"data iterator state {state} was saved with another seq_len/seed "
+                            f"(now seq_len={self.L}, seed={self.seed})")
+        self._epoch, self._cursor = int(state["epoch"]), int(state["cursor"])
+        self._offset, self._rows = int(state["offset"]), int(state["rows"])
+        self._perm = self._permutation(self._epoch)
+
+    # -- pieces -------------------------------------------------------------------------------
+    def _permutation(self, epoch: int) -> np.ndarray:
+        n = len(self.docs)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch]).permutation(n)
+
+    def _count_usable(self) -> int:
+        lens, n_prompt = self.docs.lengths(), self.docs.n_prompt
+        text = n_prompt == 0
+        full, rest = lens // self.L, lens % self.L
+        n_text = full * (self.L >= self.min_tokens) + (rest >= self.min_tokens)
+        sft_ok = (n_prompt < self.L) & (np.minimum(lens, self.L) >= self.min_tokens) & (lens > n_prompt)
+        return int(np.sum(np.where(text, n_text, sft_ok)))
+
+    def _piece(self, i: int, offset: int):
+        """Piece of document i starting at token `offset` -> (tokens, n_prompt, next_offset) or None."""
+        d, n_prompt = self.docs.doc(i), int(self.docs.n_prompt[i])
+        if n_prompt == 0:
+            piece = d[offset:offset + self.L]
+            nxt = offset + self.L if offset + self.L < len(d) else None
+            return (piece if len(piece) >= self.min_tokens else None), 0, nxt
+        piece = d[:self.L]
+        ok = n_prompt < len(piece) and len(piece) >= self.min_tokens
+        return (piece if ok else None), n_prompt, None
+
+    def _advance(self, nxt):
+        if nxt is not None:
+            self._offset = nxt
+            return
+        self._offset = 0
+        self._cursor += 1
+        if self._cursor >= len(self._perm):
+            self._epoch += 1
+            self._cursor = 0
+            self._perm = self._permutation(self._epoch)
+
+    def _row(self):
+        L = self.L
+        tokens = np.zeros(L, np.int32)
+        segment = np.zeros(L, np.int32)
+        position = np.zeros(L, np.int32)
+        loss_mask = np.zeros(L, np.int32)
+        used, seg = 0, 0
+        while used < L:
+            piece, n_prompt, nxt = self._piece(int(self._perm[self._cursor]), self._offset)
+            if piece is None:
+                self._advance(nxt)
+                continue
+            n = len(piece)
+            if used + n > L:
+                break
+            seg += 1
+            tokens[used:used + n] = piece
+            segment[used:used + n] = seg
+            position[used:used + n] = np.arange(n)
+            loss_mask[used:used + n] = np.arange(n) >= n_prompt
+            used += n
+            self._advance(nxt)
+        self._rows += 1
+        return tokens, segment, position, loss_mask
+
+    def next_batch(self) -> PackedBatch:
+        rows = [self._row() for _ in range(self.B)]
+        return PackedBatch(*(np.stack(f) for f in zip(*rows)))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> PackedBatch:
+        return self.next_batch()
+
+
+def build_iterator(cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | Callable | None = None,
+                   eos_id: int | None = None) -> PackedIterator:
+    """DataConfig -> PackedIterator. `tokenizer` overrides cfg.tokenizer (a Tokenizer or a callable
+    text -> ids); `eos_id` is used when the tokenizer does not name its EOS token."""
+    if tokenizer is None:
+        if not cfg.tokenizer:
+            raise DataError("data.tokenizer is not set (a tokenizer.json or a directory that holds one)")
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    elif not isinstance(tokenizer, Tokenizer):
+        tokenizer = Tokenizer.from_callable(tokenizer, eos_id=eos_id)
+    if tokenizer.eos_id is None and eos_id is not None:
+        tokenizer.eos_id = eos_id
+    ds = load_records(cfg)
+    if len(ds) == 0:
+        raise DataError(f"dataset {cfg.path!r} has no usable rows: it holds no records")
+    docs = tokenize_records(ds, cfg, tokenizer)
+    return PackedIterator(docs, cfg.seq_len, batch_size, seed=cfg.seed, shuffle=cfg.shuffle,
+                          min_doc_tokens=cfg.min_doc_tokens, source=f"dataset {cfg.path!r}")

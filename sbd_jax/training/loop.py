@@ -1,0 +1,222 @@
+"""The training loop shared by train.py and the demo: model + data + mesh + optimizer + checkpoints.
+
+    result = train(train_cfg)                       # everything from the config
+    result = train(train_cfg, data=my_iterator,     # or bring your own data / tokenizer / model
+                   model=(model_cfg, params), out_dir="runs/x")
+
+It resumes from the latest complete checkpoint in `<out_dir>/checkpoints` when there is one
+(params, optimizer state, step, PRNG key, data position), logs metrics to `<out_dir>/metrics.jsonl`,
+saves every `checkpoint.every` steps and at the end (keeping the last `checkpoint.keep`), and exports
+the final weights in HF layout to `<out_dir>/hf`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import ConfigError, ModelConfig, to_dict
+from ..io.hf import from_pretrained, load_hf_config
+from ..models.transformer import init_params
+from ..sharding import make_mesh, param_shardings, shard_params
+from .checkpoint import Checkpointer, export_hf
+from .config import ModelSource, TrainConfig
+from .data import DataError, build_iterator
+from .examples import PackedBatch
+from .optim import make_optimizer
+from .step import (StepOptions, TrainState, abstract_state, create_state, jit_train_step, make_train_step,
+                   put_batch, state_shardings)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    model_cfg: ModelConfig
+    state: TrainState
+    history: list[dict]  # the logged metrics of this call
+    out_dir: Path
+    hf_dir: Path | None  # the HF export (None if not exported, e.g. stopped early)
+    resumed_from: int | None  # checkpoint step this call started from
+
+    @property
+    def params(self) -> dict:
+        return self.state.params
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step)
+
+
+# ----------------------------------------------------------------------------------------------
+# model
+
+
+def add_mask_row(cfg: ModelConfig, params: dict | None) -> tuple[ModelConfig, dict | None]:
+    """Grow the vocabulary by one row for the `<m>` token (id = old vocab size). The new embedding
+    row and lm_head column are the mean of the existing ones."""
+    V = cfg.vocab_size
+    cfg = dataclasses.replace(cfg, vocab_size=V + 1, mask_token_id=V)
+    if params is None:
+        return cfg, None
+    params = dict(params)
+    emb = params["embed"]
+    params["embed"] = jnp.concatenate([emb, jnp.mean(emb, axis=0, keepdims=True)], axis=0)
+    if "lm_head" in params:
+        head = params["lm_head"]
+        params["lm_head"] = jnp.concatenate([head, jnp.mean(head, axis=1, keepdims=True)], axis=1)
+    return cfg, params
+
+
+def prepare_model(src: ModelSource, seed: int, *, need_mask: bool, load_weights: bool = True, mesh=None):
+    """ModelSource -> (ModelConfig, params or None). Params are sharded on `mesh` when given."""
+    overrides = {k: v for k, v in (("param_dtype", src.param_dtype), ("dtype", src.dtype),
+                                   ("attention_impl", src.attention_impl), ("mask_token_id", src.mask_token_id))
+                 if v is not None}
+    params = None
+    if src.init_from:
+        if load_weights:
+            cfg, params = from_pretrained(src.init_from, **overrides)
+        else:
+            cfg = load_hf_config(src.init_from, **overrides)
+    else:
+        try:
+            cfg = dataclasses.replace(src.config, **overrides)
+        except ConfigError as e:
+            raise ConfigError(f"model: {e}") from None
+        if load_weights and not src.add_mask_token and mesh is not None:
+            init = jax.jit(lambda k: init_params(cfg, k, std=src.init_std), out_shardings=param_shardings(cfg, mesh))
+            params = init(jax.random.PRNGKey(seed))
+        elif load_weights:
+            params = init_params(cfg, jax.random.PRNGKey(seed), std=src.init_std)
+    if src.add_mask_token:
+        cfg, params = add_mask_row(cfg, params)
+    if need_mask and cfg.mask_token_id is None:
+        raise ConfigError("the model has no mask token id: set model.mask_token_id to an unused id already in the "
+                          "vocabulary (e.g. a reserved special token), or model.add_mask_token=true to grow the "
+                          "vocabulary by one row (or train the NTP baseline with sbd.ntp_only=true)")
+    if params is not None and mesh is not None:
+        params = shard_params(params, cfg, mesh)
+    return cfg, params
+
+
+# ----------------------------------------------------------------------------------------------
+# loop
+
+
+def _check_batch(batch: PackedBatch, cfg: TrainConfig) -> None:
+    shape = np.shape(batch.tokens)
+    if len(shape) != 2 or shape[0] != cfg.batch_size:
+        raise DataError(f"the data iterator yields batches of shape {shape}, expected [batch_size={cfg.batch_size}, L]")
+    if not cfg.sbd.ntp_only and shape[1] < cfg.sbd.largest_block:
+        raise ConfigError(f"rows of {shape[1]} tokens are shorter than the largest block ({cfg.sbd.largest_block})")
+
+
+def _fmt(x):
+    return None if x is None else float(x)
+
+
+def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConfig, dict] | None = None,
+          out_dir: str | Path | None = None, stop_after: int | None = None, devices=None,
+          on_log: Callable[[dict], Any] | None = None) -> TrainResult:
+    """Train (or resume) until `cfg.steps`. `data`: an object with `next_batch() -> PackedBatch` (numpy
+    [batch_size, L]), `state() -> dict` and `restore(dict)` (default: built from cfg.data).
+    `model`: (ModelConfig, params) instead of cfg.model (ignored when resuming, except its config).
+    `stop_after`: leave after this many total steps without the final save/export (as if killed)."""
+    out_dir = Path(out_dir or cfg.out_dir).absolute()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mesh = make_mesh(cfg.mesh, devices)
+    n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = cfg.batch_size // cfg.optim.grad_accum
+    if micro % n_batch:
+        raise ConfigError(f"batch_size / optim.grad_accum = {micro} rows per microbatch do not divide over the "
+                          f"data x fsdp = {n_batch} devices of mesh {dict(mesh.shape)}")
+    ckpt = Checkpointer(out_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+                        async_save=cfg.checkpoint.async_save)
+    resume = ckpt.latest_step()
+    need_mask = not cfg.sbd.ntp_only
+    if model is not None:
+        model_cfg, params = model
+        if need_mask and model_cfg.mask_token_id is None:
+            raise ConfigError("the given model config has no mask_token_id (needed for SBD training)")
+        params = None if resume is not None else shard_params(params, model_cfg, mesh)
+    else:
+        model_cfg, params = prepare_model(cfg.model, cfg.seed, need_mask=need_mask, load_weights=resume is None,
+                                          mesh=mesh)
+    if data is None:
+        data = build_iterator(cfg.data, cfg.batch_size, tokenizer=tokenizer,
+                              eos_id=model_cfg.eos_ids[0] if model_cfg.eos_ids else None)
+
+    tx, schedule = make_optimizer(cfg.optim, cfg.steps)
+    shardings = state_shardings(model_cfg, tx, mesh)
+    if resume is not None:
+        state, data_state = ckpt.restore(abstract_state(model_cfg, tx, shardings), resume)
+        data.restore(data_state)
+    else:
+        rng = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1)
+        state = create_state(params, tx, rng, shardings)
+    del params
+    opts = StepOptions(mask_token_id=model_cfg.mask_token_id, k_max=cfg.sbd.k_max, block_size=cfg.sbd.block_size,
+                       ntp_only=cfg.sbd.ntp_only, block_align=cfg.sbd.block_align,
+                       grad_accum=cfg.optim.grad_accum, loss_chunk=cfg.loss_chunk)
+    step_fn = jit_train_step(make_train_step(model_cfg, opts, tx, schedule, mesh), mesh, shardings, cfg.batch_size)
+
+    lead = jax.process_index() == 0
+    if lead:
+        (out_dir / "train_config.json").write_text(json.dumps(
+            {"train": to_dict(cfg), "model": to_dict(model_cfg)}, indent=2, default=str))
+    start = int(state.step)
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    history: list[dict] = []
+    pbar = None
+    if cfg.progress and lead and start < end:
+        from tqdm import tqdm
+        pbar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
+    metrics_path = out_dir / "metrics.jsonl"
+    window_tokens, t0 = 0.0, time.perf_counter()
+    last_saved = resume
+    try:
+        for i in range(start, end):
+            batch_np = data.next_batch()
+            if i == start:
+                _check_batch(batch_np, cfg)
+            state, m = step_fn(state, put_batch(batch_np, mesh, cfg.batch_size))
+            step = i + 1
+            window_tokens += float(np.sum(np.asarray(batch_np.segment) > 0))
+            if step % cfg.log_every == 0 or step == end:
+                m = {k: float(v) for k, v in jax.device_get(m).items()}
+                dt = time.perf_counter() - t0
+                rec = {"step": step, **m, "k": int(m["k"]), "tokens_per_s": window_tokens / max(dt, 1e-9),
+                       "time": time.time()}
+                window_tokens, t0 = 0.0, time.perf_counter()
+                if not math.isfinite(rec["loss"]):
+                    raise FloatingPointError(f"loss is {rec['loss']} at step {step}")
+                history.append(rec)
+                if lead:
+                    with metrics_path.open("a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                if on_log:
+                    on_log(rec)
+                if pbar is not None:
+                    pbar.set_postfix(loss=f"{rec['loss']:.3f}", ntp=f"{rec['ntp_loss']:.3f}",
+                                     matp=f"{rec['matp_loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                                     lr=f"{rec.get('lr', 0):.2e}", refresh=False)
+            if pbar is not None:
+                pbar.update(1)
+            last_saved = step if ckpt.save(step, state, data.state()) else last_saved
+        hf_dir = None
+        if end == cfg.steps:
+            if last_saved != cfg.steps and end > start:
+                ckpt.save(cfg.steps, state, data.state(), force=True)
+            if cfg.checkpoint.export_hf:
+                hf_dir = export_hf(model_cfg, state.params, out_dir / "hf", dtype=cfg.checkpoint.export_dtype)
+    finally:
+        if pbar is not None:
+            pbar.close()
+        ckpt.close()  # waits for in-flight saves: a Ctrl-C leaves the last started checkpoint complete
+    return TrainResult(model_cfg, state, history, out_dir, hf_dir, resume)

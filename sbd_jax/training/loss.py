@@ -1,0 +1,80 @@
+"""The SBD dual loss: NTP cross-entropy on the clean half + MATP cross-entropy on the masked copy
+positions, each a mean over its own counted tokens, summed with weight 1 (SBD.md, eq. 14 with
+per-token means). The NTP-only baseline is the same function on an `Example` whose MATP weights are 0.
+
+Memory: with `chunk > 0` the lm_head projection and the cross-entropy run over time chunks inside a
+rematerialised scan, so the [B, 2L, V] float32 logits are never materialised at once (a 128k vocab
+at 2L = 64k tokens would be 32 GiB per row)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ..config import ModelConfig
+from ..models.transformer import forward, lm_head
+from .examples import Example
+
+
+class LossSums(NamedTuple):
+    ntp_sum: jnp.ndarray  # sum over counted clean tokens of CE
+    matp_sum: jnp.ndarray  # sum over masked copy tokens of CE
+    ntp_count: jnp.ndarray
+    matp_count: jnp.ndarray
+
+
+def _weighted_ce(params, cfg: ModelConfig, h_BTD, targets_BT, w_ntp_BT, w_matp_BT):
+    logits = lm_head(params, cfg, h_BTD).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+    ce = lse - tgt
+    return jnp.sum(ce * w_ntp_BT), jnp.sum(ce * w_matp_BT)
+
+
+def loss_sums(params, cfg: ModelConfig, ex: Example, *, chunk: int = 0) -> LossSums:
+    """Run the model on `ex.tokens` under `ex.meta` and sum the two CE terms (float32)."""
+    h, _ = forward(params, cfg, ex.tokens, ex.meta, return_hidden=True)
+    B, T, D = h.shape
+    if chunk <= 0 or chunk >= T:
+        ntp, matp = _weighted_ce(params, cfg, h, ex.targets, ex.ntp_weight, ex.matp_weight)
+    else:
+        n = -(-T // chunk)
+        pad = n * chunk - T
+
+        def split(a):  # [B, T, ...] -> [n, B, chunk, ...], zero weight on padding
+            a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+            return jnp.moveaxis(a.reshape(B, n, chunk, *a.shape[2:]), 1, 0)
+
+        @jax.checkpoint
+        def body(carry, xs):
+            hc, tc, wn, wm = xs
+            a, b = _weighted_ce(params, cfg, hc, tc, wn, wm)
+            return (carry[0] + a, carry[1] + b), None
+
+        zero = jnp.zeros((), jnp.float32)
+        (ntp, matp), _ = jax.lax.scan(body, (zero, zero),
+                                      (split(h), split(ex.targets), split(ex.ntp_weight), split(ex.matp_weight)))
+    return LossSums(ntp, matp, jnp.sum(ex.ntp_weight), jnp.sum(ex.matp_weight))
+
+
+def combine(sums: LossSums, ntp_total=None, matp_total=None):
+    """Scalar loss = NTP mean + MATP mean. `*_total` = the token counts of the whole (global) batch,
+    when `sums` covers only a microbatch (gradient accumulation); default = this batch's counts.
+    A term with no counted token contributes 0."""
+    nt = sums.ntp_count if ntp_total is None else ntp_total
+    mt = sums.matp_count if matp_total is None else matp_total
+    return sums.ntp_sum / jnp.maximum(nt, 1.0) + sums.matp_sum / jnp.maximum(mt, 1.0)
+
+
+def sbd_loss(params, cfg: ModelConfig, ex: Example, *, chunk: int = 0):
+    """-> (loss, metrics dict with loss, ntp_loss, matp_loss, ntp_tokens, matp_tokens)."""
+    s = loss_sums(params, cfg, ex, chunk=chunk)
+    return combine(s), metrics_from_sums(s)
+
+
+def metrics_from_sums(s: LossSums) -> dict:
+    ntp = s.ntp_sum / jnp.maximum(s.ntp_count, 1.0)
+    matp = s.matp_sum / jnp.maximum(s.matp_count, 1.0)
+    return {"loss": ntp + matp, "ntp_loss": ntp, "matp_loss": matp,
+            "ntp_tokens": s.ntp_count, "matp_tokens": s.matp_count}

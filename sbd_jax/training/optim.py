@@ -1,0 +1,47 @@
+"""optax AdamW with linear warmup + cosine/linear/constant decay and global-norm clipping.
+Weight decay skips norms and biases. Gradient accumulation is done in the train step (a scan over
+microbatches with exact global-token means, see step.py), not by the optimizer."""
+from __future__ import annotations
+
+import jax
+import optax
+
+from .config import OptimConfig
+
+_NO_DECAY = ("bq", "bk", "bv", "bo")
+
+
+def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    decay_steps = cfg.decay_steps if cfg.decay_steps is not None else total_steps
+    decay_steps = max(decay_steps - cfg.warmup_steps, 1)
+    end = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.min_lr_ratio)
+    elif cfg.schedule == "linear":
+        decay = optax.linear_schedule(cfg.lr, end, decay_steps)
+    else:
+        decay = optax.constant_schedule(cfg.lr)
+    if cfg.warmup_steps == 0:
+        return decay
+    # warmup reaches lr at step `warmup_steps` (step 0 uses lr / (warmup+1), never 0)
+    warm = optax.linear_schedule(cfg.lr / (cfg.warmup_steps + 1), cfg.lr, cfg.warmup_steps)
+    return optax.join_schedules([warm, decay], [cfg.warmup_steps])
+
+
+def decay_mask(params):
+    """True for parameters that get weight decay (matrices and embeddings; not norms or biases)."""
+    def keep(path, _):
+        name = str(getattr(path[-1], "key", path[-1]))
+        return not (name.endswith("norm") or name in _NO_DECAY)
+    return jax.tree.map_with_path(keep, params)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int):
+    """-> (optax.GradientTransformation, schedule)."""
+    schedule = make_schedule(cfg, total_steps)
+    parts = []
+    if cfg.clip_norm is not None:
+        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+    parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             mask=decay_mask))
+    return optax.chain(*parts), schedule

@@ -1,0 +1,163 @@
+"""The train step: build the step's examples from a packed batch (PRNG from the state), dual loss,
+gradient accumulation over microbatches, AdamW update. `jit_train_step` compiles it for a device
+mesh with parameters sharded by the logical-axis rules, the batch over (data, fsdp), and the state
+donated.
+
+Gradient accumulation: the whole batch's examples are built first (cheap integer work), so the
+token counts of the global batch are known; each microbatch then contributes
+ntp_sum / N_ntp + matp_sum / N_matp with the *global* counts, and the accumulated gradient equals
+the gradient of the full-batch loss (up to float summation order). Microbatch j takes rows j::A, so
+a batch sharded in contiguous row blocks splits into microbatches without moving data.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ..config import ModelConfig
+from ..sharding import batch_sharding, param_shardings
+from .examples import Example, PackedBatch, make_example
+from .loss import LossSums, combine, loss_sums, metrics_from_sums
+
+
+class TrainState(NamedTuple):
+    step: jnp.ndarray  # int32 scalar: optimizer steps done
+    params: dict
+    opt_state: Any
+    rng: jnp.ndarray  # uint32[2] raw PRNG key, split once per step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    mask_token_id: int | None
+    k_max: int = 16
+    block_size: int | None = None
+    ntp_only: bool = False
+    block_align: str = "document"
+    grad_accum: int = 1
+    loss_chunk: int = 0
+
+
+def init_state(params, tx: optax.GradientTransformation, rng) -> TrainState:
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), jnp.asarray(rng, jnp.uint32))
+
+
+def create_state(params, tx: optax.GradientTransformation, rng, shardings: TrainState) -> TrainState:
+    """The initial state laid out by `shardings` (every leaf committed to the mesh, so the jitted
+    step sees the same input types at every call). `params` is donated (no second copy)."""
+    return jax.jit(lambda p, r: init_state(p, tx, r), out_shardings=shardings,
+                   donate_argnums=(0,))(params, jnp.asarray(rng, jnp.uint32))
+
+
+def _micro(x, A: int, mesh: Mesh | None, spec_axes):
+    """[B, ...] -> [A, B/A, ...] with microbatch j = rows j::A."""
+    B = x.shape[0]
+    y = jnp.swapaxes(x.reshape(B // A, A, *x.shape[1:]), 0, 1)
+    if spec_axes is not None and (B // A) % int(np.prod([mesh.shape[a] for a in np.atleast_1d(spec_axes)])) == 0:
+        y = jax.lax.with_sharding_constraint(
+            y, NamedSharding(mesh, P(None, spec_axes, *([None] * (x.ndim - 1)))))
+    return y
+
+
+def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.GradientTransformation,
+                    schedule=None, mesh: Mesh | None = None):
+    """-> step(state, batch: PackedBatch) -> (state, metrics). Pure; jit it with `jit_train_step`."""
+    A = opts.grad_accum
+    spec_axes = None
+    if mesh is not None:
+        axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+        spec_axes = (axes if len(axes) > 1 else axes[0]) if axes else None
+
+    def loss_fn(params, ex: Example, totals):
+        s = loss_sums(params, model_cfg, ex, chunk=opts.loss_chunk)
+        return combine(s, *totals), s
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(state: TrainState, batch: PackedBatch):
+        rng, key = jax.random.split(state.rng)
+        ex, k = make_example(key, batch, mask_token_id=opts.mask_token_id, k_max=opts.k_max,
+                             block_size=opts.block_size, ntp_only=opts.ntp_only, block_align=opts.block_align)
+        totals = (jnp.sum(ex.ntp_weight), jnp.sum(ex.matp_weight))
+        if A == 1:
+            (loss, sums), grads = grad_fn(state.params, ex, totals)
+        else:
+            if batch.tokens.shape[0] % A:
+                raise ValueError(f"batch of {batch.tokens.shape[0]} rows does not split into {A} microbatches")
+            micro = jax.tree.map(lambda x: _micro(x, A, mesh, spec_axes), ex)
+
+            def body(carry, mex):
+                g_acc, l_acc, s_acc = carry
+                (l, s), g = grad_fn(state.params, mex, totals)
+                return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, jax.tree.map(jnp.add, s_acc, s)), None
+
+            zeros_g = jax.tree.map(jnp.zeros_like, state.params)
+            z = jnp.zeros((), jnp.float32)
+            (grads, loss, sums), _ = jax.lax.scan(body, (zeros_g, z, LossSums(z, z, z, z)), micro)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(metrics_from_sums(sums), loss=loss, grad_norm=grad_norm, k=k,
+                       tokens=jnp.sum(batch.segment > 0).astype(jnp.float32))
+        if schedule is not None:
+            metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
+        return TrainState(state.step + 1, params, opt_state, rng), metrics
+
+    return step
+
+
+def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules=None):
+    """NamedShardings for a TrainState: params by the logical-axis rules, optimizer moments like
+    their parameters, scalars (step, counts, rng) replicated."""
+    psh = param_shardings(model_cfg, mesh, rules)
+    repl = NamedSharding(mesh, P())
+    from ..models.transformer import param_shapes
+    abstract_params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(model_cfg.param_dtype)),
+                                   param_shapes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    osh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, psh,
+                                transform_non_params=lambda _: repl,
+                                is_leaf=lambda x: isinstance(x, NamedSharding))
+    return TrainState(repl, psh, osh, repl)
+
+
+def abstract_state(model_cfg: ModelConfig, tx, shardings: TrainState | None = None) -> TrainState:
+    """ShapeDtypeStructs of the TrainState (with shardings when given): the restore target."""
+    from ..models.transformer import param_shapes
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(model_cfg.param_dtype)),
+                          param_shapes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
+    st = jax.eval_shape(lambda p: init_state(p, tx, jnp.zeros((2,), jnp.uint32)), params)
+    if shardings is None:
+        return st
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), st, shardings)
+
+
+def batch_shardings(mesh: Mesh, batch_size: int) -> PackedBatch:
+    bsh = batch_sharding(mesh, 2, batch_size)
+    return PackedBatch(bsh, bsh, bsh, bsh)
+
+
+def jit_train_step(step_fn, mesh: Mesh, state_sh: TrainState, batch_size: int):
+    """jit with explicit in/out shardings; the state (argument 0) is donated."""
+    repl = NamedSharding(mesh, P())
+    return jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(mesh, batch_size)),
+                   out_shardings=(state_sh, repl), donate_argnums=(0,))
+
+
+def put_batch(batch_np: PackedBatch, mesh: Mesh, batch_size: int) -> PackedBatch:
+    """Host rows -> global arrays sharded over (data, fsdp). With several processes each passes the
+    full global batch; every process keeps the rows of its own devices."""
+    sh = batch_shardings(mesh, batch_size)
+    if jax.process_count() == 1:
+        return jax.device_put(PackedBatch(*(np.asarray(a, np.int32) for a in batch_np)), sh)
+    out = []
+    for a, s in zip(batch_np, sh):
+        a = np.asarray(a, np.int32)
+        out.append(jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx]))
+    return PackedBatch(*out)

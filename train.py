@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""SBD fine-tuning: `python train.py --config configs/tiny_sbd.yaml [key=value ...]`.
+
+Overrides use dotted keys, values parsed as YAML: `steps=200 optim.lr=1e-3 sbd.ntp_only=true
+mesh.fsdp=8 data.path=my.jsonl`. Resumes from <out_dir>/checkpoints when a checkpoint is there.
+Multi-host (GPU clusters, TPU pods): start the same command on every host; jax.distributed is
+initialised from the environment (see README)."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="training YAML (configs/*.yaml)")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=100 optim.lr=1e-3")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+    from sbd_jax.config import ConfigError
+    from sbd_jax.io.hf import CheckpointError
+    from sbd_jax.sharding import maybe_initialize_distributed
+    from sbd_jax.training.config import load_train_config
+    from sbd_jax.training.loop import train
+
+    try:
+        cfg = load_train_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    maybe_initialize_distributed()
+
+    def on_term(signum, frame):  # a scheduler's SIGTERM: stop like Ctrl-C (in-flight saves complete)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        result = train(cfg)
+    except (ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: the last complete checkpoint is intact; run the same command to resume",
+              file=sys.stderr)
+        return 130
+    last = result.history[-1] if result.history else {}
+    print(f"done: step {result.step}, loss {last.get('loss', float('nan')):.4f} "
+          f"(ntp {last.get('ntp_loss', float('nan')):.4f}, matp {last.get('matp_loss', float('nan')):.4f}); "
+          f"checkpoints in {result.out_dir / 'checkpoints'}" + (f"; HF export in {result.hf_dir}" if result.hf_dir else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
