@@ -49,7 +49,8 @@ def accept_eb(h_BK, masked_BK, gamma_B):
     h_sorted = jnp.take_along_axis(h, order, axis=-1)
     masked_sorted = jnp.take_along_axis(masked_BK, order, axis=-1)
     finite = jnp.where(masked_sorted, h_sorted, 0.0)
-    before = jnp.cumsum(finite, axis=-1) - finite  # sum of the entropies ranked strictly before
+    csum = jnp.cumsum(finite, axis=-1)
+    before = jnp.concatenate([jnp.zeros_like(csum[:, :1]), csum[:, :-1]], axis=-1)  # ranked strictly before
     ok_sorted = masked_sorted & (before <= jnp.asarray(gamma_B, jnp.float32)[:, None])
     ok_sorted = ok_sorted.at[:, 0].set(masked_sorted[:, 0])  # s >= 1 even if gamma is tiny
     inv = jnp.argsort(order, axis=-1)
@@ -65,12 +66,19 @@ def accept_threshold(h_BK, masked_BK, gamma_B):
     return masked_BK & ((h < jnp.asarray(gamma_B, jnp.float32)[:, None]) | is_best)
 
 
-def accept(rule: str, h_BK, masked_BK, gamma_B):
-    if rule == "eb":
-        return accept_eb(h_BK, masked_BK, gamma_B)
-    if rule == "threshold":
-        return accept_threshold(h_BK, masked_BK, gamma_B)
-    raise ValueError(f"unknown acceptance rule {rule!r} (expected one of {RULES})")
+def rule_id(rule: str) -> int:
+    if rule not in RULES:
+        raise ValueError(f"unknown acceptance rule {rule!r} (expected one of {RULES})")
+    return RULES.index(rule)
+
+
+def accept(rule, h_BK, masked_BK, gamma_B):
+    """Apply `rule`: a name from RULES, or its index (may be traced: both rules are then computed,
+    they cost O(K log K) per row, and one is selected - one compiled decoder serves both)."""
+    if isinstance(rule, str):
+        return accept_eb(h_BK, masked_BK, gamma_B) if rule_id(rule) == 0 else accept_threshold(h_BK, masked_BK, gamma_B)
+    return jnp.where(jnp.asarray(rule) == 0, accept_eb(h_BK, masked_BK, gamma_B),
+                     accept_threshold(h_BK, masked_BK, gamma_B))
 
 
 def shape_logits(logits_BKV, temperature_B, *, top_k: int = 0, top_p: float = 1.0):
@@ -113,12 +121,20 @@ def row_keys(key, batch: int):
     return key
 
 
-def sample(logits_BKV, keys_B, step_B, temperature_B, *, top_k: int = 0, top_p: float = 1.0):
+def sample(logits_BKV, keys_B, step_B, temperature_B, *, top_k: int = 0, top_p: float = 1.0, suppress=None):
     """Token per position [B, K] (int32): argmax for rows with temperature 0, else a draw from the
-    shaped distribution with key fold_in(keys_B[b], step_B[b])."""
+    shaped distribution with key fold_in(keys_B[b], step_B[b]). `suppress`: a token id never drawn
+    (the SBD mask token: it is not text)."""
+    if suppress is not None:
+        logits_BKV = logits_BKV.at[..., suppress].set(-jnp.inf)
     greedy = jnp.argmax(logits_BKV, axis=-1).astype(jnp.int32)
-    shaped = shape_logits(logits_BKV, temperature_B, top_k=top_k, top_p=top_p)
-    step_keys = jax.vmap(jax.random.fold_in)(keys_B, step_B)
-    drawn = jax.vmap(lambda k, lg: jax.random.categorical(k, lg, axis=-1))(step_keys, shaped).astype(jnp.int32)
-    t = jnp.asarray(temperature_B, jnp.float32)[:, None]
-    return jnp.where(t > 0, drawn, greedy)
+    t = jnp.asarray(temperature_B, jnp.float32)
+
+    def drawn(_):
+        shaped = shape_logits(logits_BKV, t, top_k=top_k, top_p=top_p)
+        step_keys = jax.vmap(jax.random.fold_in)(keys_B, step_B)
+        tok = jax.vmap(lambda k, lg: jax.random.categorical(k, lg, axis=-1))(step_keys, shaped)
+        return jnp.where(t[:, None] > 0, tok.astype(jnp.int32), greedy)
+
+    # all-greedy batches skip the shaping (a sort over V for top-p) and the draw entirely
+    return jax.lax.cond(jnp.any(t > 0), drawn, lambda _: greedy, None)

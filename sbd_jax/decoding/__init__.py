@@ -1,0 +1,7 @@
+"""SBD decoding: `generate` (jitted lax.while_loop decoder over a static KV cache, SBD or AR), the
+sampling / acceptance rules, and `brute_force_generate` (the no-cache reference used by tests)."""
+from .decoder import DecodeError, GenerateOutput, PromptTooLongError, check_request, generate
+from .sampling import RULES, accept, accept_eb, accept_threshold, entropy, sample, shape_logits
+
+__all__ = ["DecodeError", "GenerateOutput", "PromptTooLongError", "RULES", "accept", "accept_eb",
+           "accept_threshold", "check_request", "entropy", "generate", "sample", "shape_logits"]

@@ -1,0 +1,148 @@
+"""Brute-force reference decoder: no KV cache, the whole sequence recomputed with the dense SBD mask
+at every step. Used by tests to pin the cached decoder (`generate`): identical tokens and NFE.
+
+Deliberately written differently from `generate`: a host-side Python loop with numpy bookkeeping and
+its own (per-row, per-position) implementation of the acceptance rules and the stop rule. Only the
+model call (one jitted no-cache `forward` at a FIXED shape, so it compiles once), the entropy and
+the token draw (`sampling.entropy`, `sampling.sample`: same random stream by construction) are shared.
+
+Layout of every model call, row b (W = P + max_new + k columns of clean tokens, then k copy tokens):
+  clean tokens at column = position, segment 1 for positions < len_b + decoded-before-block (SBD)
+  or < len_b + generated (AR), segment 0 after; SBD: the current block as copy tokens (block start
+  len_b + blk, mask token while still masked, segment 0 beyond max_new_tokens).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..attention import clean_meta, concat_meta, copy_meta
+from ..config import ModelConfig
+from ..models.transformer import forward
+from . import sampling
+from .decoder import GenerateOutput, check_request
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward(params, tokens, meta, *, cfg):
+    logits, _ = forward(params, cfg, tokens, meta)
+    return logits
+
+
+@functools.partial(jax.jit, static_argnames=("tempered", "top_k", "top_p", "suppress"))
+def _score(logits, keys, step, temp, *, tempered, top_k, top_p, suppress):
+    h = sampling.entropy(logits, temp, tempered=tempered)
+    return h, sampling.sample(logits, keys, step, temp, top_k=top_k, top_p=top_p, suppress=suppress)
+
+
+def _accept_row(rule: str, h: np.ndarray, masked: np.ndarray, gamma: float) -> np.ndarray:
+    """Acceptance for one row, written out plainly (float32 arithmetic as the jitted rule)."""
+    idx = [i for i in range(len(h)) if masked[i]]
+    acc = np.zeros(len(h), bool)
+    if not idx:
+        return acc
+    if rule == "eb":
+        order = sorted(idx, key=lambda i: (h[i], i))
+        total = np.float32(0.0)
+        for s, i in enumerate(order):
+            if s == 0 or total <= np.float32(gamma):
+                acc[i] = True
+            else:
+                break
+            total = np.float32(total + h[i])
+    else:
+        best = min(idx, key=lambda i: (h[i], i))
+        for i in idx:
+            acc[i] = h[i] < np.float32(gamma) or i == best
+    return acc
+
+
+def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, *, max_new_tokens: int,
+                         block_size: int = 4, gamma=0.35, rule: str = "eb", temperature=0.0, top_k: int = 0,
+                         top_p: float = 1.0, tempered_entropy: bool = False, eos_ids=None, key=None,
+                         mode: str = "sbd", pad_id: int | None = None) -> GenerateOutput:
+    """Same arguments and outputs as `generate` (cache None, iterations = batch model calls)."""
+    prompt_ids = np.asarray(prompt_ids, np.int32)
+    lengths = np.asarray(prompt_lengths, np.int32)
+    check_request(cfg, prompt_ids.shape, max_new_tokens=max_new_tokens, block_size=block_size, mode=mode,
+                  rule=rule, top_k=top_k, top_p=top_p, gamma=gamma, temperature=temperature,
+                  prompt_lengths=lengths)
+    B, P = prompt_ids.shape
+    k = block_size if mode == "sbd" else 1
+    eos = set(cfg.eos_ids if eos_ids is None else ((eos_ids,) if isinstance(eos_ids, int) else eos_ids))
+    pad = pad_id if pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0)
+    W = P + max_new_tokens + k
+    keys = sampling.row_keys(jax.random.key(0) if key is None else key, B)
+    gam = np.broadcast_to(np.asarray(gamma, np.float32), (B,))
+    temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
+    score = functools.partial(_score, tempered=bool(tempered_entropy), top_k=int(top_k), top_p=float(top_p))
+
+    seq = np.full((B, W), pad, np.int32)
+    for b in range(B):
+        seq[b, :lengths[b]] = prompt_ids[b, :lengths[b]]
+    gen = np.zeros(B, np.int32)          # SBD: tokens before the current block; AR: tokens generated
+    masked = np.zeros((B, k), bool)
+    for b in range(B):
+        masked[b] = np.arange(k) < max_new_tokens
+    done = np.zeros(B, bool)
+    stopped_eos = np.zeros(B, bool)
+    n_gen = np.zeros(B, np.int32)
+    nfe = np.zeros(B, np.int32)
+    calls = 0
+    cols = np.broadcast_to(np.arange(W, dtype=np.int32), (B, W))
+    while not done.all():
+        calls += 1
+        clean_seg = (cols < (lengths + gen)[:, None]).astype(np.int32)
+        if mode == "sbd":
+            start = lengths + gen
+            pos_c = start[:, None] + np.arange(k, dtype=np.int32)[None]
+            ctok = np.where(masked, cfg.mask_token_id, np.take_along_axis(seq, pos_c, 1))
+            cseg = ((gen[:, None] + np.arange(k)[None]) < max_new_tokens).astype(np.int32)
+            tokens = np.concatenate([seq, ctok], 1)
+            meta = concat_meta(clean_meta(clean_seg, cols), copy_meta(cseg, pos_c, np.repeat(start[:, None], k, 1)))
+            logits = _forward(params, tokens, meta, cfg=cfg)[:, W:]
+        else:
+            meta = clean_meta(clean_seg, cols)
+            last = lengths + gen - 1
+            logits = jnp.take_along_axis(_forward(params, seq, meta, cfg=cfg), jnp.asarray(last)[:, None, None], 1)
+        h, drawn = score(logits, keys, jnp.asarray(nfe), temp, suppress=cfg.mask_token_id if mode == "sbd" else None)
+        h, drawn = np.asarray(h), np.asarray(drawn)
+        for b in range(B):
+            if done[b]:
+                continue
+            nfe[b] += 1
+            if mode == "ar":
+                tok = int(drawn[b, 0])
+                seq[b, lengths[b] + gen[b]] = tok
+                gen[b] += 1
+                if tok in eos or gen[b] == max_new_tokens:
+                    done[b], stopped_eos[b], n_gen[b] = True, tok in eos, gen[b]
+                continue
+            acc = _accept_row(rule, h[b], masked[b], gam[b])
+            for i in np.flatnonzero(acc):
+                seq[b, lengths[b] + gen[b] + i] = drawn[b, i]
+            masked[b] &= ~acc
+            n_valid = min(k, max_new_tokens - gen[b])
+            stop_at = None
+            for i in range(n_valid):  # first EOS with everything before it decoded
+                if masked[b, i]:
+                    break
+                if int(seq[b, lengths[b] + gen[b] + i]) in eos:
+                    stop_at = i
+                    break
+            if stop_at is not None:
+                done[b], stopped_eos[b], n_gen[b] = True, True, gen[b] + stop_at + 1
+            elif not masked[b].any():
+                if gen[b] + k >= max_new_tokens:
+                    done[b], n_gen[b] = True, max_new_tokens
+                else:
+                    gen[b] += k
+                    masked[b] = (gen[b] + np.arange(k)) < max_new_tokens
+    out = np.full((B, max_new_tokens), pad, np.int32)
+    for b in range(B):
+        out[b, :n_gen[b]] = seq[b, lengths[b]:lengths[b] + n_gen[b]]
+    return GenerateOutput(jnp.asarray(out), jnp.asarray(n_gen), jnp.asarray(nfe), jnp.asarray(stopped_eos),
+                          jnp.int32(calls), None)

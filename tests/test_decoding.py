@@ -1,0 +1,257 @@
+"""SBD / AR decoding (issue 4): cached decoder == brute-force decoder, exact KV cache, ragged batches,
+EOS, block size 1, use inside a user's jit, HF greedy parity, errors.
+
+The model is random but initialised with std 0.5, so its distributions are sharp enough that
+entropies differ between positions and acceptance is non-trivial (1 < tokens/forward < k, asserted).
+Every test uses the same static configuration (`BASE`) so that one compiled decoder serves most of
+them; the other decoding test modules import the constants from here.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sbd_jax
+from sbd_jax.decoding import DecodeError, PromptTooLongError, generate
+from sbd_jax.decoding.brute import brute_force_generate
+from sbd_jax.models import causal_meta, init_cache
+
+CFG = sbd_jax.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                          mask_token_id=63, rope_theta=10000.0, rms_norm_eps=1e-6)
+B, P, K, MAX_NEW = 4, 8, 4, 18
+LENGTHS = np.array([8, 5, 3, 6], np.int32)
+BASE = dict(max_new_tokens=MAX_NEW, block_size=K, finalize_cache=True, return_cache=True, pad_id=0)
+KV_TOL = 1e-5  # relative to max|K/V|: float32 K/V written by windows vs one causal forward (other shapes)
+
+
+def make_params():
+    return sbd_jax.init_params(CFG, jax.random.key(0), std=0.5)
+
+
+def make_prompts(seed=0, garbage_seed=1):
+    """[B, P] prompt ids (< 62, never the mask token 63) with random garbage in the padding, so a row
+    that attended its padding would decode differently."""
+    ids = np.random.default_rng(seed).integers(0, 62, (B, P)).astype(np.int32)
+    garbage = np.random.default_rng(garbage_seed).integers(0, 62, (B, P)).astype(np.int32)
+    return np.where(np.arange(P)[None] < LENGTHS[:, None], ids, garbage)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return make_params()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts()
+
+
+def _np(out):
+    return {f: np.asarray(getattr(out, f)) for f in ("tokens", "lengths", "nfe", "stopped_by_eos")}
+
+
+def _assert_same(a, b, what):
+    a, b = _np(a), _np(b)
+    for f in a:
+        np.testing.assert_array_equal(a[f], b[f], err_msg=f"{what}: {f} differ")
+
+
+@pytest.fixture(scope="module")
+def eos_id(params, prompts):
+    """An EOS id that the model really emits: the 6th greedy token of row 0 without EOS."""
+    out = generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(), **BASE)
+    return int(out.tokens[0, 5])
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def test_cached_equals_brute_force(params, prompts, eos_id):
+    """Identical tokens, lengths, NFE and EOS flags for both rules, several gammas and seeds, greedy
+    and sampled (fixed key), with and without EOS; and the runs exercise multi-token steps."""
+    cases = []
+    for rule, gammas in (("eb", (0.5, 2.0, 4.0)), ("threshold", (1.5, 2.5))):
+        for gamma in gammas:
+            cases.append(dict(rule=rule, gamma=gamma, temperature=0.0, seed=0, eos_ids=(eos_id,)))
+            for seed in (0, 1):
+                cases.append(dict(rule=rule, gamma=gamma, temperature=1.0, seed=seed, eos_ids=()))
+    cases.append(dict(rule="eb", gamma=np.array([0.0, 1.0, 2.5, 6.0], np.float32), temperature=0.7, seed=3,
+                      eos_ids=(eos_id,)))  # per-row gamma
+    tpf = {"eb": [], "threshold": []}
+    eos_stops = 0
+    sampled_vs_greedy = []
+    for c in cases:
+        kw = dict(c)
+        key = jax.random.key(kw.pop("seed"))
+        ours = generate(params, CFG, prompts, LENGTHS, key=key, **kw, **BASE)
+        ref = brute_force_generate(params, CFG, prompts, LENGTHS, key=key, max_new_tokens=MAX_NEW,
+                                   block_size=K, pad_id=0, **kw)
+        _assert_same(ours, ref, f"case {c}")
+        assert int(ours.iterations) == int(ref.iterations) == int(np.max(ours.nfe))
+        o = _np(ours)
+        tpf[c["rule"]].append(o["lengths"].sum() / o["nfe"].sum())
+        eos_stops += int(o["stopped_by_eos"].sum())
+        if c["temperature"] == 1.0 and c["seed"] == 0:
+            sampled_vs_greedy.append(o["tokens"])
+    for rule, v in tpf.items():
+        mean = float(np.mean(v))
+        assert 1.0 < mean < K, f"{rule}: mean tokens/forward {mean} does not exercise multi-token steps"
+        assert max(v) > 1.5, f"{rule}: no case accepted much ({v})"
+    assert eos_stops >= 2, "EOS never stopped a row: the EOS path is not exercised"
+    greedy = _np(generate(params, CFG, prompts, LENGTHS, gamma=0.5, eos_ids=(), **BASE))["tokens"]
+    assert not np.array_equal(sampled_vs_greedy[0], greedy), "sampling had no effect"
+
+
+def test_gamma_controls_speed(params, prompts):
+    """Larger gamma -> fewer forwards (monotone here), and gamma 0 with the EB rule is one token
+    per forward (only the lowest-entropy position is accepted)."""
+    nfe = [int(np.asarray(generate(params, CFG, prompts, LENGTHS, gamma=g, eos_ids=(), **BASE).nfe).sum())
+           for g in (0.0, 1.0, 3.0, 100.0)]
+    assert nfe[0] == B * MAX_NEW
+    assert nfe == sorted(nfe, reverse=True) and nfe[-1] < nfe[0]
+    # gamma = inf-like accepts the whole block in one step: ceil(18 / 4) = 5 forwards per row
+    assert nfe[-1] == B * -(-MAX_NEW // K)
+
+
+def _causal_cache(params, seq, total):
+    cache = init_cache(CFG, seq.shape[0], P + MAX_NEW)
+    _, cache = sbd_jax.forward(params, CFG, seq, causal_meta(jnp.asarray(total), seq.shape[1]), cache)
+    return cache
+
+
+@pytest.mark.parametrize("mode", ["sbd", "ar"])
+def test_final_cache_equals_one_causal_forward(params, prompts, eos_id, mode):
+    out = generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(eos_id,), mode=mode, **BASE)
+    o = _np(out)
+    total = LENGTHS + o["lengths"]
+    assert o["stopped_by_eos"].any() and not o["stopped_by_eos"].all(), "want rows stopped by EOS and by length"
+    seq = np.zeros((B, P + MAX_NEW), np.int32)
+    for b in range(B):
+        seq[b, :LENGTHS[b]] = prompts[b, :LENGTHS[b]]
+        seq[b, LENGTHS[b]:total[b]] = o["tokens"][b, :o["lengths"][b]]
+    ref = _causal_cache(params, seq, total)
+    np.testing.assert_array_equal(np.asarray(out.cache.lengths), total)
+    for name in ("k", "v"):
+        got, want = np.asarray(getattr(out.cache, name)), np.asarray(getattr(ref, name))
+        for b in range(B):
+            w = want[:, b, :total[b]]
+            err = np.abs(got[:, b, :total[b]] - w).max() / max(1.0, np.abs(w).max())
+            assert err <= KV_TOL, f"{mode} row {b}: cache {name} differs from the causal forward by {err} (rel)"
+            assert not np.any(got[:, b, total[b]:]), f"{mode} row {b}: slots past the sequence were written"
+
+
+def test_ragged_batch_equals_each_prompt_alone(params, prompts):
+    keys = jax.random.split(jax.random.key(11), B)  # per-row keys: sampling independent of the batch
+    alone_prompts = make_prompts(garbage_seed=99)  # different padding garbage
+    for temperature in (0.0, 1.0):
+        batched = _np(generate(params, CFG, prompts, LENGTHS, gamma=2.0, temperature=temperature, key=keys,
+                               eos_ids=(), **BASE))
+        for b in range(B):
+            alone = _np(generate(params, CFG, alone_prompts[b:b + 1], LENGTHS[b:b + 1], gamma=2.0,
+                                 temperature=temperature, key=keys[b:b + 1], eos_ids=(), **BASE))
+            for f in batched:
+                np.testing.assert_array_equal(batched[f][b], alone[f][0], err_msg=f"T={temperature} row {b}: {f}")
+
+
+def test_block_size_one_is_one_token_per_forward(params, prompts):
+    kw = dict(BASE, block_size=1)
+    free = _np(generate(params, CFG, prompts, LENGTHS, gamma=5.0, eos_ids=(), **kw))
+    np.testing.assert_array_equal(free["nfe"], MAX_NEW)
+    eos_id = int(free["tokens"][0, 5])  # a token this configuration emits
+    out = _np(generate(params, CFG, prompts, LENGTHS, gamma=5.0, eos_ids=(eos_id,), **kw))
+    np.testing.assert_array_equal(out["nfe"], out["lengths"])
+    assert out["stopped_by_eos"].any() and (out["lengths"] == MAX_NEW).any()
+    ref = _np(brute_force_generate(params, CFG, prompts, LENGTHS, gamma=5.0, eos_ids=(eos_id,), max_new_tokens=MAX_NEW,
+                                   block_size=1, pad_id=0))
+    for f in out:
+        np.testing.assert_array_equal(out[f], ref[f], err_msg=f)
+
+
+@pytest.mark.parametrize("mode", ["sbd", "ar"])
+def test_eos_stops_row_and_drops_the_rest(params, prompts, eos_id, mode):
+    """With EOS = a token the model emits, each row's output is the no-EOS output cut right after
+    its first EOS, padded after, with no more NFE; rows without that token are unchanged."""
+    key = jax.random.key(5)
+    free = _np(generate(params, CFG, prompts, LENGTHS, gamma=2.0, temperature=0.0, key=key, eos_ids=(), mode=mode,
+                        **BASE))
+    stop = _np(generate(params, CFG, prompts, LENGTHS, gamma=2.0, temperature=0.0, key=key, eos_ids=(eos_id,),
+                        mode=mode, **BASE))
+    n_stopped = 0
+    for b in range(B):
+        hits = np.flatnonzero(free["tokens"][b] == eos_id)
+        if hits.size:
+            n = hits[0] + 1
+            n_stopped += 1
+            assert stop["lengths"][b] == n and stop["stopped_by_eos"][b]
+            np.testing.assert_array_equal(stop["tokens"][b, :n], free["tokens"][b, :n])
+            assert not np.any(stop["tokens"][b, n:]), "tokens after EOS were kept"
+            assert stop["nfe"][b] <= free["nfe"][b]
+        else:
+            assert stop["lengths"][b] == MAX_NEW and not stop["stopped_by_eos"][b]
+            np.testing.assert_array_equal(stop["tokens"][b], free["tokens"][b])
+            assert stop["nfe"][b] == free["nfe"][b]
+    assert n_stopped >= 1
+    if mode == "ar":
+        np.testing.assert_array_equal(stop["nfe"], stop["lengths"])
+
+
+def test_ar_matches_brute_force_sampled(params, prompts):
+    key = jax.random.key(2)
+    ours = generate(params, CFG, prompts, LENGTHS, mode="ar", temperature=1.0, key=key, eos_ids=(), **BASE)
+    ref = brute_force_generate(params, CFG, prompts, LENGTHS, mode="ar", temperature=1.0, key=key, eos_ids=(),
+                               max_new_tokens=MAX_NEW, pad_id=0)
+    _assert_same(ours, ref, "ar sampled")
+    np.testing.assert_array_equal(np.asarray(ours.nfe), MAX_NEW)
+
+
+def test_ar_greedy_matches_transformers(params, prompts, hf_ref, tmp_path):
+    model_dir = sbd_jax.save_pretrained(CFG, params, tmp_path / "m")
+    ref = hf_ref.generate(model_dir, [prompts[b, :LENGTHS[b]].tolist() for b in range(B)], MAX_NEW)
+    out = generate(params, CFG, prompts, LENGTHS, mode="ar", eos_ids=(), **BASE)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref))
+
+
+def test_generate_inside_user_jit(params, prompts):
+    @jax.jit
+    def user_fn(params, ids, lens, gamma, key):
+        out = generate(params, CFG, ids, lens, gamma=gamma, temperature=1.0, key=key, eos_ids=(), **BASE)
+        return out.tokens, out.nfe, jnp.sum(out.lengths)  # and keep computing on the result
+
+    key = jax.random.key(4)
+    gamma = jnp.array([0.5, 2.0, 3.0, 1.0])
+    toks, nfe, total = user_fn(params, jnp.asarray(prompts), jnp.asarray(LENGTHS), gamma, key)
+    eager = generate(params, CFG, prompts, LENGTHS, gamma=gamma, temperature=1.0, key=key, eos_ids=(), **BASE)
+    np.testing.assert_array_equal(np.asarray(toks), np.asarray(eager.tokens))
+    np.testing.assert_array_equal(np.asarray(nfe), np.asarray(eager.nfe))
+    assert int(total) == int(np.asarray(eager.lengths).sum())
+    # one while_loop, no host round trip per step: the compiled program holds the loop
+    hlo = user_fn.lower(params, jnp.asarray(prompts), jnp.asarray(LENGTHS), gamma, key).as_text()
+    assert "while" in hlo
+
+
+# ------------------------------------------------------------------------------------------------
+# errors
+
+
+def test_clear_errors(params, prompts):
+    ok = dict(max_new_tokens=4, block_size=4)
+    with pytest.raises(DecodeError, match="gamma must be finite and >= 0"):
+        generate(params, CFG, prompts, LENGTHS, gamma=-0.1, **ok)
+    with pytest.raises(DecodeError, match="block_size must be an integer >= 1"):
+        generate(params, CFG, prompts, LENGTHS, max_new_tokens=4, block_size=0)
+    with pytest.raises(DecodeError, match="mask_token_id=None"):
+        generate(params, sbd_jax.ModelConfig(**{**CFG.__dict__, "mask_token_id": None}), prompts, LENGTHS, **ok)
+    with pytest.raises(PromptTooLongError, match="max_position_embeddings 128"):
+        generate(params, CFG, np.zeros((1, 125), np.int32), [125], **ok)
+    with pytest.raises(DecodeError, match=r"prompt_lengths must be in \[1, 8\]"):
+        generate(params, CFG, prompts, [8, 9, 1, 1], **ok)
+    with pytest.raises(DecodeError, match="rule must be one of"):
+        generate(params, CFG, prompts, LENGTHS, rule="greedy", **ok)
+    with pytest.raises(DecodeError, match="mode must be one of"):
+        generate(params, CFG, prompts, LENGTHS, mode="nar", **ok)
+    with pytest.raises(DecodeError, match="top_p must be in"):
+        generate(params, CFG, prompts, LENGTHS, top_p=0.0, **ok)
+    with pytest.raises(DecodeError, match="gamma must be a scalar or one value per row"):
+        generate(params, CFG, prompts, LENGTHS, gamma=[1.0, 2.0], **ok)
+    assert issubclass(DecodeError, ValueError)
