@@ -27,6 +27,13 @@ def special_ids(tok: Tokenizer) -> dict[str, int]:
     return {name.strip("<>"): tok.token_to_id(name) for name in SPECIALS}
 
 
-def save(tok: Tokenizer, directory: str | Path) -> None:
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    tok.save(str(Path(directory) / "tokenizer.json"))
+def save(tok: Tokenizer, directory: str | Path) -> Path:
+    """tokenizer.json + tokenizer_config.json (names the special tokens, as transformers expects)."""
+    import json
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "pad_token": "<pad>", "mask_token": "<m>", "unk_token": "<unk>"}, indent=2))
+    return d / "tokenizer.json"

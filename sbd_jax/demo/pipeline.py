@@ -1,0 +1,306 @@
+"""The paper's pipeline (Table 1) in miniature, on a CPU:
+
+  data      deterministic task suite (tasks.py) + a locally built char tokenizer
+  pretrain  a small Llama-style model trained with NTP on worked solutions
+  ft_ntp    fine-tune copy 1: NTP only (the baseline)           } same data, same steps,
+  ft_sbd    fine-tune copy 2: SBD dual loss (NTP + MATP)        } same optimizer
+  eval      held-out problems: baseline with AR decoding; SBD model with AR and with SBD at several
+            gammas (block size 16); accuracy, tokens per forward (NFE speedup) and measured tokens/s,
+            all in the same run -> table (markdown + json) and a PNG plot.
+
+Every stage leaves its result in `out_dir` and is skipped when rerun (training stages resume from
+their last checkpoint when interrupted).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from ..config import ModelConfig
+from ..io.hf import from_pretrained
+from ..sharding import MeshConfig
+from ..training.config import (CheckpointConfig, DataConfig, ModelSource, OptimConfig, SBDConfig,
+                               TrainConfig)
+from . import tasks
+from . import tokenizer as char_tok
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    out_dir: str = "results"
+    seed: int = 0
+    # data
+    n_pretrain: int = 30000
+    n_finetune: int = 30000
+    n_test: int = 500
+    # model (Llama-style)
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    # training
+    seq_len: int = 128
+    batch_size: int = 32
+    pretrain_steps: int = 1200
+    finetune_steps: int = 800
+    pretrain_lr: float = 2e-3
+    finetune_lr: float = 1e-3
+    k_max: int = 16
+    block_align: str = "response"  # SFT blocks start at the response, as blocks start after the prompt at inference
+    # evaluation
+    block_size: int = 16
+    gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0)
+    max_new_tokens: int = 40
+    eval_batch: int = 100
+
+    @classmethod
+    def quick(cls, **kw) -> "DemoConfig":
+        base = dict(n_pretrain=3000, n_finetune=3000, n_test=64, hidden_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, intermediate_size=192, batch_size=16, pretrain_steps=150,
+                    finetune_steps=100, gammas=(0.1, 0.6), eval_batch=64, out_dir="results/quick")
+        return cls(**{**base, **kw})
+
+
+# ----------------------------------------------------------------------------------------------
+# stage 1: data
+
+
+def stage_data(cfg: DemoConfig, log=print) -> dict:
+    root = Path(cfg.out_dir) / "data"
+    files = {n: root / f"{n}.jsonl" for n in ("pretrain", "finetune", "test")}
+    tok_dir = root / "tokenizer"
+    if all(f.exists() for f in files.values()) and (tok_dir / "tokenizer.json").exists():
+        log(f"[data] reusing {root}")
+        return {**files, "tokenizer": tok_dir}
+    root.mkdir(parents=True, exist_ok=True)
+    tok = char_tok.build_char_tokenizer()
+    char_tok.save(tok, tok_dir)
+    sets = {"pretrain": tasks.generate(cfg.n_pretrain, "train", cfg.seed),
+            "finetune": tasks.generate(cfg.n_finetune, "train", cfg.seed + 1),
+            "test": tasks.generate(cfg.n_test, "test", cfg.seed)}
+    for name, probs in sets.items():
+        tmp = files[name].with_suffix(".tmp")
+        with tmp.open("w") as f:
+            for i, p in enumerate(probs):
+                rec = ({"text": p.text} if name == "pretrain" else
+                       {"id": f"{name}-{i}", "family": p.family, "prompt": p.prompt, "response": p.solution,
+                        "answer": p.answer})
+                f.write(json.dumps(rec) + "\n")
+        tmp.rename(files[name])
+    log(f"[data] {len(sets['pretrain'])} pretrain / {len(sets['finetune'])} fine-tune / {len(sets['test'])} "
+        f"held-out problems ({', '.join(tasks.FAMILIES)}), tokenizer with {tok.get_vocab_size()} ids -> {root}")
+    return {**files, "tokenizer": tok_dir}
+
+
+# ----------------------------------------------------------------------------------------------
+# stages 2-4: training
+
+
+def model_config(cfg: DemoConfig, tok_dir: Path) -> ModelConfig:
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    ids = char_tok.special_ids(tok)
+    vocab = -(-tok.get_vocab_size() // 8) * 8  # pad the table to a multiple of 8; unused rows are free ids
+    return ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=cfg.hidden_size,
+                       intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                       num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                       rope_theta=10000.0, max_position_embeddings=512, rms_norm_eps=1e-5,
+                       tie_word_embeddings=True, mask_token_id=ids["m"], bos_token_id=ids["bos"],
+                       eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+
+
+def _train_config(cfg: DemoConfig, data_file: Path, tok_dir: Path, *, mode: str, steps: int, lr: float,
+                  ntp_only: bool, init_from: str | None, model: ModelConfig | None, out: Path) -> TrainConfig:
+    return TrainConfig(
+        model=ModelSource(init_from=init_from, config=model),
+        data=DataConfig(path=str(data_file), mode=mode, tokenizer=str(tok_dir), seq_len=cfg.seq_len,
+                        seed=cfg.seed, chat_template=False),
+        sbd=SBDConfig(k_max=cfg.k_max, ntp_only=ntp_only,
+                      block_align=cfg.block_align if mode == "sft" else "document"),
+        optim=OptimConfig(lr=lr, warmup_steps=max(1, steps // 20), schedule="cosine", weight_decay=0.01),
+        checkpoint=CheckpointConfig(every=max(1, steps // 4), keep=2, async_save=False),
+        mesh=MeshConfig(data=1), out_dir=str(out), steps=steps, batch_size=cfg.batch_size, seed=cfg.seed,
+        log_every=10)
+
+
+def stage_train(name: str, tcfg: TrainConfig, log=print) -> Path:
+    """Run (or resume, or skip) one training stage; returns its HF export directory."""
+    from ..training import train
+    out = Path(tcfg.out_dir)
+    hf = out / "hf"
+    if (out / "DONE").exists() and (hf / "config.json").exists():
+        log(f"[{name}] reusing {hf}")
+        return hf
+    log(f"[{name}] {'NTP only' if tcfg.sbd.ntp_only else 'SBD dual loss'}, {tcfg.steps} steps -> {out}")
+    t0 = time.time()
+    result = train(tcfg)
+    if result.hf_dir is None:
+        raise RuntimeError(f"[{name}] training ended without an HF export")
+    last = result.history[-1] if result.history else {}
+    (out / "DONE").write_text(json.dumps({"seconds": time.time() - t0, "last": last}, default=float))
+    log(f"[{name}] done in {time.time() - t0:.0f}s: " +
+        ", ".join(f"{k}={last[k]:.3f}" for k in ("loss", "ntp_loss", "matp_loss") if k in last and last[k] is not None))
+    return result.hf_dir
+
+
+# ----------------------------------------------------------------------------------------------
+# stage 5: evaluation
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+    label: str
+    model: str  # "ntp" | "sbd"
+    mode: str  # "ar" | "sbd"
+    gamma: float | None = None
+
+
+def decoder_specs(cfg: DemoConfig) -> list[DecoderSpec]:
+    specs = [DecoderSpec("NTP fine-tune, AR (baseline)", "ntp", "ar"),
+             DecoderSpec("SBD fine-tune, AR", "sbd", "ar")]
+    specs += [DecoderSpec(f"SBD fine-tune, SBD gamma={g:g}", "sbd", "sbd", g) for g in cfg.gammas]
+    return specs
+
+
+def _encode_prompts(tok, problems: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    ids = [tok.encode(p["prompt"], add_special_tokens=False).ids for p in problems]
+    P = max(len(x) for x in ids)
+    arr = np.zeros((len(ids), P), np.int32)
+    for i, x in enumerate(ids):
+        arr[i, : len(x)] = x
+    return arr, np.array([len(x) for x in ids], np.int32)
+
+
+def run_decoder(spec: DecoderSpec, params, mcfg: ModelConfig, tok, problems: list[dict], cfg: DemoConfig,
+                progress=True) -> dict:
+    """Decode every problem (batches of `eval_batch`, one compiled shape), exact-match score, and time it.
+    The first batch is decoded once untimed to compile; the timed pass is a second full pass."""
+    from ..decoding import generate
+    prompts, lengths = _encode_prompts(tok, problems)
+    nb = -(-len(problems) // cfg.eval_batch)
+    pad_rows = nb * cfg.eval_batch - len(problems)
+    prompts = np.concatenate([prompts, np.repeat(prompts[:1], pad_rows, 0)])
+    lengths = np.concatenate([lengths, np.repeat(lengths[:1], pad_rows, 0)])
+
+    def call(b):
+        sl = slice(b * cfg.eval_batch, (b + 1) * cfg.eval_batch)
+        return generate(params, mcfg, prompts[sl], lengths[sl], max_new_tokens=cfg.max_new_tokens,
+                        block_size=cfg.block_size, gamma=spec.gamma if spec.gamma is not None else 0.0,
+                        rule="eb", temperature=0.0, mode=spec.mode)
+
+    jax.block_until_ready(call(0))  # compile
+    outs = []
+    it = range(nb)
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(it, desc=f"eval {spec.label}", leave=False, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    for b in it:
+        outs.append(jax.device_get(call(b)))
+    seconds = time.perf_counter() - t0
+    toks = np.concatenate([o.tokens for o in outs])[: len(problems)]
+    lens = np.concatenate([o.lengths for o in outs])[: len(problems)]
+    nfe = np.concatenate([o.nfe for o in outs])[: len(problems)]
+    correct = []
+    for i, p in enumerate(problems):
+        text = tok.decode(toks[i, : lens[i]].tolist(), skip_special_tokens=True)
+        correct.append(tasks.extract_answer(text) == p["answer"])
+    gen_all = int(np.concatenate([o.lengths for o in outs]).sum())  # tokens actually produced, incl. pad rows
+    return {"label": spec.label, "model": spec.model, "mode": spec.mode, "gamma": spec.gamma,
+            "accuracy": float(np.mean(correct)), "n": len(problems),
+            "tokens": int(lens.sum()), "nfe": int(nfe.sum()),
+            "tokens_per_forward": float(lens.sum() / max(nfe.sum(), 1)),
+            "seconds": seconds, "tokens_per_s": gen_all / seconds,
+            "per_family": {f: float(np.mean([c for c, p in zip(correct, problems) if p["family"] == f]))
+                           for f in sorted({p["family"] for p in problems})}}
+
+
+def stage_eval(cfg: DemoConfig, models: dict[str, Path], test_file: Path, tok_dir: Path, log=print) -> list[dict]:
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    problems = [json.loads(line) for line in test_file.read_text().splitlines()]
+    loaded = {name: from_pretrained(d) for name, d in models.items()}
+    rows = []
+    for spec in decoder_specs(cfg):
+        mcfg, params = loaded[spec.model]
+        r = run_decoder(spec, params, mcfg, tok, problems, cfg)
+        log(f"[eval] {spec.label:34s} acc {100 * r['accuracy']:5.1f}%  tokens/forward {r['tokens_per_forward']:5.2f}"
+            f"  {r['tokens_per_s']:8.0f} tokens/s")
+        rows.append(r)
+    base = rows[0]
+    for r in rows:
+        r["nfe_speedup"] = r["tokens_per_forward"] / base["tokens_per_forward"]
+        r["wall_speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["acc_delta_pts"] = 100 * (r["accuracy"] - base["accuracy"])
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ("| model, decoding | accuracy | Δ vs baseline | tokens / forward | NFE speedup | tokens/s (CPU) "
+            "| wall-clock speedup |\n|---|---:|---:|---:|---:|---:|---:|\n")
+    body = "".join(
+        f"| {r['label']} | {100 * r['accuracy']:.1f}% | {r['acc_delta_pts']:+.1f} pts | {r['tokens_per_forward']:.2f} "
+        f"| {r['nfe_speedup']:.2f}x | {r['tokens_per_s']:.0f} | {r['wall_speedup']:.2f}x |\n" for r in rows)
+    return head + body
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, xlabel in ((axes[0], "nfe_speedup", "speedup in forward passes (NFE)"),
+                            (axes[1], "wall_speedup", "measured wall-clock speedup (tokens/s, CPU)")):
+        sbd = [r for r in rows if r["mode"] == "sbd"]
+        ax.plot([r[key] for r in sbd], [100 * r["accuracy"] for r in sbd], "o-", color="C1", label="SBD (gamma sweep)")
+        for r in sbd:
+            ax.annotate(f"γ={r['gamma']:g}", (r[key], 100 * r["accuracy"]), textcoords="offset points", xytext=(4, 4))
+        for r, c, m in ((rows[0], "C0", "s"), (rows[1], "C2", "^")):
+            ax.plot([r[key]], [100 * r["accuracy"]], m, color=c, label=r["label"])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("exact-match accuracy (%)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="lower left")
+    fig.suptitle("Set Block Decoding in miniature: accuracy vs speedup (block size 16)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(cfg: DemoConfig, log=print) -> list[dict]:
+    out = Path(cfg.out_dir).absolute()
+    cfg = dataclasses.replace(cfg, out_dir=str(out))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "demo_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    t0 = time.time()
+    files = stage_data(cfg, log)
+    base_model = model_config(cfg, files["tokenizer"])
+    pre = stage_train("pretrain", _train_config(cfg, files["pretrain"], files["tokenizer"], mode="text",
+                                                steps=cfg.pretrain_steps, lr=cfg.pretrain_lr, ntp_only=True,
+                                                init_from=None, model=base_model, out=out / "pretrain"), log)
+    models = {}
+    for name, ntp_only in (("ntp", True), ("sbd", False)):
+        models[name] = stage_train(f"ft_{name}", _train_config(
+            cfg, files["finetune"], files["tokenizer"], mode="sft", steps=cfg.finetune_steps, lr=cfg.finetune_lr,
+            ntp_only=ntp_only, init_from=str(pre), model=None, out=out / f"ft_{name}"), log)
+    rows = stage_eval(cfg, models, files["test"], files["tokenizer"], log)
+    table = markdown_table(rows)
+    (out / "table.md").write_text(table)
+    (out / "results.json").write_text(json.dumps({"config": dataclasses.asdict(cfg), "rows": rows,
+                                                  "device": str(jax.devices()[0].device_kind),
+                                                  "total_seconds": time.time() - t0}, indent=2))
+    plot(rows, out / "accuracy_vs_speedup.png")
+    log("\n" + table)
+    log(f"table: {out / 'table.md'}  json: {out / 'results.json'}  plot: {out / 'accuracy_vs_speedup.png'}  "
+        f"({time.time() - t0:.0f}s)")
+    return rows
