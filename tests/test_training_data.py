@@ -1,0 +1,202 @@
+"""Training data: local files through `datasets`, a local tokenizer.json (+ chat template), packing
+into rows with segment ids, deterministic order, resumable iterator state, clear errors."""
+import json
+
+import datasets
+import numpy as np
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from tokenizers.processors import TemplateProcessing
+
+from sbd_jax.training.config import DataConfig
+from sbd_jax.training.data import DataError, Documents, PackedIterator, build_iterator, load_tokenizer
+
+WORDS = "the cat sat on a mat dog ran far away big red sun hello world answer is yes no".split()
+SPECIALS = ["<pad>", "<s>", "</s>", "<m>", "<unk>", "<|user|>", "<|assistant|>"]
+TEMPLATE = ("{{ bos_token }} {% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {{ eos_token }} "
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    tk = HFTokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = WhitespaceSplit()
+    tk.add_special_tokens(SPECIALS)
+    tk.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tk.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                         "chat_template": TEMPLATE}))
+    return d
+
+
+def ids(words):
+    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    return [vocab[w] for w in words.split()]
+
+
+TEXTS = ["the cat sat on a mat", "dog ran far away", "big red sun", "hello world", "the dog sat",
+         "a cat ran on the big red mat far away", "yes", "no no no"]
+
+
+def _check_rows(batch, L):
+    """Structural invariants of packed rows: contiguous segments 1..n, positions restart at 0."""
+    for t, s, p, lm in zip(*batch):
+        assert len(t) == L
+        n = s.max()
+        real = s > 0
+        assert (np.diff(s[real]) >= 0).all() and set(s[real]) == set(range(1, n + 1))
+        assert not real[np.argmin(real):].any() if not real.all() else True  # padding only at the end
+        for seg in range(1, n + 1):
+            np.testing.assert_array_equal(p[s == seg], np.arange((s == seg).sum()))
+        assert (lm[~real] == 0).all() and (t[~real] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------- packing
+
+
+def test_packing_hand_built():
+    A, B, C, D, E = [1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11], list(range(12, 20))
+    F, G = [30, 31, 32, 33, 34, 35, 36, 37], [40] * 7
+    docs = Documents.from_lists([A, B, C, D, E, F, G], n_prompt=[0, 0, 0, 0, 0, 3, 6])
+    it = PackedIterator(docs, seq_len=6, batch_size=1, shuffle=False)
+    rows = [it.next_batch() for _ in range(7)]
+    tok = [r.tokens[0].tolist() for r in rows]
+    assert tok[0] == [1, 2, 3, 0, 0, 0]  # B does not fit the rest of the row: it starts the next
+    assert tok[1] == [4, 5, 6, 7, 8, 0]
+    assert tok[2] == [9, 10, 0, 0, 0, 0]  # D (1 token) dropped; E's first piece does not fit
+    assert tok[3] == [12, 13, 14, 15, 16, 17]  # E is cut into L-token pieces
+    assert tok[4] == [18, 19, 0, 0, 0, 0]  # F (prompt/response) does not fit after E's tail
+    assert tok[5] == [30, 31, 32, 33, 34, 35]  # F truncated to L; G (prompt >= L) dropped; next epoch: A
+    assert tok[6] == [1, 2, 3, 0, 0, 0]
+    np.testing.assert_array_equal(rows[5].loss_mask[0], [0, 0, 0, 1, 1, 1])  # prompt tokens not counted
+    np.testing.assert_array_equal(rows[4].segment[0], [1, 1, 0, 0, 0, 0])
+    np.testing.assert_array_equal(rows[4].position[0], [0, 1, 0, 0, 0, 0])
+    assert it.state()["epoch"] == 1
+    np.testing.assert_array_equal(rows[1].loss_mask[0], [1, 1, 1, 1, 1, 0])
+
+
+def test_packing_multiple_docs_per_row_and_epoch_coverage():
+    rng = np.random.default_rng(0)
+    docs = [list(rng.integers(5, 50, rng.integers(2, 9))) for _ in range(40)]
+    it = PackedIterator(Documents.from_lists(docs), seq_len=16, batch_size=4, seed=3)
+    seen = []
+    while it.state()["epoch"] == 0:
+        b = it.next_batch()
+        _check_rows(b, 16)
+        for t, s in zip(b.tokens, b.segment):
+            seen += [t[s == k].tolist() for k in range(1, s.max() + 1)]
+    seen = seen[:40]  # the last batch may start the next epoch
+    assert sorted(map(tuple, seen)) == sorted(map(tuple, docs))  # every document exactly once per epoch
+    assert seen != docs  # shuffled
+
+
+def test_order_deterministic_from_seed_and_resumable():
+    docs = Documents.from_lists([[i + 5] * (2 + i % 5) for i in range(30)])
+    a = PackedIterator(docs, 12, 2, seed=1)
+    b = PackedIterator(docs, 12, 2, seed=1)
+    c = PackedIterator(docs, 12, 2, seed=2)
+    first = [a.next_batch().tokens for _ in range(3)]
+    np.testing.assert_array_equal(first, [b.next_batch().tokens for _ in range(3)])
+    assert not np.array_equal(first, [c.next_batch().tokens for _ in range(3)])
+    for _ in range(10):  # past an epoch boundary
+        a.next_batch()
+    state = json.loads(json.dumps(a.state()))  # JSON round trip, as in a checkpoint
+    expected = [a.next_batch() for _ in range(8)]
+    d = PackedIterator(docs, 12, 2, seed=1)
+    d.restore(state)
+    for e in expected:
+        for x, y in zip(e, d.next_batch()):
+            np.testing.assert_array_equal(x, y)
+    with pytest.raises(DataError, match="seq_len"):
+        PackedIterator(docs, 10, 2, seed=1).restore(state)
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def _write_all_formats(tmp, records):
+    ds = datasets.Dataset.from_list(records)
+    ds.to_json(tmp / "d.jsonl")
+    ds.to_parquet(tmp / "d.parquet")
+    ds.save_to_disk(str(tmp / "saved"))
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp / "saved_dict"))
+    arrow = next((tmp / "saved").glob("*.arrow"))
+    return {"jsonl": tmp / "d.jsonl", "parquet": tmp / "d.parquet", "disk": tmp / "saved",
+            "disk_dict": tmp / "saved_dict", "arrow": arrow}
+
+
+def test_text_from_every_source_format(tmp_path, tok_dir):
+    paths = _write_all_formats(tmp_path, [{"text": t, "id": i} for i, t in enumerate(TEXTS)])
+    batches = {}
+    for name, p in paths.items():
+        cfg = DataConfig(path=str(p), tokenizer=str(tok_dir), seq_len=16, seed=0, cache_dir=str(tmp_path / "c"))
+        it = build_iterator(cfg, batch_size=3)
+        batches[name] = it.next_batch()
+        _check_rows(batches[name], 16)
+    for name, b in batches.items():
+        for x, y in zip(b, batches["jsonl"]):
+            np.testing.assert_array_equal(x, y, err_msg=name)
+    # every segment is one tokenized text: BOS (post-processor) + words + EOS (add_eos)
+    expected = {tuple([1] + ids(t) + [2]) for t in TEXTS}
+    b = batches["jsonl"]
+    for t, s in zip(b.tokens, b.segment):
+        for k in range(1, s.max() + 1):
+            assert tuple(t[s == k].tolist()) in expected
+
+
+def test_prompt_response_with_chat_template(tmp_path, tok_dir):
+    recs = [{"prompt": "hello world", "response": "yes"}, {"prompt": "the cat sat", "response": "no no"}]
+    (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    cfg = DataConfig(path=str(tmp_path / "sft.jsonl"), tokenizer=str(tok_dir), seq_len=32, shuffle=False,
+                     cache_dir=str(tmp_path / "c"))
+    b = build_iterator(cfg, 1).next_batch()
+    t, s, lm = b.tokens[0], b.segment[0], b.loss_mask[0]
+    doc1 = t[s == 1].tolist()
+    prompt = [1] + ids("<|user|> hello world </s> <|assistant|>")
+    assert doc1 == prompt + ids("yes </s>")
+    np.testing.assert_array_equal(lm[s == 1], [0] * len(prompt) + [1, 1])  # only the response counts
+    assert t[s == 2].tolist() == [1] + ids("<|user|> the cat sat </s> <|assistant|> no no </s>")
+    # without the template: prompt (BOS + words) then response + EOS
+    cfg2 = DataConfig(path=str(tmp_path / "sft.jsonl"), tokenizer=str(tok_dir), seq_len=32, shuffle=False,
+                      chat_template=False, cache_dir=str(tmp_path / "c"))
+    b2 = build_iterator(cfg2, 1).next_batch()
+    assert b2.tokens[0][b2.segment[0] == 1].tolist() == [1] + ids("hello world yes </s>")
+    np.testing.assert_array_equal(b2.loss_mask[0][b2.segment[0] == 1], [0, 0, 0, 1, 1])
+
+
+def test_callable_tokenizer(tmp_path):
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in TEXTS))
+    cfg = DataConfig(path=str(tmp_path / "t.jsonl"), seq_len=64, shuffle=False, cache_dir=str(tmp_path / "c"))
+    it = build_iterator(cfg, 1, tokenizer=lambda s: [len(w) + 10 for w in s.split()], eos_id=2)
+    t = it.next_batch().tokens[0]
+    assert t[:7].tolist() == [13, 13, 13, 12, 11, 13, 2]  # "the cat sat on a mat" + EOS
+
+
+def test_load_tokenizer_reads_config(tok_dir):
+    tk = load_tokenizer(tok_dir)
+    assert tk.eos_id == 2 and tk.chat_template == TEMPLATE and tk.encode("hello world") == [1] + ids("hello world")
+    with pytest.raises(DataError, match="does not exist"):
+        load_tokenizer(tok_dir / "nope.json")
+
+
+def test_errors_name_the_problem(tmp_path, tok_dir):
+    base = dict(tokenizer=str(tok_dir), seq_len=16, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError, match="does not exist"):
+        build_iterator(DataConfig(path=str(tmp_path / "missing.jsonl"), **base), 1)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "the cat"}) + "\n")
+    with pytest.raises(DataError, match=r"columns: \['body'\]"):
+        build_iterator(DataConfig(path=str(tmp_path / "bad.jsonl"), **base), 1)
+    (tmp_path / "empty.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in ["", "", ""]) + "\n")
+    with pytest.raises(DataError, match="no usable rows"):
+        build_iterator(DataConfig(path=str(tmp_path / "empty.jsonl"), **base), 1)
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": " ".join(["the"] * 40), "response": "yes"}) + "\n")
+    with pytest.raises(DataError, match="no usable rows"):
+        build_iterator(DataConfig(path=str(tmp_path / "long.jsonl"), **base), 1)
+    (tmp_path / "w").mkdir()
+    paths = _write_all_formats(tmp_path / "w", [{"text": t} for t in TEXTS])
+    with pytest.raises(DataError, match="split 'validation'"):
+        build_iterator(DataConfig(path=str(paths["disk_dict"]), split="validation", **base), 1)
