@@ -126,7 +126,7 @@ def sample(logits_BKV, keys_B, step_B, temperature_B, *, top_k: int = 0, top_p: 
     shaped distribution with key fold_in(keys_B[b], step_B[b]). `suppress`: a token id never drawn
     (the SBD mask token: it is not text)."""
     if suppress is not None:
-        logits_BKV = logits_BKV.at[..., suppress].set(-jnp.inf)
+        logits_BKV = jnp.asarray(logits_BKV).at[..., suppress].set(-jnp.inf)
     greedy = jnp.argmax(logits_BKV, axis=-1).astype(jnp.int32)
     t = jnp.asarray(temperature_B, jnp.float32)
 

@@ -1,0 +1,62 @@
+"""Sharded decoding on 8 fake CPU devices (data 4 x tensor 2): params tensor-parallel by the training
+rules, batch over data, KV cache sharded to match; tokens and NFE == single-device decoding.
+The 8 devices need XLA_FLAGS before jax is imported, so the sharded run is a subprocess. The
+single-device reference here is the brute-force decoder (cheap to compile in whichever pytest worker
+runs this file); test_decoding.py pins the single-device cached decoder to it exactly."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from sbd_jax.decoding.brute import brute_force_generate
+from test_decoding import BASE, CFG, LENGTHS, make_params, make_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import json, sys
+import jax, numpy as np
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+assert jax.device_count() == 8, jax.devices()
+from test_decoding import BASE, CFG, LENGTHS, make_params, make_prompts
+from sbd_jax.decoding import generate
+from sbd_jax.sharding import MeshConfig, batch_sharding, make_mesh, shard_params
+mesh = make_mesh(MeshConfig(data=4, fsdp=1, tensor=2))
+params = shard_params(make_params(), CFG, mesh)
+ids = jax.device_put(make_prompts(), batch_sharding(mesh, 2, 4))
+lens = jax.device_put(LENGTHS, batch_sharding(mesh, 1, 4))
+res = {}
+for name, kw in json.loads(sys.argv[2]).items():
+    out = generate(params, CFG, ids, lens, key=jax.random.key(kw.pop("seed")), mesh=mesh, **kw, **BASE)
+    res[name] = dict(tokens=np.asarray(out.tokens).tolist(), nfe=np.asarray(out.nfe).tolist(),
+                     cache_spec=list(out.cache.k.sharding.spec), wq_spec=list(params["layers"]["wq"].sharding.spec))
+print("RESULT" + json.dumps(res))
+"""
+
+CASES = {"greedy": dict(gamma=2.0, temperature=0.0, seed=0, eos_ids=[]),
+         "sampled": dict(gamma=1.0, temperature=1.0, seed=7, eos_ids=[]),
+         "ar": dict(mode="ar", temperature=1.0, seed=3, eos_ids=[])}
+
+
+def test_sharded_tokens_equal_single_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT), json.dumps(CASES)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.split("RESULT", 1)[1])
+    params = make_params()
+    for name, kw in CASES.items():
+        kw = dict(kw)
+        out = brute_force_generate(params, CFG, make_prompts(), LENGTHS, key=jax.random.key(kw.pop("seed")),
+                                   max_new_tokens=BASE["max_new_tokens"], block_size=BASE["block_size"],
+                                   pad_id=BASE["pad_id"], **kw)
+        np.testing.assert_array_equal(np.asarray(res[name]["tokens"]), np.asarray(out.tokens), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(res[name]["nfe"]), np.asarray(out.nfe), err_msg=name)
+        # cache [L, B, S, K, Dh]: batch over data, KV heads over tensor; weights (wq [L, D, H, Dh])
+        # tensor-parallel over heads, as in training
+        assert (res[name]["cache_spec"] + [None] * 5)[:5] == [None, "data", None, "tensor", None], res[name]
+        assert (res[name]["wq_spec"] + [None] * 4)[:4] == [None, None, "tensor", None], res[name]
