@@ -12,6 +12,7 @@ the final weights in HF layout to `<out_dir>/hf`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -31,7 +32,7 @@ from .config import ModelSource, TrainConfig
 from .data import DataError, build_iterator
 from .examples import PackedBatch
 from .optim import make_optimizer
-from .step import (StepOptions, TrainState, abstract_state, create_state, jit_train_step, make_train_step,
+from .step import (StepOptions, TrainState, abstract_state, init_state, jit_train_step, make_train_step,
                    put_batch, state_shardings)
 
 
@@ -90,8 +91,7 @@ def prepare_model(src: ModelSource, seed: int, *, need_mask: bool, load_weights:
         except ConfigError as e:
             raise ConfigError(f"model: {e}") from None
         if load_weights and not src.add_mask_token and mesh is not None:
-            init = jax.jit(lambda k: init_params(cfg, k, std=src.init_std), out_shardings=param_shardings(cfg, mesh))
-            params = init(jax.random.PRNGKey(seed))
+            params = _init_fn(cfg, src.init_std, mesh)(jax.random.PRNGKey(seed))
         elif load_weights:
             params = init_params(cfg, jax.random.PRNGKey(seed), std=src.init_std)
     if src.add_mask_token:
@@ -107,6 +107,22 @@ def prepare_model(src: ModelSource, seed: int, *, need_mask: bool, load_weights:
 
 # ----------------------------------------------------------------------------------------------
 # loop
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(model_cfg: ModelConfig, opts: StepOptions, optim_cfg, total_steps: int, mesh, batch_size: int):
+    """(tx, state shardings, jitted step, jitted state init) for one setting, reused across `train`
+    calls in a process (resume, the demo's several runs) instead of recompiling."""
+    tx, schedule = make_optimizer(optim_cfg, total_steps)
+    shardings = state_shardings(model_cfg, tx, mesh)
+    step_fn = jit_train_step(make_train_step(model_cfg, opts, tx, schedule, mesh), mesh, shardings, batch_size)
+    init_fn = jax.jit(lambda p, r: init_state(p, tx, r), out_shardings=shardings, donate_argnums=(0,))
+    return tx, shardings, step_fn, init_fn
+
+
+@functools.lru_cache(maxsize=4)
+def _init_fn(cfg: ModelConfig, std: float, mesh):
+    return jax.jit(lambda k: init_params(cfg, k, std=std), out_shardings=param_shardings(cfg, mesh))
 
 
 def _check_batch(batch: PackedBatch, cfg: TrainConfig) -> None:
@@ -152,19 +168,17 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
         data = build_iterator(cfg.data, cfg.batch_size, tokenizer=tokenizer,
                               eos_id=model_cfg.eos_ids[0] if model_cfg.eos_ids else None)
 
-    tx, schedule = make_optimizer(cfg.optim, cfg.steps)
-    shardings = state_shardings(model_cfg, tx, mesh)
+    opts = StepOptions(mask_token_id=model_cfg.mask_token_id, k_max=cfg.sbd.k_max, block_size=cfg.sbd.block_size,
+                       ntp_only=cfg.sbd.ntp_only, block_align=cfg.sbd.block_align,
+                       grad_accum=cfg.optim.grad_accum, loss_chunk=cfg.loss_chunk)
+    tx, shardings, step_fn, init_fn = _compiled(model_cfg, opts, cfg.optim, cfg.steps, mesh, cfg.batch_size)
     if resume is not None:
         state, data_state = ckpt.restore(abstract_state(model_cfg, tx, shardings), resume)
         data.restore(data_state)
     else:
         rng = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1)
-        state = create_state(params, tx, rng, shardings)
+        state = init_fn(params, rng)
     del params
-    opts = StepOptions(mask_token_id=model_cfg.mask_token_id, k_max=cfg.sbd.k_max, block_size=cfg.sbd.block_size,
-                       ntp_only=cfg.sbd.ntp_only, block_align=cfg.sbd.block_align,
-                       grad_accum=cfg.optim.grad_accum, loss_chunk=cfg.loss_chunk)
-    step_fn = jit_train_step(make_train_step(model_cfg, opts, tx, schedule, mesh), mesh, shardings, cfg.batch_size)
 
     lead = jax.process_index() == 0
     if lead:

@@ -100,7 +100,7 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
             zeros_g = jax.tree.map(jnp.zeros_like, state.params)
             z = jnp.zeros((), jnp.float32)
             (grads, loss, sums), _ = jax.lax.scan(body, (zeros_g, z, LossSums(z, z, z, z)), micro)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics_from_sums(sums), loss=loss, grad_norm=grad_norm, k=k,
