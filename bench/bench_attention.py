@@ -1,0 +1,199 @@
+"""Benchmark: SBD Pallas attention kernels vs the XLA reference (and jax.nn.dot_product_attention
+with the dense SBD mask), at Llama-3.1-8B attention shapes (32 query heads, 8 KV heads,
+head_dim 128, bfloat16).
+
+  decode:   a window of 2k queries (the finished block as clean queries + the next block of k
+            masks) against a full static cache of S slots: k in {16, 32}, S in {4k..32k},
+            batch in {1..32}. Reports the kernel's achieved memory bandwidth (K/V bytes it must
+            read / time) against the device's measured copy bandwidth.
+  training: the doubled [x ; x_hat] sequence (T = 2L), L in {2k, 4k, 8k}, k = 16, forward and
+            forward+backward.
+
+Ratios (kernel time / other time) come from one run of this script. Run it on a GPU:
+
+    .venv/bin/python bench/bench_attention.py               # full grid
+    .venv/bin/python bench/bench_attention.py --quick       # a few shapes
+
+On CPU, Pallas only runs in interpret mode, whose timings mean nothing: the script refuses
+(exit status 2) unless --allow-cpu, which runs tiny shapes only to check that the script works.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from sbd_jax.attention import (block_starts, clean_meta, concat_meta, copy_meta,  # noqa: E402
+                               dense_mask, reference_attention)
+from sbd_jax.attention.pallas import pallas_attention  # noqa: E402
+from sbd_jax.attention.pallas.tiling import tile_visibility  # noqa: E402
+
+H, K, D = 32, 8, 128
+DTYPE = jnp.bfloat16
+
+
+def timeit(fn, *args, reps=10, warmup=2):
+    """Median wall time (s) of a jitted call, after compile + warmup; None + reason on failure."""
+    try:
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts), ""
+    except Exception as e:  # OOM or unsupported: reported in the table, not fatal
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+
+
+def copy_bandwidth(gib=2.0):
+    """Device copy bandwidth (bytes read + written per second) of a large array copy."""
+    n = int(gib * 2**30) // 4
+    x = jnp.ones((n,), jnp.float32)
+    f = jax.jit(lambda x: x * 1.0000001)  # read + write every byte; not elided
+    t, err = timeit(f, x, reps=20)
+    if t is None:
+        raise RuntimeError(f"copy bandwidth measurement failed: {err}")
+    return 2 * x.nbytes / t
+
+
+def decode_case(B, k, S, rng):
+    T = 2 * k
+    lengths = np.full((B,), S - T)  # full cache: the window's clean block fills the last slots
+    pos = lengths[:, None] + np.arange(T)[None]
+    q_meta = concat_meta(clean_meta(np.ones((B, k)), pos[:, :k]),
+                         copy_meta(np.ones((B, k)), pos[:, k:], np.repeat(pos[:, k:k + 1], k, 1)))
+    slot = np.broadcast_to(np.arange(S), (B, S))
+    kv_meta = concat_meta(clean_meta((slot < (lengths + k)[:, None]).astype(np.int32), slot),
+                          q_meta._replace(segment=jnp.where(q_meta.stream == 0, 0, 1)))
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))), 3)
+    q = jax.random.normal(kq, (B, T, H, D), DTYPE)
+    kc = jax.random.normal(kk, (B, S + T, K, D), DTYPE)
+    vc = jax.random.normal(kv, (B, S + T, K, D), DTYPE)
+    read_bytes = 2 * B * int(lengths[0] + 2 * k) * K * D * jnp.dtype(DTYPE).itemsize
+    return (q, kc, vc, q_meta, kv_meta), read_bytes
+
+
+def train_case(L, k, B=1):
+    pos = np.broadcast_to(np.arange(L), (B, L))
+    seg = np.ones((B, L), np.int32)
+    meta = concat_meta(clean_meta(seg, pos), copy_meta(seg, pos, block_starts(pos, k)))
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(L), 3)
+    q = jax.random.normal(kq, (B, 2 * L, H, D), DTYPE)
+    kc = jax.random.normal(kk, (B, 2 * L, K, D), DTYPE)
+    vc = jax.random.normal(kv, (B, 2 * L, K, D), DTYPE)
+    return q, kc, vc, meta
+
+
+def sdpa(q, k, v, qm, km):
+    """jax.nn.dot_product_attention with the dense SBD mask (O(T*S) mask in memory)."""
+    mask = dense_mask(qm, km)[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask)
+
+
+IMPLS = {
+    "pallas": lambda q, k, v, qm, km: pallas_attention(q, k, v, qm, km),
+    "xla_ref": reference_attention,
+    "sdpa": sdpa,
+}
+
+
+def fmt_ms(t, err):
+    return f"{t * 1e3:.3f}" if t is not None else f"n/a ({err})"
+
+
+def ratio(a, b):
+    return f"{a / b:.2f}" if a is not None and b is not None else "n/a"
+
+
+def bench_decode(batches, ks, caches, reps, copy_gib=2.0):
+    rng = np.random.default_rng(0)
+    bw = copy_bandwidth(copy_gib)
+    print(f"\ndevice copy bandwidth: {bw / 1e9:.0f} GB/s\n")
+    print("| batch | k | cache | pallas ms | xla_ref ms | sdpa ms | pallas/xla | pallas/sdpa "
+          "| pallas GB/s | % of copy bw |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for B in batches:
+        for k in ks:
+            for S in caches:
+                args, read_bytes = decode_case(B, k, S, rng)
+                t = {name: timeit(jax.jit(fn), *args, reps=reps) for name, fn in IMPLS.items()}
+                tp = t["pallas"][0]
+                gbs = read_bytes / tp / 1e9 if tp else None
+                pct = f"{100 * read_bytes / tp / bw:.0f}%" if tp else "n/a"
+                print(f"| {B} | {k} | {S} | {fmt_ms(*t['pallas'])} | {fmt_ms(*t['xla_ref'])} | "
+                      f"{fmt_ms(*t['sdpa'])} | {ratio(tp, t['xla_ref'][0])} | "
+                      f"{ratio(tp, t['sdpa'][0])} | {gbs and f'{gbs:.0f}'} | {pct} |", flush=True)
+
+
+def bench_train(lengths, k, reps):
+    print("\n| L (T = 2L) | pass | pallas ms | xla_ref ms | sdpa ms | pallas/xla | pallas/sdpa "
+          "| tiles computed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for L in lengths:
+        q, kc, vc, meta = train_case(L, k)
+        frac = float(jnp.mean(tile_visibility(meta, meta, 64, 64)))
+        for pass_ in ("fwd", "fwd+bwd"):
+            t = {}
+            for name, fn in IMPLS.items():
+                if pass_ == "fwd":
+                    f = jax.jit(lambda q, k, v, m, fn=fn: fn(q, k, v, m, m))
+                else:
+                    f = jax.jit(jax.grad(lambda q, k, v, m, fn=fn: jnp.sum(
+                        fn(q, k, v, m, m).astype(jnp.float32)), argnums=(0, 1, 2)))
+                t[name] = timeit(f, q, kc, vc, meta, reps=reps)
+            tp = t["pallas"][0]
+            print(f"| {L} | {pass_} | {fmt_ms(*t['pallas'])} | {fmt_ms(*t['xla_ref'])} | "
+                  f"{fmt_ms(*t['sdpa'])} | {ratio(tp, t['xla_ref'][0])} | "
+                  f"{ratio(tp, t['sdpa'][0])} | {100 * frac:.1f}% |", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few shapes only")
+    ap.add_argument("--only", choices=("decode", "train"), default=None)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--allow-cpu", action="store_true",
+                    help="run tiny shapes in interpret mode to check the script (timings meaningless)")
+    args = ap.parse_args(argv)
+
+    backend = jax.default_backend()
+    print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    print(f"jax {jax.__version__}, backend {backend}, devices {jax.devices()}")
+    if backend == "cpu":
+        if not args.allow_cpu:
+            print("REFUSED: no GPU/TPU. Pallas runs only in interpret mode on CPU, so kernel timings "
+                  "would be meaningless. Run this on a GPU (or pass --allow-cpu to smoke-test the "
+                  "script on tiny shapes).", file=sys.stderr)
+            return 2
+        global H, K, D
+        H, K, D = 4, 2, 16
+        print("\nWARNING: CPU interpret mode, tiny shapes: these numbers are NOT kernel timings.")
+        if args.only in (None, "decode"):
+            bench_decode([1], [4], [64], reps=1, copy_gib=0.01)
+        if args.only in (None, "train"):
+            bench_train([32], 4, reps=1)
+        return 0
+
+    if args.quick:
+        batches, ks, caches, lengths = [1, 8], [16], [4096, 8192], [2048]
+    else:
+        batches, ks, caches, lengths = [1, 8, 32], [16, 32], [4096, 8192, 16384, 32768], [2048, 4096, 8192]
+    if args.only in (None, "decode"):
+        bench_decode(batches, ks, caches, args.reps)
+    if args.only in (None, "train"):
+        bench_train(lengths, 16, args.reps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
