@@ -104,6 +104,7 @@ def test_cached_equals_brute_force(params, prompts, eos_id):
                                    block_size=K, pad_id=0, **kw)
         _assert_same(ours, ref, f"case {c}")
         assert int(ours.iterations) == int(ref.iterations) == int(np.max(ours.nfe))
+        assert int(ours.wide_steps) == int(ref.wide_steps)
         o = _np(ours)
         tpf[c["rule"]].append(o["lengths"].sum() / o["nfe"].sum())
         eos_stops += int(o["stopped_by_eos"].sum())

@@ -92,9 +92,13 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
     n_gen = np.zeros(B, np.int32)
     nfe = np.zeros(B, np.int32)
     calls = 0
+    wide = 0  # calls after which the cached decoder would carry a finished block (2k window)
+    pending_commit = np.zeros(B, bool)
     cols = np.broadcast_to(np.arange(W, dtype=np.int32), (B, W))
     while not done.all():
         calls += 1
+        wide += int(calls > 1 and (pending_commit & ~done).any())
+        pending_commit[:] = False
         clean_seg = (cols < (lengths + gen)[:, None]).astype(np.int32)
         if mode == "sbd":
             start = lengths + gen
@@ -141,8 +145,9 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
                 else:
                     gen[b] += k
                     masked[b] = (gen[b] + np.arange(k)) < max_new_tokens
+                    pending_commit[b] = True
     out = np.full((B, max_new_tokens), pad, np.int32)
     for b in range(B):
         out[b, :n_gen[b]] = seq[b, lengths[b]:lengths[b] + n_gen[b]]
     return GenerateOutput(jnp.asarray(out), jnp.asarray(n_gen), jnp.asarray(nfe), jnp.asarray(stopped_eos),
-                          jnp.int32(calls), None)
+                          jnp.int32(calls), jnp.int32(wide), None)

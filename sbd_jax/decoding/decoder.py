@@ -61,14 +61,16 @@ class PromptTooLongError(DecodeError):
 
 class GenerateOutput(NamedTuple):
     """tokens [B, max_new_tokens] (int32, `pad_id` beyond `lengths`), lengths [B] generated tokens
-    (EOS included), nfe [B] model calls, stopped_by_eos [B] bool, iterations (scalar: loop
-    iterations + 1, i.e. model calls of the batch as a whole), cache (KVCache or None)."""
+    (EOS included), nfe [B] model calls, stopped_by_eos [B] bool, iterations (scalar: model calls of
+    the batch as a whole = loop iterations + 1), wide_steps (scalar: SBD iterations that used the
+    2k commit window), cache (KVCache or None)."""
 
     tokens: jax.Array
     lengths: jax.Array
     nfe: jax.Array
     stopped_by_eos: jax.Array
     iterations: jax.Array
+    wide_steps: jax.Array
     cache: KVCache | None = None
 
     @property
@@ -86,7 +88,8 @@ class _State(NamedTuple):
     eos: jax.Array        # [B] stopped by EOS
     n_gen: jax.Array      # [B] final number of generated tokens (valid once done)
     nfe: jax.Array        # [B]
-    iters: jax.Array      # scalar
+    iters: jax.Array      # scalar: model calls
+    wide: jax.Array       # scalar: calls with the 2k commit window
 
 
 def _is_concrete(x) -> bool:
@@ -164,6 +167,22 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, *, max_
     Pure and static-shaped: works eagerly (compiled once per static configuration) and inside a
     user's `jax.jit` (then gamma/temperature/keys/prompts may be traced).
     """
+    args, static = prepare_generate(params, cfg, prompt_ids, prompt_lengths, max_new_tokens=max_new_tokens,
+                                    block_size=block_size, gamma=gamma, rule=rule, temperature=temperature,
+                                    top_k=top_k, top_p=top_p, tempered_entropy=tempered_entropy, eos_ids=eos_ids,
+                                    key=key, mode=mode, pad_id=pad_id, finalize_cache=finalize_cache,
+                                    return_cache=return_cache, mesh=mesh)
+    return generate_jit(*args, **static)
+
+
+def prepare_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, *, max_new_tokens: int,
+                     block_size: int = 4, gamma=0.35, rule: str = "eb", temperature=0.0, top_k: int = 0,
+                     top_p: float = 1.0, tempered_entropy: bool = False, eos_ids=None, key=None, mode: str = "sbd",
+                     pad_id: int | None = None, finalize_cache: bool = False, return_cache: bool = False,
+                     mesh=None) -> tuple[tuple, dict]:
+    """Validate and normalise `generate`'s arguments -> `(args, static)` with
+    `generate(...) == generate_jit(*args, **static)`. For ahead-of-time compilation (e.g. to time
+    compilation apart from decoding): `generate_jit.lower(*args, **static).compile()(*args)`."""
     prompt_ids = jnp.asarray(prompt_ids)
     check_request(cfg, prompt_ids.shape, max_new_tokens=max_new_tokens, block_size=block_size, mode=mode,
                   rule=rule, top_k=top_k, top_p=top_p, gamma=gamma, temperature=temperature,
@@ -174,11 +193,12 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, *, max_
     keys = sampling.row_keys(jax.random.key(0) if key is None else key, B)
     gamma_B = jnp.broadcast_to(jnp.asarray(gamma, jnp.float32), (B,))
     temp_B = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
-    return _generate_jit(params, prompt_ids.astype(jnp.int32), jnp.asarray(prompt_lengths, jnp.int32), gamma_B,
-                         temp_B, keys, jnp.int32(sampling.rule_id(rule)), eos, cfg=cfg, max_new=int(max_new_tokens),
-                         k=int(block_size) if mode == "sbd" else 1, top_k=int(top_k), top_p=float(top_p),
-                         tempered=bool(tempered_entropy), pad=pad, mode=mode, finalize=bool(finalize_cache),
-                         return_cache=bool(return_cache), mesh=mesh)
+    args = (params, prompt_ids.astype(jnp.int32), jnp.asarray(prompt_lengths, jnp.int32), gamma_B, temp_B, keys,
+            jnp.int32(sampling.rule_id(rule)), eos)
+    static = dict(cfg=cfg, max_new=int(max_new_tokens), k=int(block_size) if mode == "sbd" else 1, top_k=int(top_k),
+                  top_p=float(top_p), tempered=bool(tempered_entropy), pad=pad, mode=mode,
+                  finalize=bool(finalize_cache), return_cache=bool(return_cache), mesh=mesh)
+    return args, static
 
 
 def _eos_array(cfg: ModelConfig, eos_ids):
@@ -196,7 +216,7 @@ _STATIC = ("cfg", "max_new", "k", "top_k", "top_p", "tempered", "pad", "mode", "
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, rule, eos, *, cfg, max_new, k, top_k, top_p,
+def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, rule, eos, *, cfg, max_new, k, top_k, top_p,
                   tempered, pad, mode, finalize, return_cache, mesh):
     B, P = prompt_ids.shape
     S = P + max_new
@@ -208,7 +228,7 @@ def _generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, rule, eo
     zeros_B = jnp.zeros((B,), jnp.int32)
     false_B = jnp.zeros((B,), bool)
     state = _State(constrain(seq), cache, zeros_B, jnp.zeros((B, k), bool), false_B, false_B, false_B, zeros_B,
-                   zeros_B, jnp.int32(0))
+                   zeros_B, jnp.int32(0), jnp.int32(0))
     env = dict(params=params, cfg=cfg, lengths=lengths, gamma=gamma_B, temp=temp_B, keys=keys_B, k=k,
                max_new=max_new, rule=rule, top_k=top_k, top_p=top_p, tempered=tempered, eos=eos,
                constrain=constrain)
@@ -225,7 +245,8 @@ def _generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, rule, eo
     j = jnp.arange(max_new, dtype=jnp.int32)[None]
     out = jnp.take_along_axis(state.seq, jnp.minimum(lengths[:, None] + j, W - 1), axis=1)
     out = jnp.where(j < state.n_gen[:, None], out, pad)
-    return GenerateOutput(out, state.n_gen, state.nfe, state.eos, state.iters, cache if return_cache else None)
+    return GenerateOutput(out, state.n_gen, state.nfe, state.eos, state.iters, state.wide,
+                          cache if return_cache else None)
 
 
 def _constrainer(cfg, mesh, B):
@@ -302,6 +323,7 @@ def _sbd_update(state: _State, env, logits_BKV, cache) -> _State:
         n_gen=n_gen,
         nfe=state.nfe + active.astype(jnp.int32),
         iters=state.iters + 1,
+        wide=state.wide,
     )
 
 
@@ -334,7 +356,9 @@ def _sbd_step(state: _State, env) -> _State:
         logits, cache = forward(params, cfg, ctok, cmeta, cache)
         return logits, cache
 
-    logits, cache = jax.lax.cond(jnp.any(need), with_commit, copy_only, state.cache)
+    wide = jnp.any(need)
+    logits, cache = jax.lax.cond(wide, with_commit, copy_only, state.cache)
+    state = state._replace(wide=state.wide + wide.astype(jnp.int32))
     return _sbd_update(state, env, logits, env["constrain"](cache))
 
 

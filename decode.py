@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Batch decoding of a file of prompts with SBD (or AR):
+
+  python decode.py --model DIR --input prompts.jsonl --output out.jsonl \\
+      [--mode sbd|ar] [--gamma 0.35] [--rule eb|threshold] [--block-size 16] [--batch-size 8] \\
+      [--max-new-tokens 256] [--temperature 0] [--top-k 0] [--top-p 1] [--seed 0] [--compare-ar] \\
+      [--resume | --overwrite] [--chat] [--mesh-data -1 --mesh-fsdp 1 --mesh-tensor 1]
+
+DIR is a local HF-layout checkpoint (config.json with mask_token_id for SBD, safetensors, and
+tokenizer.json for text prompts). Input lines: {"id", "prompt"} (text), {"id", "prompt_ids"} or
+{"id", "messages"} (chat template); see sbd_jax/decoding/prompts.py. Each completed prompt is
+appended to the output as one JSON line (id, tokens, text, n_tokens, nfe, tokens_per_forward, stop,
+and "ar" with --compare-ar); --resume skips ids already there. The summary (tokens/s, mean tokens per
+forward, with --compare-ar the measured speedup over AR on the same prompts) is printed at the end
+and, with --summary FILE, written as JSON.
+Multi-host: start the same command on every host; jax.distributed is initialised from the
+environment as for train.py; process 0 writes the output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="local HF-layout model directory")
+    ap.add_argument("--input", required=True, help="prompts, JSON lines")
+    ap.add_argument("--output", required=True, help="results, JSON lines (appended as rows complete)")
+    ap.add_argument("--mode", choices=("sbd", "ar"), default="sbd")
+    ap.add_argument("--gamma", type=float, default=0.35, help="acceptance threshold (SBD)")
+    ap.add_argument("--rule", choices=("eb", "threshold"), default="eb")
+    ap.add_argument("--block-size", type=int, default=16, help="SBD block size k")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
+    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    ap.add_argument("--tempered-entropy", action="store_true",
+                    help="entropies on the tempered distribution (T > 0 only)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eos-id", type=int, action="append", help="EOS id(s) (default: the model's)")
+    ap.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
+    ap.add_argument("--chat", action="store_true", help="apply the chat template to every text prompt")
+    ap.add_argument("--compare-ar", action="store_true", help="also decode AR and report the speedup")
+    ap.add_argument("--resume", action="store_true", help="append to --output, skipping ids already there")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    ap.add_argument("--pad-multiple", type=int, default=16, help="prompt widths are rounded up to this")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="compute dtype")
+    ap.add_argument("--mesh-data", type=int, default=-1)
+    ap.add_argument("--mesh-fsdp", type=int, default=1)
+    ap.add_argument("--mesh-tensor", type=int, default=1)
+    ap.add_argument("--summary", default=None, help="also write the summary JSON here")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from sbd_jax.config import ConfigError
+    from sbd_jax.decoding import DecodeError
+    from sbd_jax.io.hf import CheckpointError
+    try:
+        return run(args)
+    except (DecodeError, ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    import jax
+
+    from sbd_jax.decoding.prompts import Tokenizer, open_output, read_prompts, write_row
+    from sbd_jax.decoding.runner import DecodeOptions, check_options, decode_prompts
+    from sbd_jax.io.hf import from_pretrained
+    from sbd_jax.sharding import MeshConfig, make_mesh, maybe_initialize_distributed, shard_params
+
+    if args.resume and args.overwrite:
+        from sbd_jax.decoding import DecodeError
+        raise DecodeError("--resume and --overwrite exclude each other")
+    eos = () if args.ignore_eos else (tuple(args.eos_id) if args.eos_id else None)
+    opts = DecodeOptions(mode=args.mode, block_size=args.block_size, gamma=args.gamma, rule=args.rule,
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, tempered_entropy=args.tempered_entropy, batch_size=args.batch_size,
+                         pad_multiple=args.pad_multiple, seed=args.seed, eos_ids=eos, compare_ar=args.compare_ar)
+    maybe_initialize_distributed()
+    cfg, params = from_pretrained(args.model, dtype=args.dtype)
+    if opts.eos_ids is None:
+        opts = _with_generation_eos(opts, cfg, args.model)
+    check_options(cfg, opts)  # option errors before reading anything
+    tok = Tokenizer.find(args.model)
+    prompts = read_prompts(args.input, tok, chat=args.chat, vocab_size=cfg.vocab_size)
+    check_options(cfg, opts, prompts)
+    writer = jax.process_index() == 0
+    done, out = open_output(args.output, resume=args.resume, overwrite=args.overwrite) if writer else (set(), None)
+    pending = [p for p in prompts if p.id not in done]
+    if done:
+        print(f"resume: {len(prompts) - len(pending)} of {len(prompts)} prompts already in {args.output}",
+              file=sys.stderr)
+    mesh = make_mesh(MeshConfig(args.mesh_data, args.mesh_fsdp, args.mesh_tensor))
+    params = shard_params(params, cfg, mesh)
+
+    def on_row(p, r):
+        if out is None:
+            return
+        row = {"id": p.id, "prompt_tokens": len(p.ids), **r}
+        if tok is not None:
+            row["text"] = tok.decode(r["tokens"])
+            if "ar" in r:
+                r["ar"]["text"] = tok.decode(r["ar"]["tokens"])
+        write_row(out, row)
+
+    progress = None
+    if not args.no_progress and writer:
+        from tqdm import tqdm
+        progress = tqdm(total=len(pending), unit="prompt", desc=f"decode ({args.mode})", file=sys.stderr)
+    try:
+        summary = decode_prompts(params, cfg, pending, opts, mesh=mesh, on_row=on_row, progress=progress) \
+            if pending else None
+    finally:
+        if progress is not None:
+            progress.close()
+        if out is not None:
+            out.close()
+    if summary is None:
+        print("nothing to do: every prompt is already in the output")
+        return 0
+    summary["command"] = " ".join(["python", "decode.py", *sys.argv[1:]]) if sys.argv else ""
+    if writer:
+        print(format_summary(summary))
+        if args.summary:
+            with open(args.summary, "w") as f:
+                json.dump(summary, f, indent=2)
+    return 0
+
+
+def _with_generation_eos(opts, cfg, model_dir):
+    """The model's EOS ids: config.json's, plus generation_config.json's when present."""
+    import dataclasses
+    from pathlib import Path
+    ids = list(cfg.eos_ids)
+    gc = Path(model_dir) / "generation_config.json"
+    if gc.is_file():
+        e = json.loads(gc.read_text()).get("eos_token_id")
+        ids += [e] if isinstance(e, int) else list(e or [])
+    return dataclasses.replace(opts, eos_ids=tuple(dict.fromkeys(ids)))
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"{s['rows']} prompts, {s['tokens']} tokens generated in {s['seconds']:.3f} s "
+             f"(+ {s['compile_seconds']:.1f} s compilation)",
+             f"{s['mode']}: {s['tokens_per_s']:.1f} tokens/s, {s['tokens_per_forward']:.3f} tokens per forward "
+             f"({s['nfe']} forwards)"]
+    if "ar" in s:
+        a = s["ar"]
+        lines.append(f"ar:  {a['tokens_per_s']:.1f} tokens/s, {a['tokens_per_forward']:.3f} tokens per forward "
+                     f"({a['nfe']} forwards, {a['tokens']} tokens)")
+        lines.append(f"measured speedup over AR (tokens/s): {s['speedup_tokens_per_s']:.2f}x; "
+                     f"NFE ratio for the same output length: {s['tokens_per_forward']:.2f}x; "
+                     f"rows identical to AR: {100 * s['same_tokens_as_ar']:.0f}%")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

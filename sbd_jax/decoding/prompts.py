@@ -1,0 +1,185 @@
+"""Prompt files, tokenizer / chat template, and the streamed, resumable output file of decode.py.
+
+Input: JSON lines, one object per prompt:
+  {"id": ..., "prompt": "text"}              text, tokenized with the model dir's tokenizer.json
+  {"id": ..., "prompt_ids": [1, 2, 3]}       token ids as is
+  {"id": ..., "messages": [{"role": "user", "content": "..."}]}   chat: the tokenizer's chat template
+  {"id": ..., "prompt": "text", "chat": true}                    text as one user message (or --chat)
+"id" is optional (default: the line number) and must be unique. Blank lines are skipped.
+
+Output: one JSON object per completed prompt, written with a single write + flush, so a killed run
+leaves at most one partial last line; `open_output(resume=True)` cuts that partial line off and
+returns the ids already written, which are then skipped.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .decoder import DecodeError
+
+
+class PromptFileError(DecodeError):
+    """An input or output file that cannot be used as asked (names the file and line)."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: object
+    line: int
+    ids: tuple[int, ...]
+
+
+class Tokenizer:
+    """`tokenizer.json` (HF `tokenizers`) + the chat template of `tokenizer_config.json` (Jinja)."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        from tokenizers import Tokenizer as HFTokenizer
+        d = Path(model_dir)
+        self.tok = HFTokenizer.from_file(str(d / "tokenizer.json"))
+        conf = {}
+        if (d / "tokenizer_config.json").is_file():
+            conf = json.loads((d / "tokenizer_config.json").read_text())
+        tmpl = conf.get("chat_template")
+        if isinstance(tmpl, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in tmpl}
+            tmpl = named.get("default") or next(iter(named.values()), None)
+        if tmpl is None and (d / "chat_template.jinja").is_file():
+            tmpl = (d / "chat_template.jinja").read_text()
+        self.chat_template = tmpl
+        self.special = {k: _token_text(conf.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+
+    @staticmethod
+    def find(model_dir) -> "Tokenizer | None":
+        return Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(map(int, ids)), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not self.chat_template:
+            raise DecodeError("the prompt asks for a chat template but the tokenizer has none "
+                              "(no chat_template in tokenizer_config.json or chat_template.jinja)")
+        try:
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            raise DecodeError("chat templates need the `jinja2` package (pip install jinja2)") from None
+
+        def raise_exception(msg):
+            raise TemplateError(msg)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            text = env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                              **{k: v or "" for k, v in self.special.items()})
+        except TemplateError as e:
+            raise DecodeError(f"chat template failed: {e}") from None
+        return self.encode(text, add_special_tokens=False)  # the template writes its own BOS
+
+
+def _token_text(t):
+    return t.get("content") if isinstance(t, dict) else t
+
+
+def read_prompts(path, tokenizer: Tokenizer | None, *, chat: bool = False, vocab_size: int | None = None
+                 ) -> list[Prompt]:
+    path = Path(path)
+    if not path.is_file():
+        raise PromptFileError(f"input file {str(path)!r} does not exist")
+    prompts, seen = [], {}
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}: line {n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptFileError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise PromptFileError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            pid = row.get("id", n)
+            if isinstance(pid, (dict, list)) or pid is None:
+                raise PromptFileError(f"{where}: 'id' must be a string or a number")
+            if pid in seen:
+                raise PromptFileError(f"{where}: duplicate id {pid!r} (first on line {seen[pid]})")
+            seen[pid] = n
+            ids = _row_ids(row, tokenizer, chat, where)
+            if not ids:
+                raise PromptFileError(f"{where}: the prompt is empty (0 tokens)")
+            if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
+                raise PromptFileError(f"{where}: token ids must be in [0, {vocab_size})")
+            prompts.append(Prompt(pid, n, tuple(ids)))
+    if not prompts:
+        raise PromptFileError(f"input file {str(path)!r} holds no prompts (empty)")
+    return prompts
+
+
+def _row_ids(row: dict, tokenizer: Tokenizer | None, chat: bool, where: str) -> list[int]:
+    kinds = [k for k in ("prompt", "prompt_ids", "messages") if k in row]
+    if len(kinds) != 1:
+        raise PromptFileError(f"{where}: needs exactly one of 'prompt' (text), 'prompt_ids' or 'messages', "
+                              f"got keys {sorted(row)}")
+    kind = kinds[0]
+    if kind == "prompt_ids":
+        ids = row["prompt_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise PromptFileError(f"{where}: 'prompt_ids' must be a list of integers")
+        return ids
+    if tokenizer is None:
+        raise PromptFileError(f"{where}: a text prompt needs tokenizer.json in the model directory "
+                              "(or give 'prompt_ids')")
+    try:
+        if kind == "messages":
+            msgs = row["messages"]
+            if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                     for m in msgs):
+                raise PromptFileError(f"{where}: 'messages' must be a list of {{'role', 'content'}} objects")
+            return tokenizer.apply_chat_template(msgs)
+        if not isinstance(row["prompt"], str):
+            raise PromptFileError(f"{where}: 'prompt' must be a string")
+        if chat or row.get("chat") is True:
+            return tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}])
+        return tokenizer.encode(row["prompt"])
+    except PromptFileError:
+        raise
+    except DecodeError as e:
+        raise PromptFileError(f"{where}: {e}") from None
+
+
+def open_output(path, *, resume: bool, overwrite: bool) -> tuple[set, object]:
+    """Open the output for appending. Returns (ids already written, file). With `resume`, a trailing
+    partial line (a killed write) is cut off; without `resume` or `overwrite` an existing non-empty
+    file is an error (nothing is ever silently overwritten)."""
+    path = Path(path)
+    done: set = set()
+    if path.exists() and path.stat().st_size and not (resume or overwrite):
+        raise PromptFileError(f"output {str(path)!r} exists: pass --resume to continue it or --overwrite")
+    if path.exists() and resume:
+        data = path.read_bytes()
+        end = data.rfind(b"\n") + 1  # everything after the last newline is a partial line
+        if end < len(data):
+            with path.open("r+b") as f:
+                f.truncate(end)
+        for n, line in enumerate(data[:end].decode("utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                done.add(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise PromptFileError(f"{path}: line {n} is not a result line; cannot resume from this file") from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = path.open("w" if overwrite and not resume else "a", encoding="utf-8")
+    return done, f
+
+
+def write_row(f, row: dict) -> None:
+    """One complete line per write, flushed before returning (a kill mid-line is cut off on resume)."""
+    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    f.flush()

@@ -1,0 +1,155 @@
+"""decode.py end to end (in-process `main`): text / id / chat prompts, length buckets, streamed output,
+--compare-ar summary, --resume after a killed write, and the clear errors of issue 4."""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import sbd_jax
+from sbd_jax.decoding.brute import brute_force_generate
+from test_decoding import CFG, make_params
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import decode  # noqa: E402
+
+WORDS = ["user", "assistant"] + [f"w{i}" for i in range(60)]  # ids 0..61; 62 = [UNK], 63 = mask
+TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}" \
+           "{% if add_generation_prompt %}assistant{% endif %}"
+FLAGS = ["--block-size", "4", "--max-new-tokens", "18", "--gamma", "2.0", "--batch-size", "4",
+         "--pad-multiple", "8", "--no-progress"]
+
+
+def _write_tokenizer(d: Path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {w: i for i, w in enumerate(WORDS)} | {"[UNK]": 62, "<mask>": 63}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("decode_model") / "m"
+    sbd_jax.save_pretrained(CFG, make_params(), d)
+    _write_tokenizer(d)
+    return d
+
+
+PROMPTS = [
+    {"id": "t1", "prompt": "w1 w2 w3 w4 w5"},
+    {"id": "t2", "prompt_ids": [7, 8, 9]},
+    {"id": 3, "messages": [{"role": "user", "content": "w10 w11"}]},  # chat template -> 4 tokens
+    {"id": "t4", "prompt": "w20 w21 w22 w23 w24 w25 w26", "chat": False},
+    {"id": "t5", "prompt": "w30", "chat": True},                       # -> "user w30 assistant"
+    {"id": "t6", "prompt_ids": [1, 2, 3, 4, 5, 6, 7, 8]},
+]
+EXPECTED_IDS = {"t1": [3, 4, 5, 6, 7], "t2": [7, 8, 9], 3: [0, 12, 13, 1], "t4": list(range(22, 29)),
+                "t5": [0, 32, 1], "t6": [1, 2, 3, 4, 5, 6, 7, 8]}
+
+
+def _write_jsonl(path: Path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _read(path: Path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def first_run(model_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    inp = _write_jsonl(d / "in.jsonl", PROMPTS)
+    out = d / "out.jsonl"
+    rc = decode.main(["--model", str(model_dir), "--input", str(inp), "--output", str(out), "--compare-ar",
+                      "--summary", str(d / "summary.json"), *FLAGS])
+    assert rc == 0
+    return inp, out, json.loads((d / "summary.json").read_text())
+
+
+def test_decode_cli_outputs_and_summary(first_run, capsys):
+    inp, out, summary = first_run
+    rows = _read(out)
+    assert sorted(map(str, (r["id"] for r in rows))) == sorted(str(p["id"]) for p in PROMPTS)
+    params = make_params()
+    for r in rows:
+        ids = EXPECTED_IDS[r["id"]]
+        assert r["prompt_tokens"] == len(ids), r["id"]
+        for mode, got in (("sbd", r), ("ar", r["ar"])):
+            ref = brute_force_generate(params, CFG, np.asarray([ids + [0] * (8 - len(ids))]), [len(ids)],
+                                       max_new_tokens=18, block_size=4, gamma=2.0, mode=mode, eos_ids=())
+            assert got["tokens"] == np.asarray(ref.tokens)[0].tolist(), (r["id"], mode)
+            assert got["nfe"] == int(ref.nfe[0]) and got["n_tokens"] == 18 and got["stop"] == "length"
+        assert r["text"] == " ".join(WORDS[t] if t < 62 else "[UNK]" for t in r["tokens"])
+    assert summary["rows"] == 6 and summary["tokens"] == 6 * 18
+    assert summary["ar"]["nfe"] == 6 * 18 and summary["nfe"] == sum(r["nfe"] for r in rows)
+    assert 1.0 < summary["tokens_per_forward"] < 4.0
+    assert summary["speedup_tokens_per_s"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["command"].startswith("python decode.py")
+
+
+def test_decode_cli_resume_after_partial_line(first_run, model_dir, tmp_path, capsys):
+    inp, out, _ = first_run
+    full = out.read_text().splitlines(keepends=True)
+    part = tmp_path / "out.jsonl"
+    part.write_text("".join(full[:3]) + full[3][: len(full[3]) // 2])  # killed mid-line
+    rc = decode.main(["--model", str(model_dir), "--input", str(inp), "--output", str(part), "--resume",
+                      "--compare-ar", *FLAGS])
+    assert rc == 0
+    assert "3 of 6 prompts already" in capsys.readouterr().err
+    text = part.read_text()
+    assert text.endswith("\n")
+    got = {str(r["id"]): r for r in _read(part)}  # every line parses: no half line left
+    assert len(got) == 6 and len(text.splitlines()) == 6
+    want = {str(r["id"]): r for r in _read(out)}
+    assert got == want  # same results as the uninterrupted run (greedy, per-id keys)
+    # everything done: nothing to decode
+    assert decode.main(["--model", str(model_dir), "--input", str(inp), "--output", str(part), "--resume",
+                        *FLAGS]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    # an existing output without --resume / --overwrite is refused
+    assert decode.main(["--model", str(model_dir), "--input", str(inp), "--output", str(part), *FLAGS]) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def _err(capsys, argv):
+    rc = decode.main(argv)
+    assert rc == 2
+    return capsys.readouterr().err
+
+
+def test_decode_cli_errors(model_dir, tmp_path, capsys):
+    out = str(tmp_path / "o.jsonl")
+    base = ["--model", str(model_dir), "--output", out, "--no-progress"]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    assert "holds no prompts (empty)" in _err(capsys, base + ["--input", str(empty)])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "prompt": "w1"}\n{"id": 2, "prompt": \n')
+    assert "line 2: not valid JSON" in _err(capsys, base + ["--input", str(bad)])
+    nokey = _write_jsonl(tmp_path / "nokey.jsonl", [{"id": 1, "text": "w1"}])
+    assert "line 1: needs exactly one of 'prompt'" in _err(capsys, base + ["--input", str(nokey)])
+    good = _write_jsonl(tmp_path / "good.jsonl", PROMPTS[:2])
+    assert "gamma must be >= 0" in _err(capsys, base + ["--input", str(good), "--gamma", "-0.5"])
+    assert "block_size must be >= 1" in _err(capsys, base + ["--input", str(good), "--block-size", "0"])
+    long = _write_jsonl(tmp_path / "long.jsonl", [{"id": "big", "prompt_ids": [1] * 120}])
+    msg = _err(capsys, base + ["--input", str(long), "--max-new-tokens", "18"])
+    assert "prompt 'big' (line 1) has 120 tokens" in msg and "max_position_embeddings 128" in msg
+    oov = _write_jsonl(tmp_path / "oov.jsonl", [{"id": 1, "prompt_ids": [1, 64]}])
+    assert "line 1: token ids must be in [0, 64)" in _err(capsys, base + ["--input", str(oov)])
+    # a model without a mask token: SBD refused, AR accepted as far as option checks go
+    nomask = tmp_path / "nomask"
+    sbd_jax.save_pretrained(sbd_jax.ModelConfig(**{**CFG.__dict__, "mask_token_id": None}), make_params(), nomask)
+    assert "no mask_token_id" in _err(capsys, ["--model", str(nomask), "--output", out, "--input", str(good)])
+    # text prompt but no tokenizer in that model dir
+    assert "needs tokenizer.json" in _err(capsys, ["--model", str(nomask), "--output", out, "--input", str(good),
+                                                   "--mode", "ar"])
+    # chat requested, tokenizer without template
+    (nomask / "tokenizer.json").write_text((model_dir / "tokenizer.json").read_text())
+    chat = _write_jsonl(tmp_path / "chat.jsonl", [PROMPTS[2]])
+    assert "has none" in _err(capsys, ["--model", str(nomask), "--output", out, "--input", str(chat), "--mode", "ar"])
+    assert not Path(out).exists()  # no error left a partial output behind
