@@ -21,7 +21,7 @@ from sbd_jax.attention.pallas.tiling import compact_tiles, tile_visibility
 
 # small tiles so every test crosses several tiles; 16 is the smallest Triton-legal tile
 BLOCKS = BlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=32, decode_block_k=16,
-                    num_splits=3)
+                    decode_block_rows=16, num_splits=3)
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 
 
@@ -154,7 +154,7 @@ def test_decode_splits_do_not_change_result(num_splits):
     """One split (no merge) and more splits than visible tiles (empty splits) agree."""
     q_meta, kv_meta, _ = decode_meta([70, 3], 80, 4)
     q, k, v, w = qkv(jax.random.PRNGKey(5), 2, 8, 88, 8, 2, 16, jnp.float32)
-    blocks = BlockSizes(16, 16, 16, 16, 16, num_splits=num_splits)
+    blocks = BlockSizes(16, 16, 16, 16, 16, decode_block_rows=64, num_splits=num_splits)
     check_parity(q, k, v, w, q_meta, kv_meta, "decode", 1e-4, grads=False, blocks=blocks)
 
 
@@ -268,6 +268,6 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(PallasOptionsError, match="kernel must be"):
         pallas_attention(q, k, v, meta, meta, kernel="fast")
     with pytest.raises(PallasOptionsError, match="Triton dots need tiles >= 16"):
-        pallas_attention(q, k, v, meta, meta, backend="triton", blocks=BlockSizes(8, 8, 8, 8, 8))
+        pallas_attention(q, k, v, meta, meta, backend="triton", blocks=BlockSizes(8, 8, 8, 8, 8, 8))
     with pytest.raises(PallasOptionsError, match="power-of-two head_dim"):
         pallas_attention(q[..., :12], k[..., :12], v[..., :12], meta, meta, backend="triton")

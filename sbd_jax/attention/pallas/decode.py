@@ -6,10 +6,10 @@ slots, then the window's copy tokens), metadata [B, Tq] / [B, S]. Per-row valid 
 special argument: cache slots past a row's length carry segment 0 in kv_meta, so the exact tile
 table (`tiling`, from `sbd_mask`) drops those tiles and they are never read.
 
-One program = (row b, KV head, split s), grid (B, K, num_splits):
-  * GQA/MQA: its query block holds ALL G query heads of the KV head, as R = Tq * G rows
-    (row r = (token r // G, head r % G), padded to a power of two), so each K/V tile is read
-    once for the G heads;
+One program = (row b, KV head, split s, row tile r), grid (B, K, num_splits, nr):
+  * GQA/MQA: its query block holds the G query heads of the KV head, as rows
+    (row = (token, head): R = Tq * G rows, padded to a power-of-two tile `decode_block_rows`),
+    so a K/V tile is read once for all G heads (once per row tile when Tq * G exceeds a tile);
   * flash-decoding: a row's visible key tiles (a compact list) are divided evenly between the
     splits, so batch 1 still gives K * num_splits programs and ragged lengths stay balanced;
   * each split writes a normalised partial output and its log-sum-exp; XLA merges the splits.
@@ -36,8 +36,8 @@ from .tiling import compact_tiles, pack_meta, pad_meta, tile_visibility
 
 def _decode_kernel(tab_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, o_ref, lse_ref, *, scale,
                    block_k, num_splits, kv_len):
-    q = q_ref[...]  # [R, D]
-    qf = meta_all(qm_ref)  # 4 x [R]
+    q = q_ref[...]  # [br, D]
+    qf = meta_all(qm_ref)  # 4 x [br]
     cnt = tab_ref[0]
     per = lax.div(cnt + (num_splits - 1), num_splits)
     lo = jnp.minimum(pl.program_id(2) * per, cnt)
@@ -96,7 +96,9 @@ def decode_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasO
     tab = compact_tiles(tile_visibility(q_meta, kv_meta, Tq, bk)[:, 0])
     P = tab.shape[-1]
 
-    R = max(16, next_pow2(Tq * G))
+    br = min(opts.blocks.decode_block_rows, max(16, next_pow2(Tq * G)))
+    nr = -(-Tq * G // br)
+    R = nr * br
     q_rows = q.reshape(B, Tq, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, Tq * G, D)
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, R - Tq * G), (0, 0)])
     row_meta = TokenMeta(*(jnp.repeat(jnp.asarray(f, jnp.int32), G, axis=1) for f in q_meta))
@@ -105,24 +107,23 @@ def decode_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasO
 
     o_part, lse_part = pl.pallas_call(
         functools.partial(_decode_kernel, scale=opts.scale, block_k=bk, num_splits=ns, kv_len=S),
-        grid=(B, K, ns),
+        grid=(B, K, ns, nr),
         in_specs=[
-            pl.BlockSpec((None, P), lambda b, h, s: (b, 0)),
-            pl.BlockSpec((None, None, R, D), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, S, None, D), lambda b, h, s: (b, 0, h, 0)),
-            pl.BlockSpec((None, S, None, D), lambda b, h, s: (b, 0, h, 0)),
-            pl.BlockSpec((None, 4, R), lambda b, h, s: (b, 0, 0)),
-            pl.BlockSpec((None, 4, S), lambda b, h, s: (b, 0, 0)),
+            pl.BlockSpec((None, P), lambda b, h, s, r: (b, 0)),
+            pl.BlockSpec((None, None, br, D), lambda b, h, s, r: (b, h, r, 0)),
+            pl.BlockSpec((None, S, None, D), lambda b, h, s, r: (b, 0, h, 0)),
+            pl.BlockSpec((None, S, None, D), lambda b, h, s, r: (b, 0, h, 0)),
+            pl.BlockSpec((None, 4, br), lambda b, h, s, r: (b, 0, r)),
+            pl.BlockSpec((None, 4, S), lambda b, h, s, r: (b, 0, 0)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, R, D), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, br, D), lambda b, h, s, r: (b, h, s, r, 0)),
+            pl.BlockSpec((None, None, None, br), lambda b, h, s, r: (b, h, s, r)),
         ],
         out_shape=[jax.ShapeDtypeStruct((B, K, ns, R, D), jnp.float32),
                    jax.ShapeDtypeStruct((B, K, ns, R), jnp.float32)],
         name="sbd_flash_decode",
-        **call_kwargs(opts.backend, opts.blocks,
-                      dimension_semantics=("parallel", "parallel", "parallel")),
+        **call_kwargs(opts.backend, opts.blocks),
     )(tab, q_rows, k, v, qm, km)
 
     o, lse = merge_splits(o_part, lse_part)  # [B, K, R, D], [B, K, R]

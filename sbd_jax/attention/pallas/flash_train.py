@@ -94,8 +94,7 @@ def train_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOp
         out_shape=[jax.ShapeDtypeStruct((B, Tqp, H, D), q.dtype),
                    jax.ShapeDtypeStruct((B, H, Tqp), jnp.float32)],
         name="sbd_flash_fwd",
-        **call_kwargs(opts.backend, opts.blocks,
-                      dimension_semantics=("parallel", "parallel", "parallel")),
+        **call_kwargs(opts.backend, opts.blocks),
     )(tab, qp, kp, vp, qm, km)
     return o[:, :Tq], lse[:, :, :Tq]
 
@@ -172,7 +171,7 @@ def train_backward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, o, lse, do,
     deltap = jnp.pad(delta, [(0, 0), (0, 0), (0, Tqp - Tq)])
     qmp, kmp = pad_meta(q_meta, Tqp), pad_meta(kv_meta, Tkp)
     qm, km = pack_meta(qmp), pack_meta(kmp)
-    kw = call_kwargs(opts.backend, blk, dimension_semantics=("parallel", "parallel", "parallel"))
+    kw = call_kwargs(opts.backend, blk)
     kv_head = lambda h: lax.div(h, G)
 
     tab_q = tile_lists(qmp, kmp, bq, bk)  # [B, nq, P]

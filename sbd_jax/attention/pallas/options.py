@@ -5,7 +5,7 @@ The backend is chosen from `jax.default_backend()` unless given explicitly:
   "gpu" -> compiled with the *Triton* lowering, selected explicitly by passing
            `jax.experimental.pallas.triton.CompilerParams` (in jax 0.11.x a GPU pallas_call without
            compiler params is also lowered through Triton; Mosaic GPU needs its own kernel style);
-  "tpu" -> compiled with Mosaic TPU (`pltpu.CompilerParams`).
+  "tpu" -> not supported yet (clear error; see below).
 
 HONEST STATUS (no GPU or TPU was available to the session that wrote this):
   * interpret mode: run and tested against the reference attention (tests/test_pallas_*.py);
@@ -41,14 +41,21 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+TILE_FIELDS = ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "decode_block_k",
+               "decode_block_rows")
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes (all powers of two).
 
     block_q / block_k:           training forward and dq kernels (query tile x key tile)
     block_q_dkv / block_k_dkv:   dk/dv kernel
-    decode_block_k:              decode kernel key tile (its query tile is the whole window x
-                                 the query heads of one KV head)
+    decode_block_k:              decode kernel key tile
+    decode_block_rows:           decode kernel query tile, in rows of (window token, query head
+                                 of the KV head); the window's Tq * G rows are split into tiles
+                                 of this size (one K/V read per tile: keep Tq * G <= this when
+                                 registers allow, e.g. 2k = 32 tokens x G = 4 heads = 128)
     num_splits:                  decode: programs per (row, KV head) along the cache
                                  (flash-decoding); None = chosen from batch, heads and device
     num_warps / num_stages:      Triton only
@@ -59,12 +66,13 @@ class BlockSizes:
     block_q_dkv: int = 64
     block_k_dkv: int = 64
     decode_block_k: int = 64
+    decode_block_rows: int = 128
     num_splits: int | None = None
     num_warps: int = 4
     num_stages: int = 2
 
     def __post_init__(self):
-        for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "decode_block_k"):
+        for f in TILE_FIELDS:
             v = getattr(self, f)
             if not isinstance(v, int) or not _is_pow2(v):
                 raise PallasOptionsError(f"{f} must be a power of two, got {v!r}")
@@ -75,11 +83,10 @@ class BlockSizes:
 # Per-backend defaults. GPU/TPU values are starting points, NOT tuned (no device was available).
 DEFAULT_BLOCKS = {
     "interpret": BlockSizes(block_q=32, block_k=32, block_q_dkv=32, block_k_dkv=32,
-                            decode_block_k=32, num_splits=2),
+                            decode_block_k=32, decode_block_rows=64, num_splits=2),
     "triton": BlockSizes(block_q=64, block_k=64, block_q_dkv=64, block_k_dkv=64,
-                         decode_block_k=64, num_splits=None, num_warps=4, num_stages=2),
-    "tpu": BlockSizes(block_q=128, block_k=128, block_q_dkv=128, block_k_dkv=128,
-                      decode_block_k=128, num_splits=None),
+                         decode_block_k=64, decode_block_rows=128, num_splits=None,
+                         num_warps=4, num_stages=2),
 }
 
 
@@ -131,21 +138,16 @@ def default_backend() -> str:
     raise PallasOptionsError(f"no Pallas backend for platform {plat!r}; pass backend='interpret'")
 
 
-def call_kwargs(backend: str, blocks: BlockSizes, *, dimension_semantics=None) -> dict:
-    """`interpret=` / `compiler_params=` arguments of pl.pallas_call for `backend`."""
+def call_kwargs(backend: str, blocks: BlockSizes) -> dict:
+    """`interpret=` / `compiler_params=` arguments of pl.pallas_call for `backend`. Passing the
+    Triton CompilerParams selects the Triton lowering explicitly (not Mosaic GPU)."""
     if backend == "interpret":
         return {"interpret": True}
     if backend == "triton":
         from jax.experimental.pallas import triton as plgpu
         return {"compiler_params": plgpu.CompilerParams(num_warps=blocks.num_warps,
                                                         num_stages=blocks.num_stages)}
-    if backend == "tpu":
-        from jax.experimental.pallas import tpu as pltpu
-        kw = {}
-        if dimension_semantics is not None:
-            kw["dimension_semantics"] = dimension_semantics
-        return {"compiler_params": pltpu.CompilerParams(**kw)}
-    raise PallasOptionsError(f"unknown backend {backend!r}")
+    raise PallasOptionsError(f"no Pallas kernels for backend {backend!r}")
 
 
 def check_head_dim(backend: str, head_dim: int) -> None:
@@ -157,6 +159,6 @@ def check_head_dim(backend: str, head_dim: int) -> None:
 def check_triton_blocks(backend: str, blocks: BlockSizes) -> None:
     if backend != "triton":
         return
-    for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "decode_block_k"):
+    for f in TILE_FIELDS:
         if getattr(blocks, f) < 16:
             raise PallasOptionsError(f"Triton dots need tiles >= 16, got {f}={getattr(blocks, f)}")
