@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from sbd_jax.attention import block_starts, clean_meta, concat_meta, copy_meta
-from sbd_jax.attention.pallas import DEFAULT_BLOCKS, pallas_attention
+from sbd_jax.attention.pallas import DEFAULT_BLOCKS, pallas_attention, pallas_attention_parts
 
 H100 = AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -61,6 +61,24 @@ def test_decode_kernel_lowers_to_triton(B, k, S):
     fn = lambda q, k, v, qm, km: pallas_attention(q, k, v, qm, km, backend="triton")
     text = lower_for_h100(fn, q, kv, kv, q_meta, kv_meta)
     assert text.count(TRITON_CALL) == 1 and "sbd_flash_decode" in text
+
+
+def test_decode_over_cache_and_window_parts_lowers_to_triton():
+    B, k, S = 4, 16, 8192
+    T = 2 * k
+    pos = np.full((B, 1), S // 2) + np.arange(T)[None]
+    q_meta = concat_meta(clean_meta(np.ones((B, k)), pos[:, :k]),
+                         copy_meta(np.ones((B, k)), pos[:, k:], pos[:, k:k + 1].repeat(k, 1)))
+    slot = np.broadcast_to(np.arange(S), (B, S))
+    cache_meta = clean_meta((slot < S // 2 + k).astype(np.int32), slot)
+    win_meta = q_meta._replace(segment=np.where(q_meta.stream == 0, 0, 1))
+    q, cache = llama8b_qkv(B, T, S)
+    _, win = llama8b_qkv(B, T, T)
+    fn = lambda q, ck, cv, wk, wv, cm, wm, qm: pallas_attention_parts(
+        q, [(ck, cv, cm), (wk, wv, wm)], qm, backend="triton")
+    text = lower_for_h100(fn, q, cache, cache, win, win, cache_meta, win_meta, q_meta)
+    assert text.count(TRITON_CALL) == 2  # one launch per part
+    assert f"tensor<{B}x{S + T}x8x128xbf16>" not in text  # the cache is never copied/concatenated
 
 
 def test_triton_defaults_are_triton_legal():

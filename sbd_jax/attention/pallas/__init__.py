@@ -16,9 +16,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..mask import TokenMeta
-from .decode import decode_forward
+from .decode import decode_forward, decode_forward_parts
 from .flash_train import train_backward, train_forward
 from .options import (DEFAULT_BLOCKS, BlockSizes, PallasOptions, PallasOptionsError,
                       check_head_dim, check_triton_blocks)
@@ -59,6 +60,36 @@ def _sbd_attention_bwd(opts, res, do):
 
 
 _sbd_attention.defvjp(_sbd_attention_fwd, _sbd_attention_bwd)
+
+
+def _concat_parts(parts):
+    k = jnp.concatenate([p[0] for p in parts], axis=1)
+    v = jnp.concatenate([p[1] for p in parts], axis=1)
+    meta = TokenMeta(*(jnp.concatenate(fs, axis=1) for fs in zip(*(p[2] for p in parts))))
+    return k, v, meta
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _sbd_attention_parts(q, parts, q_meta, opts):
+    return decode_forward_parts(q, parts, q_meta, opts)[0]
+
+
+def _sbd_attention_parts_fwd(q, parts, q_meta, opts):
+    o, lse = decode_forward_parts(q, parts, q_meta, opts)
+    return o, (q, parts, q_meta, o, lse)
+
+
+def _sbd_attention_parts_bwd(opts, res, do):
+    # not a decoding need; correct but concatenates (the backward kernels take one K/V)
+    q, parts, q_meta, o, lse = res
+    k, v, kv_meta = _concat_parts(parts)
+    dq, dk, dv = train_backward(q, k, v, q_meta, kv_meta, o, lse, do, opts)
+    bounds = [int(x) for x in np.cumsum([p[0].shape[1] for p in parts])[:-1]]
+    dks, dvs = jnp.split(dk, bounds, axis=1), jnp.split(dv, bounds, axis=1)
+    return dq, tuple((a, b, None) for a, b in zip(dks, dvs)), None
+
+
+_sbd_attention_parts.defvjp(_sbd_attention_parts_fwd, _sbd_attention_parts_bwd)
 
 
 def _validate(q, k, v, q_meta, kv_meta):
@@ -117,6 +148,43 @@ def pallas_attention(q_BTHD, k_BSKD, v_BSKD, q_meta: TokenMeta, kv_meta: TokenMe
     return _sbd_attention(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta, opts)
 
 
-__all__ = ["BlockSizes", "DEFAULT_BLOCKS", "PallasAttentionError", "PallasOptions",
+def pallas_attention_parts(q_BTHD, kv_parts, q_meta: TokenMeta, *, kernel: str = "auto",
+                           backend: str | None = None, blocks: BlockSizes | None = None,
+                           scale: float | None = None, options: PallasOptions | None = None):
+    """`pallas_attention` over keys/values given as parts of one sequence, WITHOUT concatenating
+    them: kv_parts = [(k_BSKD, v_BSKD, kv_meta), ...] means k = concat(k_i), kv_meta =
+    concat(meta_i) along time. Meant for decoding: [(cache_k, cache_v, cache_meta),
+    (window_k, window_v, window_key_meta)] reads the cache in place instead of copying it into
+    a concatenated array every layer. The decode kernel runs once per part and the partial
+    softmaxes are merged. If the shapes call for the training kernel (long prefill), the parts
+    are concatenated and `pallas_attention` is used.
+    """
+    if options is None:
+        options = PallasOptions(kernel=kernel, backend=backend, blocks=blocks, scale=scale)
+    elif (kernel, backend, blocks, scale) != ("auto", None, None, None):
+        raise PallasOptionsError("pass either `options` or the individual keywords, not both")
+    kv_parts = tuple(tuple(p) for p in kv_parts)
+    if not kv_parts or any(len(p) != 3 for p in kv_parts):
+        raise PallasAttentionError("kv_parts must be a non-empty sequence of (k, v, kv_meta)")
+    for k, v, m in kv_parts:
+        _validate(q_BTHD, k, v, q_meta, m)
+    if len({p[0].shape[2] for p in kv_parts}) != 1:
+        raise PallasAttentionError("all kv_parts must have the same number of kv heads")
+    Tk = sum(p[0].shape[1] for p in kv_parts)
+    opts = options.resolved()
+    if choose_kernel(q_BTHD.shape[1], Tk, opts) == "train":
+        k, v, m = _concat_parts(kv_parts)
+        return pallas_attention(q_BTHD, k, v, q_meta, m, options=options)
+    D = q_BTHD.shape[-1]
+    if opts.scale is None:
+        opts = dataclasses.replace(opts, scale=float(D) ** -0.5)
+    check_head_dim(opts.backend, D)
+    check_triton_blocks(opts.backend, opts.blocks)
+    as_meta = lambda m: TokenMeta(*(jnp.asarray(f, jnp.int32) for f in m))
+    kv_parts = tuple((k, v, as_meta(m)) for k, v, m in kv_parts)
+    return _sbd_attention_parts(q_BTHD, kv_parts, as_meta(q_meta), opts)
+
+
+__all__ = ["pallas_attention_parts", "BlockSizes", "DEFAULT_BLOCKS", "PallasAttentionError", "PallasOptions",
            "PallasOptionsError", "choose_kernel", "decode_forward", "pallas_attention",
            "train_backward", "train_forward"]

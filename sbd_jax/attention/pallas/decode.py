@@ -79,35 +79,38 @@ def merge_splits(o_part, lse_part):
     return o, jnp.squeeze(m, -2) + jnp.log(tot)
 
 
-def decode_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOptions):
-    """-> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
+def _query_rows(q, q_meta: TokenMeta, K: int, opts: PallasOptions):
+    """[B, Tq, H, D] -> rows [B, K, R, D] (row = (token, head of the KV head)), packed row
+    metadata [B, 4, R], row tile br (R = a multiple of br)."""
     B, Tq, H, D = q.shape
-    S, K = k.shape[1], k.shape[2]
     G = H // K
+    br = min(opts.blocks.decode_block_rows, max(16, next_pow2(Tq * G)))
+    R = -(-Tq * G // br) * br
+    q_rows = q.reshape(B, Tq, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, Tq * G, D)
+    q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, R - Tq * G), (0, 0)])
+    row_meta = TokenMeta(*(jnp.repeat(jnp.asarray(f, jnp.int32), G, axis=1) for f in q_meta))
+    return q_rows, pack_meta(pad_meta(row_meta, R)), br
+
+
+def _partials(q_rows, qm, br, q_meta: TokenMeta, k, v, kv_meta: TokenMeta, opts: PallasOptions):
+    """One kernel launch over one K/V part -> per-split (o_part [B, K, ns, R, D] normalised,
+    lse_part [B, K, ns, R])."""
+    B, K, R, D = q_rows.shape
+    S = k.shape[1]
     bk = opts.blocks.decode_block_k
-    if S < bk:  # tiny cache: pad (cheap); otherwise K/V are read in place
+    if S < bk:  # tiny part (e.g. the window's keys): pad (cheap); big ones are read in place
         pad = [(0, 0), (0, bk - S), (0, 0), (0, 0)]
         k, v, kv_meta, S = jnp.pad(k, pad), jnp.pad(v, pad), pad_meta(kv_meta, bk), bk
     nk = -(-S // bk)
     ns = opts.blocks.num_splits or auto_num_splits(B, K, nk)
     ns = max(1, min(ns, nk))
-
     # the whole window is one query tile: [B, 1, nk] -> compact list [B, P]
-    tab = compact_tiles(tile_visibility(q_meta, kv_meta, Tq, bk)[:, 0])
+    tab = compact_tiles(tile_visibility(q_meta, kv_meta, q_meta.segment.shape[1], bk)[:, 0])
     P = tab.shape[-1]
-
-    br = min(opts.blocks.decode_block_rows, max(16, next_pow2(Tq * G)))
-    nr = -(-Tq * G // br)
-    R = nr * br
-    q_rows = q.reshape(B, Tq, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, Tq * G, D)
-    q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, R - Tq * G), (0, 0)])
-    row_meta = TokenMeta(*(jnp.repeat(jnp.asarray(f, jnp.int32), G, axis=1) for f in q_meta))
-    qm = pack_meta(pad_meta(row_meta, R))  # [B, 4, R]
     km = pack_meta(kv_meta)  # [B, 4, S]
-
-    o_part, lse_part = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_decode_kernel, scale=opts.scale, block_k=bk, num_splits=ns, kv_len=S),
-        grid=(B, K, ns, nr),
+        grid=(B, K, ns, R // br),
         in_specs=[
             pl.BlockSpec((None, P), lambda b, h, s, r: (b, 0)),
             pl.BlockSpec((None, None, br, D), lambda b, h, s, r: (b, h, r, 0)),
@@ -126,7 +129,25 @@ def decode_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasO
         **call_kwargs(opts.backend, opts.blocks),
     )(tab, q_rows, k, v, qm, km)
 
+
+def decode_forward_parts(q, parts, q_meta: TokenMeta, opts: PallasOptions):
+    """Attention over the concatenation of K/V parts without concatenating them: parts =
+    ((k [B, S_i, K, D], v, kv_meta [B, S_i]), ...), e.g. (cache, window keys). Each part is one
+    kernel launch; all their splits are merged by log-sum-exp.
+    -> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
+    B, Tq, H, D = q.shape
+    K = parts[0][0].shape[2]
+    G = H // K
+    q_rows, qm, br = _query_rows(q, q_meta, K, opts)
+    outs = [_partials(q_rows, qm, br, q_meta, k, v, m, opts) for k, v, m in parts]
+    o_part = jnp.concatenate([o for o, _ in outs], axis=2)
+    lse_part = jnp.concatenate([l for _, l in outs], axis=2)
     o, lse = merge_splits(o_part, lse_part)  # [B, K, R, D], [B, K, R]
     o = o[:, :, :Tq * G].reshape(B, K, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, H, D)
     lse = lse[:, :, :Tq * G].reshape(B, K, Tq, G).transpose(0, 1, 3, 2).reshape(B, H, Tq)
     return o.astype(q.dtype), lse
+
+
+def decode_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOptions):
+    """-> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
+    return decode_forward_parts(q, ((k, v, kv_meta),), q_meta, opts)
