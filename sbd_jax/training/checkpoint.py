@@ -55,6 +55,12 @@ class Checkpointer:
         s = out["state"]
         return TrainState(s["step"], s["params"], s["opt_state"], s["rng"]), dict(out["data"])
 
+    def restore_data(self, step: int | None = None) -> dict:
+        """Only the data iterator position saved with `step` (default: the latest)."""
+        step = self.latest_step() if step is None else step
+        out = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
+        return dict(out["data"])
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 

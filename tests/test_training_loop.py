@@ -1,0 +1,186 @@
+"""The training loop end to end on CPU (tiny Llama, tiny local corpus + tokenizer.json):
+overfitting (both losses fall), 2N straight steps == N steps, stop, resume N steps (params and data
+order identical), a SIGKILLed train.py leaves a complete checkpoint and resumes to the same result,
+the HF export loads in `transformers`, and train.py's errors."""
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from tokenizers.processors import TemplateProcessing
+
+import sbd_jax
+from sbd_jax.models import causal_meta
+from sbd_jax.training.checkpoint import Checkpointer
+from sbd_jax.training.config import load_train_config
+from sbd_jax.training.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECIALS = ["<pad>", "<s>", "</s>", "<m>", "<unk>"]
+CORPUS = ["the quick brown fox jumps over the lazy dog",
+          "a red sun rises over the quiet blue sea",
+          "my old cat sleeps on the warm soft mat",
+          "one two three four five six seven eight nine ten",
+          "green trees grow tall near the cold river bank",
+          "she reads a long book by the bright window"]
+STEPS, HALF = 40, 20
+
+
+def _write_inputs(d: Path) -> Path:
+    words = sorted({w for s in CORPUS for w in s.split()})
+    vocab = {t: i for i, t in enumerate(SPECIALS + words)}
+    tk = HFTokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = WhitespaceSplit()
+    tk.add_special_tokens(SPECIALS)
+    tk.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    (d / "tok").mkdir()
+    tk.save(str(d / "tok" / "tokenizer.json"))
+    (d / "tok" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    (d / "train.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in CORPUS * 4))
+    cfg = {
+        "model": {"config": {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0,
+                             "mask_token_id": 3, "eos_token_id": 2, "bos_token_id": 1}},
+        "data": {"path": str(d / "train.jsonl"), "tokenizer": str(d / "tok"), "seq_len": 32, "seed": 0},
+        "sbd": {"k_max": 8},
+        "optim": {"lr": 1e-2, "warmup_steps": 5, "weight_decay": 0.0},
+        "checkpoint": {"every": 10, "keep": 2},
+        "steps": STEPS, "batch_size": 8, "seed": 0, "log_every": 1, "progress": False,
+    }
+    (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    return d / "cfg.yaml"
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    d = tmp_path_factory.mktemp("loop")
+    cfg_path = _write_inputs(d)
+    cfg = load_train_config(cfg_path, [f"out_dir={d / 'straight'}"])
+    res = train(cfg)
+    return d, cfg_path, res
+
+
+def _leaves(params):
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(params))]
+
+
+def _per_step(history, keys=("ntp_tokens", "matp_tokens", "k", "tokens", "loss")):
+    return [tuple(h[k] for k in keys) for h in history]
+
+
+def test_tiny_model_overfits_both_losses(straight):
+    _, _, res = straight
+    h = res.history
+    assert [r["step"] for r in h] == list(range(1, STEPS + 1))
+    for key in ("ntp_loss", "matp_loss"):
+        start = np.mean([r[key] for r in h[:3]])
+        end = np.mean([r[key] for r in h[-5:]])
+        assert end < 0.5 * start, (key, start, end)
+    assert all(2 <= r["k"] <= 8 for r in h) and len({r["k"] for r in h}) > 3
+    lines = (res.out_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == STEPS and {"loss", "ntp_loss", "matp_loss", "tokens_per_s", "lr"} <= set(json.loads(lines[0]))
+
+
+def test_stop_and_resume_is_identical(straight):
+    d, cfg_path, res = straight
+    cfg = load_train_config(cfg_path, [f"out_dir={d / 'resumed'}"])
+    first = train(cfg, stop_after=HALF)
+    assert first.step == HALF and first.hf_dir is None
+    ck = Checkpointer(d / "resumed" / "checkpoints")
+    assert ck.all_steps() == [10, 20]  # every 10 steps, keep 2
+    second = train(cfg)
+    assert second.resumed_from == HALF and second.step == STEPS
+    assert _per_step(first.history + second.history) == _per_step(res.history)  # same data order and masks
+    for a, b in zip(_leaves(res.params), _leaves(second.params)):
+        np.testing.assert_array_equal(a, b)
+    # the final data position and optimizer state were restored and advanced identically
+    a, b = (Checkpointer(d / name / "checkpoints") for name in ("straight", "resumed"))
+    assert a.latest_step() == b.latest_step() == STEPS
+    assert a.restore_data() == b.restore_data() and a.restore_data()["rows"] == STEPS * 8
+
+
+def test_sigkill_leaves_complete_checkpoint_and_resume_matches(straight):
+    d, cfg_path, res = straight
+    out = d / "killed"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config", str(cfg_path), f"out_dir={out}",
+                             "checkpoint.every=1", "checkpoint.keep=3", "progress=true"],
+                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    ckdir = out / "checkpoints"
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            steps = [int(p.name) for p in ckdir.glob("*") if p.name.isdigit()] if ckdir.exists() else []
+            if steps and max(steps) >= 6:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "train.py ended before it could be killed:\n" + proc.stderr.read().decode()[-3000:]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    killed_at = Checkpointer(ckdir).latest_step()
+    assert killed_at is not None and 6 <= killed_at < STEPS
+    # what a kill in the middle of a save leaves behind: orbax's temporary directory, never a `<step>`
+    partial = ckdir / f"{killed_at + 1}.orbax-checkpoint-tmp-1700000000000000"
+    (partial / "state").mkdir(parents=True, exist_ok=True)
+    (partial / "state" / "half_written").write_bytes(b"\0" * 100)
+    assert Checkpointer(ckdir).latest_step() == killed_at
+    cfg = load_train_config(cfg_path, [f"out_dir={out}", "checkpoint.every=1", "checkpoint.keep=3"])
+    resumed = train(cfg)  # restores the latest *complete* checkpoint (a half-written one is ignored)
+    assert resumed.resumed_from == killed_at and resumed.step == STEPS
+    assert _per_step(resumed.history) == _per_step(res.history[killed_at:])
+    for a, b in zip(_leaves(res.params), _leaves(resumed.params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_hf_export_loads_in_transformers(straight, hf_ref):
+    _, _, res = straight
+    assert res.hf_dir is not None and (res.hf_dir / "config.json").is_file()
+    cfg, params = sbd_jax.from_pretrained(res.hf_dir)
+    assert cfg.mask_token_id == 3 and cfg.vocab_size == 64
+    for a, b in zip(_leaves(res.params), _leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    tokens = np.array([[1, 10, 20, 30, 5, 6, 7, 8]], np.int32)
+    ours, _ = jax.jit(sbd_jax.forward, static_argnums=1)(params, cfg, tokens, causal_meta(np.array([8]), 8))
+    ref = hf_ref.logits(res.hf_dir, tokens)
+    assert np.abs(np.asarray(ours) - ref).max() <= 1e-4
+
+
+# ---------------------------------------------------------------------------------------------- CLI errors
+
+
+def _main():
+    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.learning_rate=1"], "unknown config key(s) ['learning_rate'] in TrainConfig.optim"),
+    (["data.seq_len=6"], "data.seq_len (6) is shorter than sbd.k_max (8)"),
+    (["mesh.fsdp=2"], "does not divide the 1 devices"),
+    (["data.text_field=body", "data.mode=text"], "data.text_field 'body' is not a column"),
+    (["data.min_doc_tokens=100"], "has no usable rows"),
+    (["model.config.mask_token_id=null"], "the model has no mask token id"),
+])
+def test_train_py_clear_errors(straight, tmp_path, capsys, overrides, message):
+    _, cfg_path, _ = straight
+    rc = _main()(["--config", str(cfg_path), f"out_dir={tmp_path / 'x'}", *overrides])
+    assert rc == 2
+    assert message in capsys.readouterr().err
