@@ -27,32 +27,55 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from sbd_jax.attention import (block_starts, clean_meta, concat_meta, copy_meta,  # noqa: E402
-                               dense_mask, reference_attention)
-from sbd_jax.attention.pallas import pallas_attention  # noqa: E402
-from sbd_jax.attention.pallas.tiling import tile_visibility  # noqa: E402
+from sbd_jax.attention import (
+    block_starts,
+    clean_meta,
+    concat_meta,
+    copy_meta,
+    dense_mask,
+    reference_attention,
+)
+from sbd_jax.attention.pallas import pallas_attention, pallas_attention_parts
+from sbd_jax.attention.pallas.tiling import tile_visibility
 
 H, K, D = 32, 8, 128
 DTYPE = jnp.bfloat16
 
 
-def timeit(fn, *args, reps=10, warmup=2):
+LAST = {}  # name -> last output of the timed function (for the error column)
+
+
+def timeit(fn, *args, reps=10, warmup=2, name=None):
     """Median wall time (s) of a jitted call, after compile + warmup; None + reason on failure."""
     try:
         for _ in range(warmup):
-            jax.block_until_ready(fn(*args))
+            out = jax.block_until_ready(fn(*args))
         ts = []
         for _ in range(reps):
             t = time.perf_counter()
-            jax.block_until_ready(fn(*args))
+            out = jax.block_until_ready(fn(*args))
             ts.append(time.perf_counter() - t)
+        if name:
+            LAST[name] = out
         return statistics.median(ts), ""
-    except Exception as e:  # OOM or unsupported: reported in the table, not fatal
+    except (jax.errors.JaxRuntimeError, ValueError, NotImplementedError, TypeError) as e:
+        # out of memory, or a baseline that does not support the shape: a table cell, not fatal
+        if name:
+            LAST.pop(name, None)
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+
+
+def rel_err(a, b):
+    """max |a - b| / max |b| over all leaves, or 'n/a' when either output is missing."""
+    if a is None or b is None:
+        return "n/a"
+    la = [np.asarray(x, np.float32) for x in jax.tree.leaves(a)]
+    lb = [np.asarray(x, np.float32) for x in jax.tree.leaves(b)]
+    return f"{max(np.abs(x - y).max() / max(np.abs(y).max(), 1e-30) for x, y in zip(la, lb)):.1e}"
 
 
 def copy_bandwidth(gib=2.0):
@@ -67,20 +90,22 @@ def copy_bandwidth(gib=2.0):
 
 
 def decode_case(B, k, S, rng):
+    """Full cache of S slots (the window's clean block fills the last k of them) + the window's
+    2k queries; returns (cache part, window part, q, q_meta) and the K/V bytes a kernel must read."""
     T = 2 * k
-    lengths = np.full((B,), S - T)  # full cache: the window's clean block fills the last slots
-    pos = lengths[:, None] + np.arange(T)[None]
+    lengths = np.full((B,), S - k)  # after the window's clean block is written
+    pos = (lengths - k)[:, None] + np.arange(T)[None]
     q_meta = concat_meta(clean_meta(np.ones((B, k)), pos[:, :k]),
                          copy_meta(np.ones((B, k)), pos[:, k:], np.repeat(pos[:, k:k + 1], k, 1)))
     slot = np.broadcast_to(np.arange(S), (B, S))
-    kv_meta = concat_meta(clean_meta((slot < (lengths + k)[:, None]).astype(np.int32), slot),
-                          q_meta._replace(segment=jnp.where(q_meta.stream == 0, 0, 1)))
-    kq, kk, kv = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))), 3)
-    q = jax.random.normal(kq, (B, T, H, D), DTYPE)
-    kc = jax.random.normal(kk, (B, S + T, K, D), DTYPE)
-    vc = jax.random.normal(kv, (B, S + T, K, D), DTYPE)
-    read_bytes = 2 * B * int(lengths[0] + 2 * k) * K * D * jnp.dtype(DTYPE).itemsize
-    return (q, kc, vc, q_meta, kv_meta), read_bytes
+    cache_meta = clean_meta((slot < lengths[:, None]).astype(np.int32), slot)
+    win_meta = q_meta._replace(segment=jnp.where(q_meta.stream == 0, 0, 1))
+    ks = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))), 5)
+    q = jax.random.normal(ks[0], (B, T, H, D), DTYPE)
+    cache = tuple(jax.random.normal(kk, (B, S, K, D), DTYPE) for kk in ks[1:3])
+    win = tuple(jax.random.normal(kk, (B, T, K, D), DTYPE) for kk in ks[3:5])
+    read_bytes = 2 * B * (int(lengths[0]) + k) * K * D * jnp.dtype(DTYPE).itemsize
+    return (cache, cache_meta), (win, win_meta), q, q_meta, read_bytes
 
 
 def train_case(L, k, B=1):
@@ -116,29 +141,41 @@ def ratio(a, b):
 
 
 def bench_decode(batches, ks, caches, reps, copy_gib=2.0):
+    """pallas: `pallas_attention_parts` on (cache ; window keys), reading the cache in place.
+    xla_ref / sdpa: on the concatenated K/V (the concatenation itself is NOT timed)."""
     rng = np.random.default_rng(0)
     bw = copy_bandwidth(copy_gib)
     print(f"\ndevice copy bandwidth: {bw / 1e9:.0f} GB/s\n")
     print("| batch | k | cache | pallas ms | xla_ref ms | sdpa ms | pallas/xla | pallas/sdpa "
-          "| pallas GB/s | % of copy bw |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| pallas GB/s | % of copy bw | rel err vs xla |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    parts_fn = jax.jit(lambda q, ck, cv, cm, wk, wv, wm, qm: pallas_attention_parts(
+        q, [(ck, cv, cm), (wk, wv, wm)], qm))
     for B in batches:
         for k in ks:
             for S in caches:
-                args, read_bytes = decode_case(B, k, S, rng)
-                t = {name: timeit(jax.jit(fn), *args, reps=reps) for name, fn in IMPLS.items()}
+                ((ck, cv), cm), ((wk, wv), wm), q, qm, read_bytes = decode_case(B, k, S, rng)
+                t = {"pallas": timeit(parts_fn, q, ck, cv, cm, wk, wv, wm, qm, reps=reps,
+                                      name="pallas")}
+                kc, vc = jnp.concatenate([ck, wk], 1), jnp.concatenate([cv, wv], 1)
+                km = concat_meta(cm, wm)
+                for name in ("xla_ref", "sdpa"):
+                    t[name] = timeit(jax.jit(IMPLS[name]), q, kc, vc, qm, km, reps=reps, name=name)
+                del kc, vc
                 tp = t["pallas"][0]
-                gbs = read_bytes / tp / 1e9 if tp else None
+                gbs = f"{read_bytes / tp / 1e9:.0f}" if tp else "n/a"
                 pct = f"{100 * read_bytes / tp / bw:.0f}%" if tp else "n/a"
                 print(f"| {B} | {k} | {S} | {fmt_ms(*t['pallas'])} | {fmt_ms(*t['xla_ref'])} | "
                       f"{fmt_ms(*t['sdpa'])} | {ratio(tp, t['xla_ref'][0])} | "
-                      f"{ratio(tp, t['sdpa'][0])} | {gbs and f'{gbs:.0f}'} | {pct} |", flush=True)
+                      f"{ratio(tp, t['sdpa'][0])} | {gbs} | {pct} | "
+                      f"{rel_err(LAST.get('pallas'), LAST.get('xla_ref'))} |", flush=True)
+                LAST.clear()
 
 
 def bench_train(lengths, k, reps):
     print("\n| L (T = 2L) | pass | pallas ms | xla_ref ms | sdpa ms | pallas/xla | pallas/sdpa "
-          "| tiles computed |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| tiles computed | rel err vs xla |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for L in lengths:
         q, kc, vc, meta = train_case(L, k)
         frac = float(jnp.mean(tile_visibility(meta, meta, 64, 64)))
@@ -150,11 +187,13 @@ def bench_train(lengths, k, reps):
                 else:
                     f = jax.jit(jax.grad(lambda q, k, v, m, fn=fn: jnp.sum(
                         fn(q, k, v, m, m).astype(jnp.float32)), argnums=(0, 1, 2)))
-                t[name] = timeit(f, q, kc, vc, meta, reps=reps)
+                t[name] = timeit(f, q, kc, vc, meta, reps=reps, name=name)
             tp = t["pallas"][0]
             print(f"| {L} | {pass_} | {fmt_ms(*t['pallas'])} | {fmt_ms(*t['xla_ref'])} | "
                   f"{fmt_ms(*t['sdpa'])} | {ratio(tp, t['xla_ref'][0])} | "
-                  f"{ratio(tp, t['sdpa'][0])} | {100 * frac:.1f}% |", flush=True)
+                  f"{ratio(tp, t['sdpa'][0])} | {100 * frac:.1f}% | "
+                  f"{rel_err(LAST.get('pallas'), LAST.get('xla_ref'))} |", flush=True)
+            LAST.clear()
 
 
 def main(argv=None):

@@ -12,10 +12,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sbd_jax.attention import (TokenMeta, block_starts, clean_meta, concat_meta,
-                               copy_meta, dense_mask, reference_attention)
-from sbd_jax.attention.pallas import (BlockSizes, PallasAttentionError, PallasOptions,
-                                      PallasOptionsError, choose_kernel, pallas_attention)
+from sbd_jax.attention import (
+    TokenMeta,
+    block_starts,
+    clean_meta,
+    concat_meta,
+    copy_meta,
+    dense_mask,
+    reference_attention,
+)
+from sbd_jax.attention.pallas import (
+    BlockSizes,
+    PallasAttentionError,
+    PallasOptions,
+    PallasOptionsError,
+    choose_kernel,
+    pallas_attention,
+)
 from sbd_jax.attention.pallas.options import default_backend
 from sbd_jax.attention.pallas.tiling import compact_tiles, tile_visibility
 

@@ -11,7 +11,11 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from sbd_jax.attention import block_starts, clean_meta, concat_meta, copy_meta
-from sbd_jax.attention.pallas import DEFAULT_BLOCKS, pallas_attention, pallas_attention_parts
+from sbd_jax.attention.pallas import (
+    DEFAULT_BLOCKS,
+    pallas_attention,
+    pallas_attention_parts,
+)
 
 H100 = AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
 TRITON_CALL = "__gpu$xla.gpu.triton"

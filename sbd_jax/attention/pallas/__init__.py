@@ -21,8 +21,14 @@ import numpy as np
 from ..mask import TokenMeta
 from .decode import decode_forward, decode_forward_parts
 from .flash_train import train_backward, train_forward
-from .options import (DEFAULT_BLOCKS, BlockSizes, PallasOptions, PallasOptionsError,
-                      check_head_dim, check_triton_blocks)
+from .options import (
+    DEFAULT_BLOCKS,
+    BlockSizes,
+    PallasOptions,
+    PallasOptionsError,
+    check_head_dim,
+    check_triton_blocks,
+)
 
 
 class PallasAttentionError(ValueError):
@@ -185,6 +191,16 @@ def pallas_attention_parts(q_BTHD, kv_parts, q_meta: TokenMeta, *, kernel: str =
     return _sbd_attention_parts(q_BTHD, kv_parts, as_meta(q_meta), opts)
 
 
-__all__ = ["pallas_attention_parts", "BlockSizes", "DEFAULT_BLOCKS", "PallasAttentionError", "PallasOptions",
-           "PallasOptionsError", "choose_kernel", "decode_forward", "pallas_attention",
-           "train_backward", "train_forward"]
+__all__ = [
+    "DEFAULT_BLOCKS",
+    "BlockSizes",
+    "PallasAttentionError",
+    "PallasOptions",
+    "PallasOptionsError",
+    "choose_kernel",
+    "decode_forward",
+    "pallas_attention",
+    "pallas_attention_parts",
+    "train_backward",
+    "train_forward",
+]

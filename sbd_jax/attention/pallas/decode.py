@@ -28,8 +28,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..mask import TokenMeta
-from .kernel_common import (meta_all, meta_tile, online_softmax_step, softmax_finish,
-                            softmax_init, tile_mask)
+from .kernel_common import (
+    meta_all,
+    meta_tile,
+    online_softmax_step,
+    softmax_finish,
+    softmax_init,
+    tile_mask,
+)
 from .options import PallasOptions, call_kwargs, next_pow2
 from .tiling import compact_tiles, pack_meta, pad_meta, tile_visibility
 
@@ -62,10 +68,7 @@ def _decode_kernel(tab_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, o_ref, lse_ref,
 def auto_num_splits(batch: int, kv_heads: int, n_tiles: int) -> int:
     """Enough programs to fill the device (about 2 per streaming multiprocessor) but at least
     4 key tiles per split."""
-    try:
-        sms = int(getattr(jax.devices()[0], "core_count", 0)) or 132
-    except Exception:  # pragma: no cover - device query failure
-        sms = 132
+    sms = int(getattr(jax.devices()[0], "core_count", 0) or 0) or 132  # H100 SXM: 132
     want = -(-2 * sms // max(batch * kv_heads, 1))
     return max(1, min(want, n_tiles // 4 if n_tiles >= 4 else 1))
 

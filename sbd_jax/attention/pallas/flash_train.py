@@ -26,8 +26,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..mask import TokenMeta
-from .kernel_common import (dot_nn, dot_nt, dot_tn, meta_all, meta_tile, online_softmax_step,
-                            probs, softmax_finish, softmax_init, tile_mask)
+from .kernel_common import (
+    dot_nn,
+    dot_nt,
+    dot_tn,
+    meta_all,
+    meta_tile,
+    online_softmax_step,
+    probs,
+    softmax_finish,
+    softmax_init,
+    tile_mask,
+)
 from .options import PallasOptions, call_kwargs, next_pow2
 from .tiling import pack_meta, pad_meta, tile_lists
 
@@ -174,7 +184,11 @@ def train_backward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, o, lse, do,
     kw = call_kwargs(opts.backend, blk)
     kv_head = lambda h: lax.div(h, G)
 
-    tab_q = tile_lists(qmp, kmp, bq, bk)  # [B, nq, P]
+    if (bq, bk) == (bq2, bk2):  # one exact table serves both kernels
+        tab_q, tab_k = tile_lists(qmp, kmp, bq, bk, by_q=True, by_k=True)
+    else:
+        tab_q = tile_lists(qmp, kmp, bq, bk)  # [B, nq, P]
+        tab_k = tile_lists(qmp, kmp, bq2, bk2, by_q=False, by_k=True)  # [B, nk2, P2]
     P = tab_q.shape[-1]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=opts.scale, block_k=bk),
@@ -195,7 +209,6 @@ def train_backward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, o, lse, do,
         name="sbd_flash_dq", **kw,
     )(tab_q, qp, kp, vp, dop, lsep, deltap, qm, km)
 
-    tab_k = tile_lists(qmp, kmp, bq2, bk2, by_q=False, by_k=True)  # [B, nk2, P2]
     P2 = tab_k.shape[-1]
     q5 = qp.reshape(B, Tqp, K, G, D)
     do5 = dop.reshape(B, Tqp, K, G, D)

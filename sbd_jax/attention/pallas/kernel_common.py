@@ -6,8 +6,8 @@ elementwise ops, row reductions, and ref reads with static or `pl.ds` slices.
 """
 from __future__ import annotations
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 

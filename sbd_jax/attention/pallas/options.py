@@ -117,7 +117,7 @@ class PallasOptions:
         if self.blocks is not None and not isinstance(self.blocks, BlockSizes):
             raise PallasOptionsError(f"blocks must be a BlockSizes, got {type(self.blocks).__name__}")
 
-    def resolved(self) -> "PallasOptions":
+    def resolved(self) -> PallasOptions:
         backend = self.backend or default_backend()
         if backend == "tpu":
             raise PallasOptionsError(
