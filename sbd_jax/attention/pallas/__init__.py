@@ -6,8 +6,13 @@ kernel from the shapes (see `PallasOptions.kernel`), is differentiable (custom V
 backward kernels for dq and dk/dv, whichever forward kernel ran) and picks the Pallas backend
 from `jax.default_backend()` (CPU -> interpret mode).
 
-Verified: interpret mode on CPU against `reference_attention` (tests/test_pallas_*.py).
-Not verified: compiled GPU (Triton) and TPU (Mosaic) lowering - no device was available.
+`pallas_attention_parts(q, [(cache_k, cache_v, cache_meta), (win_k, win_v, win_meta)], q_meta)`
+is the same attention over K/V given in parts, so decoding can read the cache in place.
+
+Verified: interpret mode on CPU against `reference_attention` (tests/test_pallas_attention.py,
+tests/test_pallas_model.py), and Pallas -> Triton IR lowering for an abstract H100
+(tests/test_pallas_lowering.py). Not verified: PTX compilation, GPU runtime/correctness/speed
+(no GPU was available). TPU: not supported (backend "tpu" raises; see options.py).
 """
 from __future__ import annotations
 
