@@ -293,10 +293,16 @@ def run(cfg: DemoConfig, log=print) -> list[dict]:
         models[name] = stage_train(f"ft_{name}", _train_config(
             cfg, files["finetune"], files["tokenizer"], mode="sft", steps=cfg.finetune_steps, lr=cfg.finetune_lr,
             ntp_only=ntp_only, init_from=str(pre), model=None, out=out / f"ft_{name}"), log)
-    rows = stage_eval(cfg, models, files["test"], files["tokenizer"], log)
+    res_file = out / "results.json"
+    prev = json.loads(res_file.read_text()) if res_file.exists() else None
+    if prev is not None and prev.get("config") == json.loads(json.dumps(dataclasses.asdict(cfg))):
+        log(f"[eval] reusing {res_file}")
+        rows = prev["rows"]
+    else:
+        rows = stage_eval(cfg, models, files["test"], files["tokenizer"], log)
     table = markdown_table(rows)
     (out / "table.md").write_text(table)
-    (out / "results.json").write_text(json.dumps({"config": dataclasses.asdict(cfg), "rows": rows,
+    res_file.write_text(json.dumps({"config": dataclasses.asdict(cfg), "rows": rows,
                                                   "device": str(jax.devices()[0].device_kind),
                                                   "total_seconds": time.time() - t0}, indent=2))
     plot(rows, out / "accuracy_vs_speedup.png")
