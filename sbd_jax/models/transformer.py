@@ -120,7 +120,7 @@ def cache_meta(cache: KVCache) -> TokenMeta:
 
 
 def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, write_slot_BT,
-           kv_meta: TokenMeta | None):
+           kv_meta: tuple[TokenMeta, TokenMeta] | None):
     dt = jnp.dtype(cfg.dtype)
     p = jax.tree.map(lambda a: a.astype(dt), lp)
     x = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
@@ -145,9 +145,15 @@ def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, wri
         cv = cv.at[rows, write_slot_BT].set(v.astype(cv.dtype), mode="drop")
         new_cache_kv = (ck, cv)
         # keys = committed cache (clean) + this window's copy tokens (its clean tokens are in the cache)
-        keys = jnp.concatenate([ck.astype(dt), k], axis=1)
-        vals = jnp.concatenate([cv.astype(dt), v], axis=1)
-        o = attention(q, keys, vals, meta, kv_meta, impl=cfg.attention_impl)
+        cache_kv_meta, window_kv_meta = kv_meta
+        if cfg.attention_impl == "pallas":  # reads the cache in place: no concatenated copy per layer
+            from ..attention.pallas import pallas_attention_parts
+            o = pallas_attention_parts(q, [(ck.astype(dt), cv.astype(dt), cache_kv_meta), (k, v, window_kv_meta)], meta)
+        else:
+            keys = jnp.concatenate([ck.astype(dt), k], axis=1)
+            vals = jnp.concatenate([cv.astype(dt), v], axis=1)
+            full_meta = TokenMeta(*(jnp.concatenate([a, b], axis=1) for a, b in zip(cache_kv_meta, window_kv_meta)))
+            o = attention(q, keys, vals, meta, full_meta, impl=cfg.attention_impl)
     h_BTD = h_BTD + jnp.einsum("bthk,hkd->btd", o, p["wo"]) + (p["bo"] if cfg.attention_bias else 0)
     x = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
     h_BTD = h_BTD + swiglu(x, p["w_gate"], p["w_up"], p["w_down"])
@@ -187,8 +193,7 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
         new_len = jnp.maximum(cache.lengths, jnp.max(jnp.where(writes, meta.position + 1, 0), axis=1))
         committed = cache._replace(lengths=new_len)
         window_keys = meta._replace(segment=jnp.where(meta.stream == CLEAN, 0, meta.segment))
-        kv_meta = TokenMeta(*(jnp.concatenate([a, b], axis=1)
-                              for a, b in zip(cache_meta(committed), window_keys)))
+        kv_meta = (cache_meta(committed), window_keys)
 
         def body(h, xs):
             lp, ck, cv = xs
