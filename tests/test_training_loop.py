@@ -110,6 +110,27 @@ def test_stop_and_resume_is_identical(straight):
     assert a.restore_data() == b.restore_data() and a.restore_data()["rows"] == STEPS * 8
 
 
+def test_interrupt_waits_for_saves_and_resumes(straight):
+    """Ctrl-C (KeyboardInterrupt) mid-run: in-flight async saves complete, the run resumes from the last
+    one to the same result, and metrics.jsonl keeps one record per step."""
+    d, cfg_path, res = straight
+    cfg = load_train_config(cfg_path, [f"out_dir={d / 'interrupted'}", "checkpoint.every=5"])
+
+    def interrupt(rec):
+        if rec["step"] == 13:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, on_log=interrupt)
+    assert Checkpointer(d / "interrupted" / "checkpoints").all_steps() == [5, 10]
+    resumed = train(cfg)
+    assert resumed.resumed_from == 10
+    for a, b in zip(_leaves(res.params), _leaves(resumed.params)):
+        np.testing.assert_array_equal(a, b)
+    steps = [json.loads(ln)["step"] for ln in (d / "interrupted" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 1))
+
+
 def test_sigkill_leaves_complete_checkpoint_and_resume_matches(straight):
     d, cfg_path, res = straight
     out = d / "killed"
@@ -159,6 +180,17 @@ def test_hf_export_loads_in_transformers(straight, hf_ref):
     ours, _ = jax.jit(sbd_jax.forward, static_argnums=1)(params, cfg, tokens, causal_meta(np.array([8]), 8))
     ref = hf_ref.logits(res.hf_dir, tokens)
     assert np.abs(np.asarray(ours) - ref).max() <= 1e-4
+
+
+def test_init_from_hf_dir_continues_from_the_weights(straight):
+    d, cfg_path, res = straight
+    cfg = load_train_config(cfg_path, [f"out_dir={d / 'finetune'}", "model.config=null",
+                                       f"model.init_from={res.hf_dir}"])
+    ft = train(cfg, stop_after=2)
+    assert ft.model_cfg.mask_token_id == 3
+    first = ft.history[0]
+    start = res.history[0]
+    assert first["ntp_loss"] < 0.5 * start["ntp_loss"]  # starts from the trained weights, not a random init
 
 
 # ---------------------------------------------------------------------------------------------- CLI errors

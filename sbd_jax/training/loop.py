@@ -173,7 +173,13 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
                        grad_accum=cfg.optim.grad_accum, loss_chunk=cfg.loss_chunk)
     tx, shardings, step_fn, init_fn = _compiled(model_cfg, opts, cfg.optim, cfg.steps, mesh, cfg.batch_size)
     if resume is not None:
-        state, data_state = ckpt.restore(abstract_state(model_cfg, tx, shardings), resume)
+        try:
+            state, data_state = ckpt.restore(abstract_state(model_cfg, tx, shardings), resume)
+        except (ValueError, KeyError, TypeError) as e:
+            ckpt.close()
+            raise ConfigError(f"cannot resume from checkpoint step {resume} in {str(ckpt.directory)!r}: it does not "
+                              f"match this model/optimizer configuration ({type(e).__name__}: {str(e)[:300]}); "
+                              "use the configuration it was written with, or another out_dir") from None
         data.restore(data_state)
     else:
         rng = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1)
@@ -192,6 +198,9 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
         from tqdm import tqdm
         pbar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
     metrics_path = out_dir / "metrics.jsonl"
+    if lead and resume is not None and metrics_path.exists():  # drop records of steps redone after the resume
+        kept = [ln for ln in metrics_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume]
+        metrics_path.write_text("".join(ln + "\n" for ln in kept))
     window_tokens, t0 = 0.0, time.perf_counter()
     last_saved = resume
     try:
