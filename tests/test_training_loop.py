@@ -88,6 +88,7 @@ def test_tiny_model_overfits_both_losses(straight):
         end = np.mean([r[key] for r in h[-5:]])
         assert end < 0.5 * start, (key, start, end)
     assert all(2 <= r["k"] <= 8 for r in h) and len({r["k"] for r in h}) > 3
+    assert res.step_compilations == 1  # every k ran the same compiled step
     lines = (res.out_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == STEPS and {"loss", "ntp_loss", "matp_loss", "tokens_per_s", "lr"} <= set(json.loads(lines[0]))
 

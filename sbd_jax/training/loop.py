@@ -44,6 +44,7 @@ class TrainResult:
     out_dir: Path
     hf_dir: Path | None  # the HF export (None if not exported, e.g. stopped early)
     resumed_from: int | None  # checkpoint step this call started from
+    step_compilations: int = -1  # programs compiled for the train step so far (1: every k shared one)
 
     @property
     def params(self) -> dict:
@@ -242,4 +243,5 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
         if pbar is not None:
             pbar.close()
         ckpt.close()  # waits for in-flight saves: a Ctrl-C leaves the last started checkpoint complete
-    return TrainResult(model_cfg, state, history, out_dir, hf_dir, resume)
+    compiles = getattr(step_fn, "_cache_size", lambda: -1)()
+    return TrainResult(model_cfg, state, history, out_dir, hf_dir, resume, compiles)
