@@ -130,3 +130,11 @@ def test_row_keys_forms():
     np.testing.assert_array_equal(jax.random.key_data(c), jax.random.key_data(a))
     with pytest.raises(ValueError, match="per-row keys must have shape"):
         sampling.row_keys(a, 4)
+
+
+def test_fast_argmax_equals_jnp_argmax_with_ties():
+    rng = np.random.default_rng(4)
+    x = rng.integers(0, 5, (6, 3, 40)).astype(np.float32)  # many ties: first index wins in both
+    x[0, 0] = -np.inf
+    x[0, 0, 7] = 1.0
+    np.testing.assert_array_equal(np.asarray(sampling.argmax(x)), np.asarray(jnp.argmax(x, axis=-1)))

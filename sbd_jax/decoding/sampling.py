@@ -36,9 +36,21 @@ def entropy(logits_BKV, temperature_B=None, *, tempered: bool = False):
             raise ValueError("tempered entropy needs the temperature")
         t = jnp.asarray(temperature_B, jnp.float32)[:, None, None]
         logits = logits / jnp.where(t > 0, t, 1.0)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    h = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    # H = log Z - sum(e * (x - m)) / Z with e = exp(x - m): one exp pass over V (not log_softmax + exp)
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(shifted)
+    z = jnp.sum(e, axis=-1)
+    h = jnp.log(z) - jnp.sum(e * shifted, axis=-1) / z
     return jnp.maximum(h, 0.0)  # rounding can make a one-hot entropy -0.0 / -1e-9
+
+
+def argmax(x):
+    """First index of the maximum over the last axis (== jnp.argmax without NaNs). Written as two
+    plain reductions: XLA:CPU's variadic (value, index) argmax reduction is ~5x slower, and it runs
+    over [B, k, V] at every decoding step."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(x == m, iota, x.shape[-1]), axis=-1).astype(jnp.int32)
 
 
 def accept_eb(h_BK, masked_BK, gamma_B):
@@ -125,16 +137,20 @@ def sample(logits_BKV, keys_B, step_B, temperature_B, *, top_k: int = 0, top_p: 
     """Token per position [B, K] (int32): argmax for rows with temperature 0, else a draw from the
     shaped distribution with key fold_in(keys_B[b], step_B[b]). `suppress`: a token id never drawn
     (the SBD mask token: it is not text)."""
-    if suppress is not None:
-        logits_BKV = jnp.asarray(logits_BKV).at[..., suppress].set(-jnp.inf)
-    greedy = jnp.argmax(logits_BKV, axis=-1).astype(jnp.int32)
+    if suppress is not None:  # a select (fuses into the reductions), not a scatter (copies the logits)
+        logits_BKV = jnp.asarray(logits_BKV)
+        vocab = jax.lax.broadcasted_iota(jnp.int32, logits_BKV.shape, logits_BKV.ndim - 1)
+        logits_BKV = jnp.where(vocab == suppress, -jnp.inf, logits_BKV)
+    greedy = argmax(logits_BKV)
     t = jnp.asarray(temperature_B, jnp.float32)
 
     def drawn(_):
         shaped = shape_logits(logits_BKV, t, top_k=top_k, top_p=top_p)
         step_keys = jax.vmap(jax.random.fold_in)(keys_B, step_B)
-        tok = jax.vmap(lambda k, lg: jax.random.categorical(k, lg, axis=-1))(step_keys, shaped)
-        return jnp.where(t[:, None] > 0, tok.astype(jnp.int32), greedy)
+        # Gumbel-max, as jax.random.categorical, with the fast argmax
+        g = jax.vmap(lambda k: jax.random.gumbel(k, shaped.shape[1:], jnp.float32))(step_keys)
+        tok = argmax(jnp.where(jnp.isneginf(shaped), -jnp.inf, shaped + g))
+        return jnp.where(t[:, None] > 0, tok, greedy)
 
     # all-greedy batches skip the shaping (a sort over V for top-p) and the draw entirely
     return jax.lax.cond(jnp.any(t > 0), drawn, lambda _: greedy, None)
