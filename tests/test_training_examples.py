@@ -81,7 +81,7 @@ def _sft_batch(B=64, L=64, n_prompt=10, split=40):
 def test_masking_eta_per_document_prompt_and_padding_clean():
     b = _sft_batch()
     masked = np.asarray(jax.jit(sample_masked)(jax.random.PRNGKey(0), b))
-    seg, lm = np.asarray(b.segment), np.asarray(b.loss_mask)
+    lm = np.asarray(b.loss_mask)
     assert not masked[lm == 0].any()  # prompt and padding never masked
     f1 = masked[:, 10:40].mean(1)  # per-document masking rate ~ its eta
     f2 = masked[:, 40:60].mean(1)

@@ -134,10 +134,6 @@ def _check_batch(batch: PackedBatch, cfg: TrainConfig) -> None:
         raise ConfigError(f"rows of {shape[1]} tokens are shorter than the largest block ({cfg.sbd.largest_block})")
 
 
-def _fmt(x):
-    return None if x is None else float(x)
-
-
 def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConfig, dict] | None = None,
           out_dir: str | Path | None = None, stop_after: int | None = None, devices=None,
           on_log: Callable[[dict], Any] | None = None) -> TrainResult:
@@ -155,6 +151,16 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
                           f"data x fsdp = {n_batch} devices of mesh {dict(mesh.shape)}")
     ckpt = Checkpointer(out_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save)
+    try:
+        resume, model_cfg, state, data, step_fn = _setup(cfg, ckpt, data, tokenizer, model, mesh)
+    except BaseException:
+        ckpt.close()
+        raise
+    return _run(cfg, ckpt, resume, model_cfg, state, data, step_fn, mesh, out_dir, stop_after, on_log)
+
+
+def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
+    """Model, data iterator, compiled step and the initial (or restored) state."""
     resume = ckpt.latest_step()
     need_mask = not cfg.sbd.ntp_only
     if model is not None:
@@ -177,7 +183,6 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
         try:
             state, data_state = ckpt.restore(abstract_state(model_cfg, tx, shardings), resume)
         except (ValueError, KeyError, TypeError) as e:
-            ckpt.close()
             raise ConfigError(f"cannot resume from checkpoint step {resume} in {str(ckpt.directory)!r}: it does not "
                               f"match this model/optimizer configuration ({type(e).__name__}: {str(e)[:300]}); "
                               "use the configuration it was written with, or another out_dir") from None
@@ -185,8 +190,12 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
     else:
         rng = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1)
         state = init_fn(params, rng)
-    del params
+    return resume, model_cfg, state, data, step_fn
 
+
+def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, step_fn, mesh, out_dir,
+         stop_after, on_log) -> TrainResult:
+    """The step loop: log, checkpoint, final save + HF export; closes `ckpt` (waiting for saves)."""
     lead = jax.process_index() == 0
     if lead:
         (out_dir / "train_config.json").write_text(json.dumps(
