@@ -24,17 +24,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from sbd_jax.config import ModelConfig  # noqa: E402
-from sbd_jax.models import init_params, param_shapes  # noqa: E402
-from sbd_jax.sharding import MeshConfig, make_mesh  # noqa: E402
-from sbd_jax.training.config import OptimConfig  # noqa: E402
-from sbd_jax.training.data import Documents, PackedIterator  # noqa: E402
-from sbd_jax.training.optim import make_optimizer  # noqa: E402
-from sbd_jax.training.step import (StepOptions, create_state, jit_train_step, make_train_step,  # noqa: E402
-                                   put_batch, state_shardings)
+from sbd_jax.config import ModelConfig
+from sbd_jax.models import init_params, param_shapes
+from sbd_jax.sharding import MeshConfig, make_mesh
+from sbd_jax.training.config import OptimConfig
+from sbd_jax.training.data import Documents, PackedIterator
+from sbd_jax.training.optim import make_optimizer
+from sbd_jax.training.step import (
+    StepOptions,
+    create_state,
+    jit_train_step,
+    make_train_step,
+    put_batch,
+    state_shardings,
+)
 
 
 def parse(argv=None):
@@ -126,12 +132,12 @@ def main(argv=None):
         "# Train step: SBD dual loss vs NTP-only",
         "",
         f"Command: `{cmd.strip()}`  ",
-        f"Date: {datetime.date.today()}; device: {dev.platform} ({dev.device_kind}) x{jax.device_count()}; "
-        f"host: {platform.machine()}, jax {jax.__version__}  ",
-        f"Model: Llama-style, {n_params / 1e6:.1f}M params (hidden {args.hidden}, {args.layers} layers, "
-        f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}), params float32, compute {args.dtype}, "
-        f"attention `{args.attention}`; batch {args.batch} rows of L tokens; k ~ U[2, {args.k_max}]; "
-        f"AdamW + clipping; median of {args.steps} interleaved steps after {args.warmup} warmup.  ",
+        (f"Date: {datetime.date.today()}; device: {dev.platform} ({dev.device_kind}) x{jax.device_count()}; "
+         f"host: {platform.machine()}, jax {jax.__version__}  "),
+        (f"Model: Llama-style, {n_params / 1e6:.1f}M params (hidden {args.hidden}, {args.layers} layers, "
+         f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}), params float32, compute {args.dtype}, "
+         f"attention `{args.attention}`; batch {args.batch} rows of L tokens; k ~ U[2, {args.k_max}]; "
+         f"AdamW + clipping; median of {args.steps} interleaved steps after {args.warmup} warmup.  "),
         "Data tokens/s counts the non-padding tokens of the L-token rows for both steps.",
         "",
         "| L | step | input tokens / row | step time (ms) | data tokens/s | cost vs NTP | compile (s) |",

@@ -11,9 +11,15 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from tokenizers.processors import TemplateProcessing
 
 from sbd_jax.training.config import DataConfig
-from sbd_jax.training.data import DataError, Documents, PackedIterator, build_iterator, load_tokenizer
+from sbd_jax.training.data import (
+    DataError,
+    Documents,
+    PackedIterator,
+    build_iterator,
+    load_tokenizer,
+)
 
-WORDS = "the cat sat on a mat dog ran far away big red sun hello world answer is yes no".split()
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "away", "big", "red", "sun", "hello", "world", "answer", "is", "yes", "no"]
 SPECIALS = ["<pad>", "<s>", "</s>", "<m>", "<unk>", "<|user|>", "<|assistant|>"]
 TEMPLATE = ("{{ bos_token }} {% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {{ eos_token }} "
             "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}")
@@ -184,7 +190,7 @@ def test_load_tokenizer_reads_config(tok_dir):
 
 
 def test_errors_name_the_problem(tmp_path, tok_dir):
-    base = dict(tokenizer=str(tok_dir), seq_len=16, cache_dir=str(tmp_path / "c"))
+    base = {"tokenizer": str(tok_dir), "seq_len": 16, "cache_dir": str(tmp_path / "c")}
     with pytest.raises(DataError, match="does not exist"):
         build_iterator(DataConfig(path=str(tmp_path / "missing.jsonl"), **base), 1)
     (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "the cat"}) + "\n")

@@ -5,8 +5,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sbd_jax.training.examples import (PackedBatch, build_ntp_example, build_sbd_example, make_example,
-                                       response_start, sample_block_size, sample_masked)
+from sbd_jax.training.examples import (
+    PackedBatch,
+    build_ntp_example,
+    build_sbd_example,
+    make_example,
+    response_start,
+    sample_block_size,
+    sample_masked,
+)
 
 M = 99  # mask token id
 

@@ -8,7 +8,12 @@ import pytest
 
 from sbd_jax.config import ModelConfig
 from sbd_jax.models import param_shapes
-from sbd_jax.training.examples import PackedBatch, build_ntp_example, build_sbd_example, sample_masked
+from sbd_jax.training.examples import (
+    PackedBatch,
+    build_ntp_example,
+    build_sbd_example,
+    sample_masked,
+)
 from sbd_jax.training.loss import sbd_loss
 
 M = 5
@@ -51,7 +56,7 @@ def _ref_doubled(tok, seg, pos, masked, k):
 
 
 def _np_forward(P, cfg, tokens, positions, mask):
-    f = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    f = lambda a: np.asarray(a, np.float64)
     H, K, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, Dh, 2) / Dh))
     ang = positions[:, None] * inv[None]
@@ -170,7 +175,7 @@ def grads(setup):
 def test_gradients_of_both_terms_finite_and_nonzero(grads):
     per_term = jax.device_get(grads[1])
     for i, term in enumerate(("ntp", "matp")):
-        g = jax.tree.map(lambda x: x[i], per_term)
+        g = jax.tree.map(lambda x, i=i: x[i], per_term)
         leaves = jax.tree.leaves(g)
         assert all(np.isfinite(x).all() for x in leaves)
         assert np.sqrt(sum(np.sum(x * x) for x in leaves)) > 1e-3

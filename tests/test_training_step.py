@@ -14,8 +14,14 @@ from sbd_jax.sharding import MeshConfig, make_mesh
 from sbd_jax.training.config import OptimConfig
 from sbd_jax.training.examples import PackedBatch
 from sbd_jax.training.optim import decay_mask, make_optimizer, make_schedule
-from sbd_jax.training.step import (StepOptions, create_state, jit_train_step, make_train_step, put_batch,
-                                   state_shardings)
+from sbd_jax.training.step import (
+    StepOptions,
+    create_state,
+    jit_train_step,
+    make_train_step,
+    put_batch,
+    state_shardings,
+)
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, rope_theta=10000.0, mask_token_id=3)
@@ -41,7 +47,7 @@ def _batch(B=8, L=24, seed=0):
     return PackedBatch(*(a.astype(np.int32) for a in (tok * (seg > 0), seg, pos, (seg > 0).astype(int))))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(cfg, opts):
     mesh = make_mesh(MeshConfig())
     tx, sched = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0, eps=1e-6), 10)
@@ -72,7 +78,7 @@ def test_grad_accumulation_equals_full_batch():
 
 
 def test_bf16_compute_keeps_float32_master_weights():
-    s32, m32 = _run(CFG, StepOptions(mask_token_id=3, grad_accum=1))
+    _, m32 = _run(CFG, StepOptions(mask_token_id=3, grad_accum=1))
     bf = ModelConfig(**{**CFG.__dict__, "dtype": "bfloat16"})
     s16, m16 = _run(bf, StepOptions(mask_token_id=3))
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(s16.params))
@@ -113,7 +119,7 @@ def test_clipping_and_decay_mask():
     assert not mask["layers"]["bq"]
     g1 = jax.tree.map(lambda p: jnp.full_like(p, 3.0), params)
     g2 = jax.tree.map(lambda p: jnp.full_like(p, -0.01), params)
-    clip = lambda g: optax.clip_by_global_norm(0.5).update(g, None)[0]  # noqa: E731
+    clip = lambda g: optax.clip_by_global_norm(0.5).update(g, None)[0]
     with_clip, _ = make_optimizer(OptimConfig(clip_norm=0.5, warmup_steps=0, weight_decay=0.0), 10)
     no_clip, _ = make_optimizer(OptimConfig(clip_norm=None, warmup_steps=0, weight_decay=0.0), 10)
 

@@ -133,7 +133,7 @@ class TrainConfig:
     sbd: SBDConfig = SBDConfig()
     optim: OptimConfig = OptimConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
-    mesh: MeshConfig = MeshConfig()
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     out_dir: str = "runs/sbd"
     steps: int = 1000
     batch_size: int = 8  # global rows of L tokens per optimizer step

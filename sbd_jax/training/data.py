@@ -20,8 +20,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -54,7 +54,7 @@ class Tokenizer:
         return list(self._encode(text, special))
 
     @classmethod
-    def from_callable(cls, fn: Callable[[str], list[int]], **kw) -> "Tokenizer":
+    def from_callable(cls, fn: Callable[[str], list[int]], **kw) -> Tokenizer:
         return cls(lambda text, special: fn(text), **kw)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -94,7 +94,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
                         "directory that contains one; hub names are not downloaded)")
     try:
         tk = HFTok.from_file(str(tok_file))
-    except Exception as e:  # tokenizers raises a plain Exception on bad JSON
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a plain Exception on a bad file
         raise DataError(f"cannot read tokenizer {str(tok_file)!r}: {e}") from None
     conf = {}
     conf_file = tok_file.parent / "tokenizer_config.json"
@@ -187,7 +187,7 @@ class Documents:
         return self.values[self.offsets[i]:self.offsets[i + 1]]
 
     @classmethod
-    def from_lists(cls, docs: list[list[int]], n_prompt: list[int] | None = None) -> "Documents":
+    def from_lists(cls, docs: list[list[int]], n_prompt: list[int] | None = None) -> Documents:
         lens = np.array([len(d) for d in docs], np.int64)
         offsets = np.concatenate([[0], np.cumsum(lens)])
         values = np.concatenate([np.asarray(d, np.int32) for d in docs]) if docs else np.zeros(0, np.int32)

@@ -56,7 +56,7 @@ class Example(NamedTuple):
 def ntp_targets(batch: PackedBatch):
     """Next-token targets and weights for the clean half: [B, L] int32, [B, L] float32.
     Token i predicts x_{i+1} when i+1 is in the same (non-padding) document and is loss-counted."""
-    nxt = lambda a: jnp.concatenate([a[:, 1:], jnp.zeros_like(a[:, :1])], axis=1)  # noqa: E731
+    nxt = lambda a: jnp.concatenate([a[:, 1:], jnp.zeros_like(a[:, :1])], axis=1)
     seg_next = nxt(batch.segment)
     ok = (batch.segment > 0) & (seg_next == batch.segment) & (nxt(batch.loss_mask) > 0)
     return nxt(batch.tokens).astype(jnp.int32), ok.astype(jnp.float32)
@@ -65,7 +65,7 @@ def ntp_targets(batch: PackedBatch):
 def response_start(batch: PackedBatch):
     """[B, L] int32: for every token, the position of the first loss-counted token of its document
     (0 for text documents; the response start for SFT documents)."""
-    B, L = batch.tokens.shape
+    L = batch.tokens.shape[1]
     big = jnp.int32(2 ** 30)
     cand = jnp.where((batch.loss_mask > 0) & (batch.segment > 0), batch.position, big)
 

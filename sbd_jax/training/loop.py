@@ -16,8 +16,9 @@ import functools
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +33,16 @@ from .config import ModelSource, TrainConfig
 from .data import DataError, build_iterator
 from .examples import PackedBatch
 from .optim import make_optimizer
-from .step import (StepOptions, TrainState, abstract_state, init_state, jit_train_step, make_train_step,
-                   put_batch, state_shardings)
+from .step import (
+    StepOptions,
+    TrainState,
+    abstract_state,
+    init_state,
+    jit_train_step,
+    make_train_step,
+    put_batch,
+    state_shardings,
+)
 
 
 @dataclasses.dataclass

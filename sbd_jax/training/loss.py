@@ -35,7 +35,7 @@ def _weighted_ce(params, cfg: ModelConfig, h_BTD, targets_BT, w_ntp_BT, w_matp_B
 def loss_sums(params, cfg: ModelConfig, ex: Example, *, chunk: int = 0) -> LossSums:
     """Run the model on `ex.tokens` under `ex.meta` and sum the two CE terms (float32)."""
     h, _ = forward(params, cfg, ex.tokens, ex.meta, return_hidden=True)
-    B, T, D = h.shape
+    B, T = h.shape[:2]
     if chunk <= 0 or chunk >= T:
         ntp, matp = _weighted_ce(params, cfg, h, ex.targets, ex.ntp_weight, ex.matp_weight)
     else:
