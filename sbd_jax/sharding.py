@@ -40,16 +40,28 @@ class MeshConfig:
 
 
 def maybe_initialize_distributed() -> bool:
-    """Call `jax.distributed.initialize()` when the environment describes a multi-process job
-    (JAX_COORDINATOR_ADDRESS / SLURM / TPU pod metadata via JAX_PROCESS_COUNT). Returns True if it did."""
-    markers = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "SLURM_JOB_NUM_NODES", "TPU_WORKER_HOSTNAMES")
-    if any(m in os.environ for m in markers) and os.environ.get("SBD_NO_DISTRIBUTED") != "1":
-        if os.environ.get("SLURM_JOB_NUM_NODES", "1") == "1" and not any(
-                m in os.environ for m in markers if not m.startswith("SLURM")):
-            return False
-        jax.distributed.initialize()
-        return True
-    return False
+    """Call `jax.distributed.initialize()` when the environment describes a multi-process job; returns
+    True if it did. Triggers: SBD_DISTRIBUTED=1 (explicit; e.g. Cloud TPU pods, which jax detects through
+    the metadata server), JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES / JAX_PROCESS_ID, passed on
+    explicitly), a SLURM job with more than one task, or an Open MPI / PMIx launch with more than one rank.
+    SBD_DISTRIBUTED=0 disables it."""
+    env = os.environ
+    if env.get("SBD_DISTRIBUTED") == "0":
+        return False
+    multi = (env.get("SBD_DISTRIBUTED") == "1" or "JAX_COORDINATOR_ADDRESS" in env
+             or int(env.get("SLURM_NTASKS", "1")) > 1
+             or int(env.get("OMPI_COMM_WORLD_SIZE", env.get("PMIX_SIZE", "1"))) > 1)
+    if not multi:
+        return False
+    kwargs = {}
+    if "JAX_COORDINATOR_ADDRESS" in env:
+        kwargs["coordinator_address"] = env["JAX_COORDINATOR_ADDRESS"]
+        if "JAX_NUM_PROCESSES" in env:
+            kwargs["num_processes"] = int(env["JAX_NUM_PROCESSES"])
+        if "JAX_PROCESS_ID" in env:
+            kwargs["process_id"] = int(env["JAX_PROCESS_ID"])
+    jax.distributed.initialize(**kwargs)
+    return True
 
 
 def make_mesh(cfg: MeshConfig | None = None, devices=None) -> Mesh:
