@@ -43,3 +43,25 @@ def test_copy_window_over_cache_matches_dense_doubled_layout():
     meta = concat_meta(clean_meta(np.ones((1, 6)), np.arange(6)[None]), wmeta)
     dense, _ = fwd(PARAMS, CFG, np.concatenate([prompt, block], 1), meta)
     np.testing.assert_allclose(np.asarray(cached), np.asarray(dense)[:, 6:], atol=1e-5)
+
+
+def test_clean_prefix_split_attention_matches_full_square():
+    """forward(clean_prefix=L) on [x ; x_hat] == the full 2L x 2L attention (values and gradients)."""
+    from sbd_jax.attention import block_starts
+    rng = np.random.default_rng(2)
+    L = 11
+    x = rng.integers(0, 48, (2, L)).astype(np.int32)
+    seg = np.array([[1] * 6 + [2] * 5, [1] * 9 + [0] * 2])
+    pos = np.array([list(range(6)) + list(range(5)), list(range(9)) + [0, 0]])
+    meta = concat_meta(clean_meta(seg, pos), copy_meta(seg, pos, block_starts(pos, 3)))
+    toks = np.concatenate([x, np.where(rng.random((2, L)) < 0.5, CFG.mask_token_id, x)], axis=1)
+
+    def loss(p, prefix):
+        logits, _ = sbd_jax.forward(p, CFG, toks, meta, clean_prefix=prefix)
+        return jnp.sum(jnp.where(meta.segment[..., None] > 0, logits, 0.0) ** 2) / 1e3, logits
+
+    (a, la), ga = jax.value_and_grad(loss, has_aux=True)(PARAMS, None)
+    (b, lb), gb = jax.value_and_grad(loss, has_aux=True)(PARAMS, L)
+    valid = np.asarray(meta.segment) > 0
+    np.testing.assert_allclose(np.asarray(la)[valid], np.asarray(lb)[valid], atol=1e-5)
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-6), ga, gb)

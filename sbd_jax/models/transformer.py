@@ -120,7 +120,7 @@ def cache_meta(cache: KVCache) -> TokenMeta:
 
 
 def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, write_slot_BT,
-           kv_meta: tuple[TokenMeta, TokenMeta] | None):
+           kv_meta: tuple[TokenMeta, TokenMeta] | None, clean_prefix: int | None = None):
     dt = jnp.dtype(cfg.dtype)
     p = jax.tree.map(lambda a: a.astype(dt), lp)
     x = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
@@ -136,7 +136,16 @@ def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, wri
     k = apply_rope(k, meta.position, inv_freq)
     if cache_kv is None:
         new_cache_kv = None
-        o = attention(q, k, v, meta, meta, impl=cfg.attention_impl)
+        if clean_prefix:
+            # [x ; x_hat] layout: the clean half only ever attends itself (L x L); the copy half attends all
+            P = clean_prefix
+            head = meta.take((slice(None), slice(None, P)))
+            tail = meta.take((slice(None), slice(P, None)))
+            o = jnp.concatenate([
+                attention(q[:, :P], k[:, :P], v[:, :P], head, head, impl=cfg.attention_impl),
+                attention(q[:, P:], k, v, tail, meta, impl=cfg.attention_impl)], axis=1)
+        else:
+            o = attention(q, k, v, meta, meta, impl=cfg.attention_impl)
     else:
         ck, cv = cache_kv
         B = ck.shape[0]
@@ -161,7 +170,7 @@ def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, wri
 
 
 def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: KVCache | None = None,
-            *, return_hidden: bool = False):
+            *, return_hidden: bool = False, clean_prefix: int | None = None):
     """Run the model on tokens with SBD metadata.
 
     Without a cache: attention among the given tokens under the SBD mask (training, the doubled
@@ -172,17 +181,24 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
     (slots < the new length) and this call's copy tokens. Returns `(logits [B,T,V] float32, cache)`
     (`cache` is None when none was given). With `return_hidden`, the final-norm hidden states
     [B,T,D] are returned instead of logits.
+
+    `clean_prefix=P` (no-cache only, static) promises that queries among the first P tokens of every row
+    never attend keys beyond them - true for the training layout `[x ; x_hat]` with P = L (clean tokens
+    never see the copy) and for any packed causal row. Attention then computes the P x P clean block and
+    the (T-P) x T rest instead of the T x T square: 25% less attention work on the doubled sequence.
     """
     tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
     if tokens_BT.ndim != 2:
         raise ValueError(f"tokens must be [batch, time], got shape {tokens_BT.shape}")
+    if clean_prefix is not None and (cache is not None or not 0 < clean_prefix < tokens_BT.shape[1]):
+        raise ValueError(f"clean_prefix={clean_prefix} needs no cache and 0 < clean_prefix < T={tokens_BT.shape[1]}")
     dt = jnp.dtype(cfg.dtype)
     inv_freq = rope_inv_freq(cfg)
     h = params["embed"].astype(dt)[tokens_BT]
 
     if cache is None:
         def body(h, lp):
-            h, _ = _layer(cfg, inv_freq, h, lp, meta, None, None, None)
+            h, _ = _layer(cfg, inv_freq, h, lp, meta, None, None, None, clean_prefix)
             return h, None
         h, _ = jax.lax.scan(body, h, params["layers"])
         new_cache = None

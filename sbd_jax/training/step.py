@@ -76,7 +76,7 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
         spec_axes = (axes if len(axes) > 1 else axes[0]) if axes else None
 
     def loss_fn(params, ex: Example, totals):
-        s = loss_sums(params, model_cfg, ex, chunk=opts.loss_chunk)
+        s = loss_sums(params, model_cfg, ex, chunk=opts.loss_chunk, doubled=not opts.ntp_only)
         return combine(s, *totals), s
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
