@@ -4,7 +4,7 @@
   python decode.py --model DIR --input prompts.jsonl --output out.jsonl \\
       [--mode sbd|ar] [--gamma 0.35] [--rule eb|threshold] [--block-size 16] [--batch-size 8] \\
       [--max-new-tokens 256] [--temperature 0] [--top-k 0] [--top-p 1] [--seed 0] [--compare-ar] \\
-      [--resume | --overwrite] [--chat] [--mesh-data -1 --mesh-fsdp 1 --mesh-tensor 1]
+      [--resume | --overwrite] [--chat] [--mesh-data -1 --mesh-fsdp 1 --mesh-tensor 1 | mesh.tensor=2 ...]
 
 DIR is a local HF-layout checkpoint (config.json with mask_token_id for SBD, safetensors, and
 tokenizer.json for text prompts). Input lines: {"id", "prompt"} (text), {"id", "prompt_ids"} or
@@ -13,8 +13,10 @@ appended to the output as one JSON line (id, tokens, text, n_tokens, nfe, tokens
 and "ar" with --compare-ar); --resume skips ids already there. The summary (tokens/s, mean tokens per
 forward, with --compare-ar the measured speedup over AR on the same prompts) is printed at the end
 and, with --summary FILE, written as JSON.
-Multi-host: start the same command on every host; jax.distributed is initialised from the
-environment as for train.py; process 0 writes the output.
+Mesh: the same options as train.py (`mesh.data=4 mesh.tensor=2`, or the --mesh-* flags): params are
+laid out by the training rules (tensor-parallel weights), the batch over data x fsdp, the KV cache
+to match. Multi-host: start the same command on every host; jax.distributed is initialised from the
+environment as for train.py; process 0 writes the output (multi-host is untested here).
 """
 from __future__ import annotations
 
@@ -49,9 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     ap.add_argument("--pad-multiple", type=int, default=16, help="prompt widths are rounded up to this")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="compute dtype")
-    ap.add_argument("--mesh-data", type=int, default=-1)
-    ap.add_argument("--mesh-fsdp", type=int, default=1)
-    ap.add_argument("--mesh-tensor", type=int, default=1)
+    ap.add_argument("--mesh-data", type=int, default=None, help="mesh data axis (-1 = the remaining devices)")
+    ap.add_argument("--mesh-fsdp", type=int, default=None)
+    ap.add_argument("--mesh-tensor", type=int, default=None, help="tensor-parallel degree")
+    ap.add_argument("overrides", nargs="*", help="mesh overrides in train.py's syntax: mesh.data=4 mesh.tensor=2")
     ap.add_argument("--summary", default=None, help="also write the summary JSON here")
     ap.add_argument("--no-progress", action="store_true")
     return ap
@@ -86,7 +89,9 @@ def run(args) -> int:
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, tempered_entropy=args.tempered_entropy, batch_size=args.batch_size,
                          pad_multiple=args.pad_multiple, seed=args.seed, eos_ids=eos, compare_ar=args.compare_ar)
+    mesh_cfg = mesh_config(args)
     maybe_initialize_distributed()
+    mesh = make_mesh(mesh_cfg)
     cfg, params = from_pretrained(args.model, dtype=args.dtype)
     if opts.eos_ids is None:
         opts = _with_generation_eos(opts, cfg, args.model)
@@ -100,7 +105,6 @@ def run(args) -> int:
     if done:
         print(f"resume: {len(prompts) - len(pending)} of {len(prompts)} prompts already in {args.output}",
               file=sys.stderr)
-    mesh = make_mesh(MeshConfig(args.mesh_data, args.mesh_fsdp, args.mesh_tensor))
     params = shard_params(params, cfg, mesh)
 
     def on_row(p, r):
@@ -135,6 +139,20 @@ def run(args) -> int:
             with open(args.summary, "w") as f:
                 json.dump(summary, f, indent=2)
     return 0
+
+
+def mesh_config(args):
+    """MeshConfig from `mesh.x=N` overrides (train.py's syntax) and --mesh-x flags (flags win)."""
+    from sbd_jax.config import ConfigError, apply_overrides, from_dict
+    from sbd_jax.sharding import MeshConfig
+    bad = [o for o in args.overrides if not o.startswith("mesh.")]
+    if bad:
+        raise ConfigError(f"unknown argument(s) {bad}: only mesh.data=/mesh.fsdp=/mesh.tensor= overrides are accepted")
+    d = apply_overrides({}, args.overrides).get("mesh", {})
+    for axis in ("data", "fsdp", "tensor"):
+        if getattr(args, f"mesh_{axis}") is not None:
+            d[axis] = getattr(args, f"mesh_{axis}")
+    return from_dict(MeshConfig, d, where="mesh")
 
 
 def _with_generation_eos(opts, cfg, model_dir):

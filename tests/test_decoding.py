@@ -270,6 +270,10 @@ def test_clear_errors(params, prompts):
         generate(params, CFG, prompts, LENGTHS, mode="nar", **ok)
     with pytest.raises(DecodeError, match="top_p must be in"):
         generate(params, CFG, prompts, LENGTHS, top_p=0.0, **ok)
+    bad_ids = prompts.copy()
+    bad_ids[1, 2] = 64
+    with pytest.raises(DecodeError, match=r"prompt token ids must be in \[0, 64\)"):
+        generate(params, CFG, bad_ids, LENGTHS, **ok)
     with pytest.raises(DecodeError, match="gamma must be a scalar or one value per row"):
         generate(params, CFG, prompts, LENGTHS, gamma=[1.0, 2.0], **ok)
     assert issubclass(DecodeError, ValueError)

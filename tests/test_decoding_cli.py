@@ -153,3 +153,16 @@ def test_decode_cli_errors(model_dir, tmp_path, capsys):
     chat = _write_jsonl(tmp_path / "chat.jsonl", [PROMPTS[2]])
     assert "has none" in _err(capsys, ["--model", str(nomask), "--output", out, "--input", str(chat), "--mode", "ar"])
     assert not Path(out).exists()  # no error left a partial output behind
+
+
+def test_decode_cli_mesh_options(model_dir, tmp_path, capsys):
+    """The mesh options of train.py (mesh.x=N overrides) and the --mesh-* flags (which win)."""
+    from sbd_jax.sharding import MeshConfig
+    parse = decode.build_parser().parse_args
+    req = ["--model", "m", "--input", "i", "--output", "o"]
+    assert decode.mesh_config(parse(req + ["mesh.tensor=2", "mesh.data=4"])) == MeshConfig(data=4, fsdp=1, tensor=2)
+    assert decode.mesh_config(parse(req + ["mesh.tensor=2", "--mesh-tensor", "1"])) == MeshConfig(tensor=1)
+    good = _write_jsonl(tmp_path / "good.jsonl", PROMPTS[:1])
+    base = ["--model", str(model_dir), "--input", str(good), "--output", str(tmp_path / "o.jsonl"), "--no-progress"]
+    assert "only mesh.data=" in _err(capsys, base + ["steps=3"])
+    assert "needs 3 devices" in _err(capsys, base + ["mesh.data=3"])  # 1 CPU device here

@@ -24,6 +24,10 @@ Layout (choices documented here, see SBD.md "Inference"):
   * Stop (SBD.md step 7): a row stops when an EOS is decoded and every earlier position of its block
     is decoded, or when max_new_tokens are decoded. Tokens after the EOS are dropped (the output is
     padded with `pad_id` beyond `lengths`).
+  * Sharding: with `mesh`, the cache is constrained to `cache_sharding` (batch over data x fsdp, KV
+    heads over tensor, as wk/wv) and per-row state to `batch_sharding`; params come laid out by
+    `shard_params` (the training rules). Without `mesh`, XLA propagates the inputs' shardings.
+  * Randomness: row b draws its step-n tokens from fold_in(key_b, n) (see sampling.py).
   * SBD never samples the mask token (its logit is set to -inf for the draw, not for the entropy).
     AR is left untouched (plain next-token decoding, the baseline, identical to `transformers`).
   * NFE counts model calls that carry at least one token of the row (so a finished row stops
@@ -93,11 +97,14 @@ class _State(NamedTuple):
 
 
 def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
+    """A value the host can read now (not traced inside a user's jit, not spread over other hosts)."""
+    if isinstance(x, jax.core.Tracer):
+        return False
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
 
 
 def check_request(cfg: ModelConfig, prompt_shape, *, max_new_tokens, block_size, mode, rule, top_k, top_p,
-                  gamma=None, temperature=None, prompt_lengths=None) -> None:
+                  gamma=None, temperature=None, prompt_lengths=None, prompt_ids=None) -> None:
     """Validate a decoding request; raises DecodeError (a ValueError) naming the problem. Values that
     are traced (generate called inside a user's jit) are checked only when concrete."""
     if mode not in MODES:
@@ -138,6 +145,11 @@ def check_request(cfg: ModelConfig, prompt_shape, *, max_new_tokens, block_size,
             raise DecodeError(f"prompt_lengths must have shape ({prompt_shape[0]},), got {lens.shape}")
         if np.any(lens < 1) or np.any(lens > P):
             raise DecodeError(f"prompt_lengths must be in [1, {P}] (the padded prompt width), got {lens.tolist()}")
+        if prompt_ids is not None and _is_concrete(prompt_ids):
+            ids = np.asarray(prompt_ids)
+            real = np.arange(P)[None] < lens[:, None]
+            if np.any(real & ((ids < 0) | (ids >= cfg.vocab_size))):
+                raise DecodeError(f"prompt token ids must be in [0, {cfg.vocab_size}) (the vocabulary)")
 
 
 def generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, *, max_new_tokens: int,
@@ -186,7 +198,7 @@ def prepare_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths,
     prompt_ids = jnp.asarray(prompt_ids)
     check_request(cfg, prompt_ids.shape, max_new_tokens=max_new_tokens, block_size=block_size, mode=mode,
                   rule=rule, top_k=top_k, top_p=top_p, gamma=gamma, temperature=temperature,
-                  prompt_lengths=prompt_lengths)
+                  prompt_lengths=prompt_lengths, prompt_ids=prompt_ids)
     B = prompt_ids.shape[0]
     eos = _eos_array(cfg, eos_ids)
     pad = int(pad_id if pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0))
