@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from sbd_jax.config import ConfigError
     from sbd_jax.decoding import DecodeError
@@ -132,7 +133,7 @@ def run(args) -> int:
     if summary is None:
         print("nothing to do: every prompt is already in the output")
         return 0
-    summary["command"] = " ".join(["python", "decode.py", *sys.argv[1:]]) if sys.argv else ""
+    summary["command"] = " ".join(["python", "decode.py", *args.argv])
     if writer:
         print(format_summary(summary))
         if args.summary:
