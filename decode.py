@@ -80,7 +80,7 @@ def run(args) -> int:
     from sbd_jax.decoding.prompts import Tokenizer, open_output, read_prompts, write_row
     from sbd_jax.decoding.runner import DecodeOptions, check_options, decode_prompts
     from sbd_jax.io.hf import from_pretrained
-    from sbd_jax.sharding import MeshConfig, make_mesh, maybe_initialize_distributed, shard_params
+    from sbd_jax.sharding import make_mesh, maybe_initialize_distributed, shard_params
 
     if args.resume and args.overwrite:
         from sbd_jax.decoding import DecodeError
@@ -169,10 +169,10 @@ def _with_generation_eos(opts, cfg, model_dir):
 
 
 def format_summary(s: dict) -> str:
-    lines = [f"{s['rows']} prompts, {s['tokens']} tokens generated in {s['seconds']:.3f} s "
-             f"(+ {s['compile_seconds']:.1f} s compilation)",
-             f"{s['mode']}: {s['tokens_per_s']:.1f} tokens/s, {s['tokens_per_forward']:.3f} tokens per forward "
-             f"({s['nfe']} forwards)"]
+    lines = [(f"{s['rows']} prompts, {s['tokens']} tokens generated in {s['seconds']:.3f} s "
+              f"(+ {s['compile_seconds']:.1f} s compilation)"),
+             (f"{s['mode']}: {s['tokens_per_s']:.1f} tokens/s, {s['tokens_per_forward']:.3f} tokens per forward "
+              f"({s['nfe']} forwards)")]
     if "ar" in s:
         a = s["ar"]
         lines.append(f"ar:  {a['tokens_per_s']:.1f} tokens/s, {a['tokens_per_forward']:.3f} tokens per forward "

@@ -37,14 +37,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import sbd_jax  # noqa: E402
-from sbd_jax.attention import clean_meta, concat_meta, copy_meta  # noqa: E402
-from sbd_jax.decoding import generate_jit, prepare_generate  # noqa: E402
-from sbd_jax.models import causal_meta, forward, init_cache  # noqa: E402
+import sbd_jax
+from sbd_jax.attention import clean_meta, concat_meta, copy_meta
+from sbd_jax.decoding import generate_jit, prepare_generate
+from sbd_jax.models import causal_meta, forward, init_cache
 
 
 def parse(argv=None):
@@ -159,11 +159,11 @@ def main(argv=None):
         nfe = int(np.asarray(out.nfe).sum())
         tps = tokens / secs
         ar_tps = ar_tps or tps
-        table.append(dict(
-            decoder=name if g is None else f"SBD k={k} gamma={g:g}", tokens=tokens, tpf=tokens / nfe, iters=iters,
-            wide=wide if name == "SBD" else "-", secs=secs, tps=tps, speedup=tps / ar_tps,
-            per_iter_ms=1e3 * secs / iters, bare_ms=1e3 * _bare_sum(name, out, bare_med) / iters,
-            overhead=secs / _bare_sum(name, out, bare_med) - 1, spread=spread))
+        bare_s = _bare_sum(name, out, bare_med)
+        table.append({"decoder": name if g is None else f"SBD k={k} gamma={g:g}", "tokens": tokens,
+                      "tpf": tokens / nfe, "iters": iters, "wide": wide if name == "SBD" else "-", "secs": secs,
+                      "tps": tps, "speedup": tps / ar_tps, "per_iter_ms": 1e3 * secs / iters,
+                      "bare_ms": 1e3 * bare_s / iters, "overhead": secs / bare_s - 1, "spread": spread})
     t_first, t_wide, t_k, t_prefill, t_one = (bare_med[n] for n in ("first", "wide", "k", "prefill", "one"))
 
     dev = jax.devices()[0]
@@ -173,20 +173,21 @@ def main(argv=None):
             f"{dev.platform} {dev.device_kind} x{jax.device_count()}; jax {jax.__version__}; medians of {a.reps} interleaved runs")
     cmd = "python bench/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [f"command: `{cmd.strip()}`", "", head, "",
-             "| decoder | tokens | tokens/forward | loop iterations | 2k-window iterations | time (s) | tokens/s "
-             "| speedup vs AR (tokens/s) | ms / iteration | bare forwards ms / iteration | loop overhead "
-             "| overhead range over runs |",
+             ("| decoder | tokens | tokens/forward | loop iterations | 2k-window iterations | time (s) | tokens/s "
+              "| speedup vs AR (tokens/s) | ms / iteration | bare forwards ms / iteration | loop overhead "
+              "| overhead range over runs |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         lines.append(f"| {r['decoder']} | {r['tokens']} | {r['tpf']:.2f} | {r['iters']} | {r['wide']} | "
                      f"{r['secs']:.4f} | {r['tps']:.0f} | {r['speedup']:.2f}x | {r['per_iter_ms']:.3f} | "
                      f"{r['bare_ms']:.3f} | {100 * r['overhead']:+.1f}% | "
                      f"{100 * r['spread'][0]:+.0f}% .. {100 * r['spread'][1]:+.0f}% |")
-    lines += ["", "bare forward per window shape (ms, inside a jitted fori_loop): "
-              f"prompt+k {1e3 * t_first:.3f}, 2k {1e3 * t_wide:.3f}, k {1e3 * t_k:.3f}, "
-              f"prompt prefill {1e3 * t_prefill:.3f}, 1 token {1e3 * t_one:.3f}",
-              "", "gamma is chosen to force acceptance on a random-weight model (entropies ~ log V = "
-              f"{logv:.2f} nats): these rows measure SBD's speed mechanics at a given tokens/forward, not quality."]
+    lines += ["", ("bare forward per window shape (ms, inside a jitted fori_loop): "
+                   f"prompt+k {1e3 * t_first:.3f}, 2k {1e3 * t_wide:.3f}, k {1e3 * t_k:.3f}, "
+                   f"prompt prefill {1e3 * t_prefill:.3f}, 1 token {1e3 * t_one:.3f}"),
+              "", ("gamma is chosen to force acceptance on a random-weight model (entropies ~ log V = "
+                   f"{logv:.2f} nats): these rows measure SBD's speed mechanics at a given tokens/forward, "
+                   "not quality.")]
     text = "\n".join(lines)
     print(text)
     out = Path(a.out) if a.out else Path(__file__).with_name("results") / f"decode_{jax.default_backend()}.md"

@@ -21,7 +21,7 @@ CFG = sbd_jax.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, n
                           mask_token_id=63, rope_theta=10000.0, rms_norm_eps=1e-6)
 B, P, K, MAX_NEW = 4, 8, 4, 18
 LENGTHS = np.array([8, 5, 3, 6], np.int32)
-BASE = dict(max_new_tokens=MAX_NEW, block_size=K, finalize_cache=True, return_cache=True, pad_id=0)
+BASE = {"max_new_tokens": MAX_NEW, "block_size": K, "finalize_cache": True, "return_cache": True, "pad_id": 0}
 KV_TOL = 1e-5  # relative to max|K/V|: float32 K/V written by windows vs one causal forward (other shapes)
 
 
@@ -88,11 +88,11 @@ def test_cached_equals_brute_force(params, prompts, eos_id):
     cases = []
     for rule, gammas in (("eb", (0.5, 2.0, 4.0)), ("threshold", (1.5, 2.5))):
         for gamma in gammas:
-            cases.append(dict(rule=rule, gamma=gamma, temperature=0.0, seed=0, eos_ids=(eos_id,)))
+            cases.append({"rule": rule, "gamma": gamma, "temperature": 0.0, "seed": 0, "eos_ids": (eos_id,)})
             for seed in (0, 1):
-                cases.append(dict(rule=rule, gamma=gamma, temperature=1.0, seed=seed, eos_ids=()))
-    cases.append(dict(rule="eb", gamma=np.array([0.0, 1.0, 2.5, 6.0], np.float32), temperature=0.7, seed=3,
-                      eos_ids=(eos_id,)))  # per-row gamma
+                cases.append({"rule": rule, "gamma": gamma, "temperature": 1.0, "seed": seed, "eos_ids": ()})
+    cases.append({"rule": "eb", "gamma": np.array([0.0, 1.0, 2.5, 6.0], np.float32), "temperature": 0.7,
+                  "seed": 3, "eos_ids": (eos_id,)})  # per-row gamma
     tpf = {"eb": [], "threshold": []}
     eos_stops = 0
     sampled_vs_greedy = []
@@ -253,7 +253,7 @@ def test_generate_inside_user_jit(params, prompts):
 
 
 def test_clear_errors(params, prompts):
-    ok = dict(max_new_tokens=4, block_size=4)
+    ok = {"max_new_tokens": 4, "block_size": 4}
     with pytest.raises(DecodeError, match="gamma must be finite and >= 0"):
         generate(params, CFG, prompts, LENGTHS, gamma=-0.1, **ok)
     with pytest.raises(DecodeError, match="block_size must be an integer >= 1"):

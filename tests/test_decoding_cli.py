@@ -6,14 +6,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_decoding import CFG, make_params
 
 import sbd_jax
 from sbd_jax.decoding.brute import brute_force_generate
-from test_decoding import CFG, make_params
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import decode  # noqa: E402
+import decode
 
 WORDS = ["user", "assistant"] + [f"w{i}" for i in range(60)]  # ids 0..61; 62 = [UNK], 63 = mask
 TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}" \
@@ -72,7 +72,7 @@ def first_run(model_dir, tmp_path_factory):
 
 
 def test_decode_cli_outputs_and_summary(first_run, capsys):
-    inp, out, summary = first_run
+    _, out, summary = first_run
     rows = _read(out)
     assert sorted(map(str, (r["id"] for r in rows))) == sorted(str(p["id"]) for p in PROMPTS)
     params = make_params()

@@ -82,7 +82,7 @@ def test_entropy_matches_numpy_and_tempering():
 def test_shape_logits_top_k_top_p():
     logits = np.log(np.array([[[0.5, 0.25, 0.15, 0.1]]], np.float32))
     one = np.ones((1,), np.float32)
-    keep = lambda **kw: np.isfinite(np.asarray(sampling.shape_logits(logits, one, **kw)))[0, 0]  # noqa: E731
+    keep = lambda **kw: np.isfinite(np.asarray(sampling.shape_logits(logits, one, **kw)))[0, 0]
     np.testing.assert_array_equal(keep(top_k=2), [True, True, False, False])
     np.testing.assert_array_equal(keep(top_p=0.5), [True, False, False, False])
     np.testing.assert_array_equal(keep(top_p=0.7), [True, True, False, False])

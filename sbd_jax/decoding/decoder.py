@@ -207,9 +207,9 @@ def prepare_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths,
     temp_B = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
     args = (params, prompt_ids.astype(jnp.int32), jnp.asarray(prompt_lengths, jnp.int32), gamma_B, temp_B, keys,
             jnp.int32(sampling.rule_id(rule)), eos)
-    static = dict(cfg=cfg, max_new=int(max_new_tokens), k=int(block_size) if mode == "sbd" else 1, top_k=int(top_k),
-                  top_p=float(top_p), tempered=bool(tempered_entropy), pad=pad, mode=mode,
-                  finalize=bool(finalize_cache), return_cache=bool(return_cache), mesh=mesh)
+    static = {"cfg": cfg, "max_new": int(max_new_tokens), "k": int(block_size) if mode == "sbd" else 1,
+              "top_k": int(top_k), "top_p": float(top_p), "tempered": bool(tempered_entropy), "pad": pad,
+              "mode": mode, "finalize": bool(finalize_cache), "return_cache": bool(return_cache), "mesh": mesh}
     return args, static
 
 
@@ -241,9 +241,9 @@ def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, rule, eos
     false_B = jnp.zeros((B,), bool)
     state = _State(constrain(seq), cache, zeros_B, jnp.zeros((B, k), bool), false_B, false_B, false_B, zeros_B,
                    zeros_B, jnp.int32(0), jnp.int32(0))
-    env = dict(params=params, cfg=cfg, lengths=lengths, gamma=gamma_B, temp=temp_B, keys=keys_B, k=k,
-               max_new=max_new, rule=rule, top_k=top_k, top_p=top_p, tempered=tempered, eos=eos,
-               constrain=constrain)
+    env = {"params": params, "cfg": cfg, "lengths": lengths, "gamma": gamma_B, "temp": temp_B, "keys": keys_B,
+           "k": k, "max_new": max_new, "rule": rule, "top_k": top_k, "top_p": top_p, "tempered": tempered,
+           "eos": eos, "constrain": constrain}
     if mode == "sbd":
         state = _sbd_first(state, env, prompt_ids)
         body = functools.partial(_sbd_step, env=env)

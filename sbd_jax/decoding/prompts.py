@@ -52,7 +52,7 @@ class Tokenizer:
         self.special = {k: _token_text(conf.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
 
     @staticmethod
-    def find(model_dir) -> "Tokenizer | None":
+    def find(model_dir) -> Tokenizer | None:
         return Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -160,9 +160,9 @@ class Totals:
         self.seconds += secs
 
     def as_dict(self):
-        return dict(rows=self.rows, tokens=self.tokens, nfe=self.nfe, seconds=round(self.seconds, 4),
-                    tokens_per_s=self.tokens / self.seconds if self.seconds else float("nan"),
-                    tokens_per_forward=self.tokens / self.nfe if self.nfe else float("nan"))
+        return {"rows": self.rows, "tokens": self.tokens, "nfe": self.nfe, "seconds": round(self.seconds, 4),
+                "tokens_per_s": self.tokens / self.seconds if self.seconds else float("nan"),
+                "tokens_per_forward": self.tokens / self.nfe if self.nfe else float("nan")}
 
 
 def decode_prompts(params, cfg: ModelConfig, prompts: list[Prompt], opts: DecodeOptions, *, mesh=None,
@@ -200,5 +200,5 @@ def decode_prompts(params, cfg: ModelConfig, prompts: list[Prompt], opts: Decode
 def _row(res, i) -> dict:
     n = int(res["lengths"][i])
     nfe = int(res["nfe"][i])
-    return dict(tokens=res["tokens"][i, :n].tolist(), n_tokens=n, nfe=nfe, tokens_per_forward=n / max(nfe, 1),
-                stop="eos" if bool(res["stopped_by_eos"][i]) else "length")
+    return {"tokens": res["tokens"][i, :n].tolist(), "n_tokens": n, "nfe": nfe,
+            "tokens_per_forward": n / max(nfe, 1), "stop": "eos" if bool(res["stopped_by_eos"][i]) else "length"}

@@ -120,9 +120,7 @@ def row_keys(key, batch: int):
     into `batch` keys; a batch of keys (typed [B] or raw [B, 2]) is used as is."""
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        if key.shape == (2,):
-            key = jax.random.wrap_key_data(key.astype(jnp.uint32))
-        elif key.ndim == 2 and key.shape[-1] == 2:
+        if key.shape == (2,) or key.ndim == 2 and key.shape[-1] == 2:
             key = jax.random.wrap_key_data(key.astype(jnp.uint32))
         else:
             raise ValueError(f"key must be a PRNG key, a raw uint32[2] key or a batch of them, got shape {key.shape}")
