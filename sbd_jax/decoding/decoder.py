@@ -229,7 +229,7 @@ _STATIC = ("cfg", "max_new", "k", "top_k", "top_p", "tempered", "pad", "mode", "
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, rule, eos, *, cfg, max_new, k, top_k, top_p,
-                  tempered, pad, mode, finalize, return_cache, mesh):
+                 tempered, pad, mode, finalize, return_cache, mesh):
     B, P = prompt_ids.shape
     S = P + max_new
     W = S + k  # token buffer: room for a whole last block past the cap
