@@ -147,12 +147,16 @@ def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, wri
         else:
             o = attention(q, k, v, meta, meta, impl=cfg.attention_impl)
     else:
-        ck, cv = cache_kv
-        B = ck.shape[0]
+        # the whole stacked cache [L, B, S, K, Dh] is carried through the layer scan and updated in
+        # place at layer `li` (as scan xs/ys it was rebuilt, i.e. copied whole, at every call)
+        ks, vs, li = cache_kv
+        B = ks.shape[1]
         rows = jnp.arange(B)[:, None]
-        ck = ck.at[rows, write_slot_BT].set(k.astype(ck.dtype), mode="drop")
-        cv = cv.at[rows, write_slot_BT].set(v.astype(cv.dtype), mode="drop")
-        new_cache_kv = (ck, cv)
+        ks = ks.at[li, rows, write_slot_BT].set(k.astype(ks.dtype), mode="drop")
+        vs = vs.at[li, rows, write_slot_BT].set(v.astype(vs.dtype), mode="drop")
+        new_cache_kv = (ks, vs)
+        ck = jax.lax.dynamic_index_in_dim(ks, li, 0, keepdims=False)
+        cv = jax.lax.dynamic_index_in_dim(vs, li, 0, keepdims=False)
         # keys = committed cache (clean) + this window's copy tokens (its clean tokens are in the cache)
         cache_kv_meta, window_kv_meta = kv_meta
         if cfg.attention_impl == "pallas":  # reads the cache in place: no concatenated copy per layer
@@ -211,11 +215,13 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
         window_keys = meta._replace(segment=jnp.where(meta.stream == CLEAN, 0, meta.segment))
         kv_meta = (cache_meta(committed), window_keys)
 
-        def body(h, xs):
-            lp, ck, cv = xs
-            h, (ck, cv) = _layer(cfg, inv_freq, h, lp, meta, (ck, cv), write_slot, kv_meta)
-            return h, (ck, cv)
-        h, (ks, vs) = jax.lax.scan(body, h, (params["layers"], cache.k, cache.v))
+        def body(carry, xs):
+            h, ks, vs = carry
+            lp, li = xs
+            h, (ks, vs) = _layer(cfg, inv_freq, h, lp, meta, (ks, vs, li), write_slot, kv_meta)
+            return (h, ks, vs), None
+        layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
+        (h, ks, vs), _ = jax.lax.scan(body, (h, cache.k, cache.v), (params["layers"], layer_ids))
         new_cache = KVCache(ks, vs, new_len)
 
     h = rms_norm(h, params["final_norm"].astype(dt), cfg.rms_norm_eps)
