@@ -11,7 +11,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 
-.PHONY: install test demo demo-quick bench lint clean
+.PHONY: install test demo demo-quick bench bench-gpu lint clean
 
 install: $(VENV)/.installed $(REF)/.installed
 
@@ -37,8 +37,12 @@ demo: $(VENV)/.installed
 demo-quick: $(VENV)/.installed
 	$(PY) -m sbd_jax.demo --quick $(DEMO_ARGS)
 
-bench: $(VENV)/.installed
-	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+bench: $(VENV)/.installed  ## CPU benchmarks (train step, decoding); bench-gpu adds the Pallas kernels
+	$(PY) bench/bench_train.py
+	$(PY) bench/bench_decode.py
+
+bench-gpu: $(VENV)/.installed
+	$(PY) bench/bench_attention.py
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check sbd_jax tests train.py decode.py bench

@@ -142,7 +142,7 @@ def main(argv=None):
     for _ in range(a.reps):
         for name, fn in bare.items():
             bare_t[name].append(timed(fn) / nb)
-        for i, (name, g, out, fn) in enumerate(runs):
+        for i, (name, _g, out, fn) in enumerate(runs):
             secs = timed(fn)
             times[i].append(secs)
             overheads[i].append(secs / _bare_sum(name, out, {n: v[-1] for n, v in bare_t.items()}) - 1)
@@ -170,7 +170,8 @@ def main(argv=None):
     head = (f"model: Llama-style, random weights, {n_params / 1e6:.1f}M params (hidden {a.hidden}, {a.layers} layers, "
             f"heads {a.heads}/{a.kv_heads}, vocab {a.vocab}, {a.dtype}); batch {B}, ragged prompts "
             f"{int(lens.min())}-{int(lens.max())} tokens (width {P}), {N} new tokens, no EOS; device: "
-            f"{dev.platform} {dev.device_kind} x{jax.device_count()}; jax {jax.__version__}; medians of {a.reps} interleaved runs")
+            f"{dev.platform} {dev.device_kind} x{jax.device_count()}; jax {jax.__version__}; "
+            f"medians of {a.reps} interleaved runs")
     cmd = "python bench/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [f"command: `{cmd.strip()}`", "", head, "",
              ("| decoder | tokens | tokens/forward | loop iterations | 2k-window iterations | time (s) | tokens/s "

@@ -4,7 +4,6 @@ project runs on Python 3.12 / jax 0.11.2. Set SBD_HF_PYTHON to point elsewhere."
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np

@@ -1,7 +1,7 @@
 """HF `transformers` reference, run in the separate test-only venv (.venv-ref: Python 3.11, torch CPU,
 transformers). Invoked as a subprocess by tests (see conftest.py `hf_ref`), never imported by sbd_jax.
 
-  python hf_ref.py make     SPEC.json OUT_DIR       random-init HF model from SPEC (arch, config, seed, std, dtype) -> save_pretrained
+  python hf_ref.py make     SPEC.json OUT_DIR       random-init HF model from SPEC -> save_pretrained
   python hf_ref.py logits   MODEL_DIR TOKENS.npy OUT.npy [LENGTHS.npy]   float32 logits [B,T,V] (right-padded rows)
   python hf_ref.py generate MODEL_DIR PROMPTS.json MAX_NEW OUT.json     greedy generate per prompt (no EOS stop)
 """

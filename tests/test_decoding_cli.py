@@ -13,7 +13,7 @@ from sbd_jax.decoding.brute import brute_force_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import decode
+import decode  # noqa: E402
 
 WORDS = ["user", "assistant"] + [f"w{i}" for i in range(60)]  # ids 0..61; 62 = [UNK], 63 = mask
 TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}" \

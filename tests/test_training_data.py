@@ -19,7 +19,8 @@ from sbd_jax.training.data import (
     load_tokenizer,
 )
 
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "away", "big", "red", "sun", "hello", "world", "answer", "is", "yes", "no"]
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "away", "big", "red", "sun", "hello", "world",
+         "answer", "is", "yes", "no"]
 SPECIALS = ["<pad>", "<s>", "</s>", "<m>", "<unk>", "<|user|>", "<|assistant|>"]
 TEMPLATE = ("{{ bos_token }} {% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {{ eos_token }} "
             "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}")

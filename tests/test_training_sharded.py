@@ -66,7 +66,8 @@ SCRIPT = textwrap.dedent("""
                     for a, b in zip(jax.tree.leaves(mu1), jax.tree.leaves(mu8)))
         diffs = [float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p8))]
         moved = [float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(params))]
-        out[f"mesh_accum{accum}"] = dict(metrics=m8, max_param_diff=max(diffs), max_grad_rel_diff=gdiff, min_param_move=min(moved), **info)
+        out[f"mesh_accum{accum}"] = dict(metrics=m8, max_param_diff=max(diffs), max_grad_rel_diff=gdiff,
+                                          min_param_move=min(moved), **info)
     print("RESULT " + json.dumps(out))
 """)
 

@@ -131,6 +131,6 @@ def test_clipping_and_decay_mask():
     a = two_updates(with_clip, [g1, g2])
     b = two_updates(no_clip, [clip(g1), clip(g2)])
     c = two_updates(no_clip, [g1, g2])
-    for x, y, z in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(c)):
+    for x, y, _z in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(c)):
         np.testing.assert_allclose(x, y, rtol=1e-5)
     assert not np.allclose(jax.tree.leaves(a)[0], jax.tree.leaves(c)[0], rtol=1e-3)

@@ -1,7 +1,6 @@
 """Reference (XLA) attention with the SBD mask: the oracle every kernel is tested against."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from .mask import TokenMeta, dense_mask

@@ -46,11 +46,11 @@ class DemoConfig:
     intermediate_size: int = 384
     # training
     seq_len: int = 128
-    batch_size: int = 32
-    pretrain_steps: int = 1200
+    batch_size: int = 16
+    pretrain_steps: int = 600
     finetune_steps: int = 800
     pretrain_lr: float = 2e-3
-    finetune_lr: float = 1e-3
+    finetune_lr: float = 1.5e-3
     k_max: int = 16
     block_align: str = "response"  # SFT blocks start at the response, as blocks start after the prompt at inference
     # evaluation
@@ -63,7 +63,7 @@ class DemoConfig:
     def quick(cls, **kw) -> "DemoConfig":
         base = dict(n_pretrain=3000, n_finetune=3000, n_test=64, hidden_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, intermediate_size=192, batch_size=16, pretrain_steps=150,
-                    finetune_steps=100, gammas=(0.1, 0.6), eval_batch=64, out_dir="results/quick")
+                    finetune_steps=100, gammas=(0.35, 3.0), eval_batch=64, out_dir="results/quick")
         return cls(**{**base, **kw})
 
 
@@ -277,6 +277,12 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def run(cfg: DemoConfig, log=print) -> list[dict]:
     out = Path(cfg.out_dir).absolute()
     cfg = dataclasses.replace(cfg, out_dir=str(out))
@@ -301,10 +307,10 @@ def run(cfg: DemoConfig, log=print) -> list[dict]:
     else:
         rows = stage_eval(cfg, models, files["test"], files["tokenizer"], log)
     table = markdown_table(rows)
-    (out / "table.md").write_text(table)
-    res_file.write_text(json.dumps({"config": dataclasses.asdict(cfg), "rows": rows,
-                                                  "device": str(jax.devices()[0].device_kind),
-                                                  "total_seconds": time.time() - t0}, indent=2))
+    _write_atomic(out / "table.md", table)
+    _write_atomic(res_file, json.dumps({"config": dataclasses.asdict(cfg), "rows": rows,
+                                        "device": str(jax.devices()[0].device_kind),
+                                        "total_seconds": time.time() - t0}, indent=2))
     plot(rows, out / "accuracy_vs_speedup.png")
     log("\n" + table)
     log(f"table: {out / 'table.md'}  json: {out / 'results.json'}  plot: {out / 'accuracy_vs_speedup.png'}  "
