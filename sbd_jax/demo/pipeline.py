@@ -62,8 +62,8 @@ class DemoConfig:
     @classmethod
     def quick(cls, **kw) -> "DemoConfig":
         base = dict(n_pretrain=3000, n_finetune=3000, n_test=64, hidden_size=64, num_layers=2, num_heads=4,
-                    num_kv_heads=2, intermediate_size=192, batch_size=16, pretrain_steps=150,
-                    finetune_steps=100, gammas=(0.35, 3.0), eval_batch=64, out_dir="results/quick")
+                    num_kv_heads=2, intermediate_size=192, batch_size=16, pretrain_steps=300,
+                    finetune_steps=250, gammas=(0.35, 3.0), eval_batch=64, out_dir="results/quick")
         return cls(**{**base, **kw})
 
 
