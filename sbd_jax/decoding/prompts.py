@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .decoder import DecodeError
+from ..io.chat import ChatTemplateError, render_chat_template
 
 
 class PromptFileError(DecodeError):
@@ -66,19 +67,8 @@ class Tokenizer:
             raise DecodeError("the prompt asks for a chat template but the tokenizer has none "
                               "(no chat_template in tokenizer_config.json or chat_template.jinja)")
         try:
-            from jinja2.exceptions import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:
-            raise DecodeError("chat templates need the `jinja2` package (pip install jinja2)") from None
-
-        def raise_exception(msg):
-            raise TemplateError(msg)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        try:
-            text = env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
-                                                              **{k: v or "" for k, v in self.special.items()})
-        except TemplateError as e:
+            text = render_chat_template(self.chat_template, messages, add_generation_prompt=True, **self.special)
+        except ChatTemplateError as e:
             raise DecodeError(f"chat template failed: {e}") from None
         return self.encode(text, add_special_tokens=False)  # the template writes its own BOS
 

@@ -28,6 +28,7 @@ import numpy as np
 from ..config import ConfigError
 from .config import DataConfig
 from .examples import PackedBatch
+from ..io.chat import ChatTemplateError, render_chat_template
 
 
 class DataError(ConfigError):
@@ -59,22 +60,10 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
-            from jinja2.exceptions import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:  # pragma: no cover - jinja2 is a dependency
-            raise DataError("rendering a chat template needs the `jinja2` package") from None
-
-        def raise_exception(msg):
-            raise TemplateError(msg)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token)
-        except TemplateError as e:
-            raise DataError(f"the tokenizer's chat template failed to render: {e}") from None
+            return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos_token, eos_token=self.eos_token)
+        except ChatTemplateError as e:
+            raise DataError(str(e)) from None
 
 
 def _token_str(v) -> str:
