@@ -254,11 +254,11 @@ def test_generate_inside_user_jit(params, prompts):
 
 def test_clear_errors(params, prompts):
     ok = {"max_new_tokens": 4, "block_size": 4}
-    with pytest.raises(DecodeError, match="gamma must be finite and >= 0"):
+    with pytest.raises(DecodeError, match="gamma must be >= 0 \\(and finite\\)"):
         generate(params, CFG, prompts, LENGTHS, gamma=-0.1, **ok)
-    with pytest.raises(DecodeError, match="block_size must be an integer >= 1"):
+    with pytest.raises(DecodeError, match="block_size must be >= 1"):
         generate(params, CFG, prompts, LENGTHS, max_new_tokens=4, block_size=0)
-    with pytest.raises(DecodeError, match="mask_token_id=None"):
+    with pytest.raises(DecodeError, match="no mask_token_id"):
         generate(params, sbd_jax.ModelConfig(**{**CFG.__dict__, "mask_token_id": None}), prompts, LENGTHS, **ok)
     with pytest.raises(PromptTooLongError, match="max_position_embeddings 128"):
         generate(params, CFG, np.zeros((1, 125), np.int32), [125], **ok)

@@ -106,22 +106,30 @@ def _is_concrete(x) -> bool:
 def check_request(cfg: ModelConfig, prompt_shape, *, max_new_tokens, block_size, mode, rule, top_k, top_p,
                   gamma=None, temperature=None, prompt_lengths=None, prompt_ids=None) -> None:
     """Validate a decoding request; raises DecodeError (a ValueError) naming the problem. Values that
-    are traced (generate called inside a user's jit) are checked only when concrete."""
+    are traced (generate called inside a user's jit) are checked only when concrete. `prompt_shape=None`
+    checks the options alone."""
     if mode not in MODES:
         raise DecodeError(f"mode must be one of {MODES}, got {mode!r}")
     if rule not in sampling.RULES:
         raise DecodeError(f"rule must be one of {sampling.RULES}, got {rule!r}")
     if not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise DecodeError(f"block_size must be an integer >= 1, got {block_size!r}")
+        raise DecodeError(f"block_size must be >= 1 (an integer), got {block_size!r}")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise DecodeError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        raise DecodeError(f"max_new_tokens must be >= 1 (an integer), got {max_new_tokens!r}")
     if not isinstance(top_k, (int, np.integer)) or top_k < 0:
         raise DecodeError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
     if not 0.0 < float(top_p) <= 1.0:
         raise DecodeError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
     if mode == "sbd" and cfg.mask_token_id is None:
-        raise DecodeError("SBD decoding needs a mask token but the model config has mask_token_id=None "
-                          "(fine-tune it with SBD first, or use mode='ar')")
+        raise DecodeError("SBD decoding needs a mask token but the model config has no mask_token_id "
+                          "(fine-tune it with SBD first, or use AR mode)")
+    for name, val in (("gamma", gamma), ("temperature", temperature)):
+        if val is not None and _is_concrete(val):
+            arr = np.asarray(val, dtype=np.float64)
+            if np.any(arr < 0) or np.any(~np.isfinite(arr)):
+                raise DecodeError(f"{name} must be >= 0 (and finite), got {val!r}")
+    if prompt_shape is None:  # options only (decode.py checks them before reading any prompt)
+        return
     if len(prompt_shape) != 2:
         raise DecodeError(f"prompt_ids must be [batch, prompt_len], got shape {tuple(prompt_shape)}")
     P = prompt_shape[1]
@@ -137,8 +145,6 @@ def check_request(cfg: ModelConfig, prompt_shape, *, max_new_tokens, block_size,
             if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] != prompt_shape[0]):
                 raise DecodeError(f"{name} must be a scalar or one value per row ({prompt_shape[0]}), "
                                   f"got shape {arr.shape}")
-            if np.any(arr < 0) or np.any(~np.isfinite(arr)):
-                raise DecodeError(f"{name} must be finite and >= 0, got {val!r}")
     if prompt_lengths is not None and _is_concrete(prompt_lengths):
         lens = np.asarray(prompt_lengths)
         if lens.shape != (prompt_shape[0],):

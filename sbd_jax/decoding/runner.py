@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from .decoder import DecodeError, PromptTooLongError, generate_jit, prepare_generate
+from .decoder import DecodeError, PromptTooLongError, check_request, generate_jit, prepare_generate
 from .prompts import Prompt
 
 
@@ -50,22 +50,15 @@ class DecodeOptions:
 
 
 def check_options(cfg: ModelConfig, opts: DecodeOptions, prompts: list[Prompt] = ()) -> None:
-    """All request errors before any work: bad options, no mask token, prompts too long."""
-    if opts.gamma < 0:
-        raise DecodeError(f"gamma must be >= 0, got {opts.gamma}")
-    if opts.block_size < 1:
-        raise DecodeError(f"block_size must be >= 1, got {opts.block_size}")
+    """All request errors before any work: bad options, no mask token, prompts too long. The generation
+    options go through `check_request` (the one validation `generate` uses); this adds the CLI's own
+    options and names a too-long prompt by id and line."""
+    check_request(cfg, None, max_new_tokens=opts.max_new_tokens, block_size=opts.block_size, mode=opts.mode,
+                  rule=opts.rule, top_k=opts.top_k, top_p=opts.top_p, gamma=opts.gamma, temperature=opts.temperature)
     if opts.batch_size < 1:
         raise DecodeError(f"batch_size must be >= 1, got {opts.batch_size}")
-    if opts.max_new_tokens < 1:
-        raise DecodeError(f"max_new_tokens must be >= 1, got {opts.max_new_tokens}")
-    if opts.temperature < 0:
-        raise DecodeError(f"temperature must be >= 0, got {opts.temperature}")
     if opts.pad_multiple < 1:
         raise DecodeError(f"pad_multiple must be >= 1, got {opts.pad_multiple}")
-    if opts.mode == "sbd" and cfg.mask_token_id is None:
-        raise DecodeError("SBD decoding needs a mask token but the model's config.json has no mask_token_id "
-                          "(fine-tune it with SBD first, or use --mode ar)")
     limit = cfg.max_position_embeddings - opts.max_new_tokens
     for p in prompts:
         if len(p.ids) > limit:
