@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..attention import TokenMeta, attention
+from ..attention import TokenMeta, attention, clean_meta, concat_meta
 from ..attention.mask import CLEAN
 from ..config import ModelConfig
 from .layers import apply_rope, rms_norm, rope_inv_freq, swiglu
@@ -113,14 +113,11 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
 
 def cache_meta(cache: KVCache) -> TokenMeta:
     """Metadata of the cache slots as keys: clean tokens of segment 1 at position = slot."""
-    B, S = cache.k.shape[1], cache.k.shape[2]
-    slot = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    seg = (slot < cache.lengths[:, None]).astype(jnp.int32)
-    return TokenMeta(seg, slot, jnp.zeros_like(slot), slot)
+    return causal_meta(cache.lengths, cache.max_len)
 
 
 def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, write_slot_BT,
-           kv_meta: tuple[TokenMeta, TokenMeta] | None, clean_prefix: int | None = None):
+           kv_meta: tuple[TokenMeta, TokenMeta, TokenMeta] | None, clean_prefix: int | None = None):
     dt = jnp.dtype(cfg.dtype)
     p = jax.tree.map(lambda a: a.astype(dt), lp)
     x = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
@@ -158,14 +155,13 @@ def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, wri
         ck = jax.lax.dynamic_index_in_dim(ks, li, 0, keepdims=False)
         cv = jax.lax.dynamic_index_in_dim(vs, li, 0, keepdims=False)
         # keys = committed cache (clean) + this window's copy tokens (its clean tokens are in the cache)
-        cache_kv_meta, window_kv_meta = kv_meta
+        cache_kv_meta, window_kv_meta, full_meta = kv_meta
         if cfg.attention_impl == "pallas":  # reads the cache in place: no concatenated copy per layer
             from ..attention.pallas import pallas_attention_parts
             o = pallas_attention_parts(q, [(ck.astype(dt), cv.astype(dt), cache_kv_meta), (k, v, window_kv_meta)], meta)
         else:
             keys = jnp.concatenate([ck.astype(dt), k], axis=1)
             vals = jnp.concatenate([cv.astype(dt), v], axis=1)
-            full_meta = TokenMeta(*(jnp.concatenate([a, b], axis=1) for a, b in zip(cache_kv_meta, window_kv_meta)))
             o = attention(q, keys, vals, meta, full_meta, impl=cfg.attention_impl)
     h_BTD = h_BTD + jnp.einsum("bthk,hkd->btd", o, p["wo"]) + (p["bo"] if cfg.attention_bias else 0)
     x = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
@@ -213,7 +209,8 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
         new_len = jnp.maximum(cache.lengths, jnp.max(jnp.where(writes, meta.position + 1, 0), axis=1))
         committed = cache._replace(lengths=new_len)
         window_keys = meta._replace(segment=jnp.where(meta.stream == CLEAN, 0, meta.segment))
-        kv_meta = (cache_meta(committed), window_keys)
+        cmeta = cache_meta(committed)
+        kv_meta = (cmeta, window_keys, concat_meta(cmeta, window_keys))  # built once, not per layer
 
         def body(carry, xs):
             h, ks, vs = carry
@@ -240,7 +237,6 @@ def lm_head(params: dict, cfg: ModelConfig, h_BTD):
 
 def causal_meta(lengths_B, T: int) -> TokenMeta:
     """Metadata for plain causal use: row b holds one sequence of length lengths_B[b], right-padded."""
-    from ..attention import clean_meta
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (jnp.shape(lengths_B)[0], T))
     seg = (pos < jnp.asarray(lengths_B)[:, None]).astype(jnp.int32)
     return clean_meta(seg, pos)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..mask import TokenMeta
+from ..mask import TokenMeta, concat_meta
 from .decode import decode_forward, decode_forward_parts
 from .flash_train import train_backward, train_forward
 from .options import (
@@ -76,7 +76,7 @@ _sbd_attention.defvjp(_sbd_attention_fwd, _sbd_attention_bwd)
 def _concat_parts(parts):
     k = jnp.concatenate([p[0] for p in parts], axis=1)
     v = jnp.concatenate([p[1] for p in parts], axis=1)
-    meta = TokenMeta(*(jnp.concatenate(fs, axis=1) for fs in zip(*(p[2] for p in parts))))
+    meta = concat_meta(*(p[2] for p in parts), axis=1)
     return k, v, meta
 
 
