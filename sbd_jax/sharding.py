@@ -2,9 +2,14 @@
 
 Parameters carry logical axis names (`sbd_jax.models.transformer.PARAM_AXES`); `DEFAULT_RULES` maps
 them onto the mesh axes ("data", "fsdp", "tensor"). A dimension whose size the mesh axis does not
-divide is replicated instead (so e.g. 8 KV heads on a tensor axis of 16 still works)."""
+divide is replicated instead (so e.g. 8 KV heads on a tensor axis of 16 still works).
+
+`mesh_context(mesh)` makes a mesh ambient while tracing (the training step and the decoder enter it
+when given a mesh); the Pallas attention kernels, opaque to XLA's partitioner, read it to run per
+shard inside `jax.shard_map` (sbd_jax/attention/sharded.py)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -129,3 +134,12 @@ def cache_sharding(cfg: ModelConfig, mesh: Mesh, batch_size: int) -> NamedShardi
     b = batch_sharding(mesh, 1, batch_size).spec[0]
     kv = logical_to_spec(("kv_heads",), (cfg.num_key_value_heads,), mesh)[0]
     return NamedSharding(mesh, P(None, b, None, kv, None))
+
+
+def mesh_context(mesh: Mesh | None):
+    """Context manager making `mesh` the ambient mesh (`jax.sharding.get_abstract_mesh()`) while
+    tracing; usable inside `jax.jit` (unlike `jax.set_mesh`). A no-op for None. Set by the training
+    step and the decoder so that `attention_impl="pallas"` runs per shard (sbd_jax/attention/sharded.py)."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)

@@ -1,4 +1,9 @@
-"""SBD attention: one mask definition (`mask.py`), a reference XLA implementation and kernels."""
+"""SBD attention: one mask definition (`mask.py`), a reference XLA implementation and kernels.
+
+`attention(..., impl="pallas")` and `attention_parts(..., impl="pallas")` go through
+`sharded.py`: under an active mesh (`jax.set_mesh`, or `sbd_jax.sharding.mesh_context` inside the
+training step and the decoder) the Pallas kernels run per shard inside `jax.shard_map` (batch over
+data x fsdp, heads over tensor); without one they are called directly."""
 from .mask import (CLEAN, COPY, TokenMeta, block_starts, clean_meta, concat_meta, copy_meta,
                    dense_mask, sbd_mask)
 from .reference import reference_attention
@@ -8,11 +13,28 @@ def attention(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta, *, impl: str = "xla"):
     """Dispatch on `impl` ("xla" reference, or "pallas" fused kernels)."""
     if impl == "xla":
         return reference_attention(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta)
-    if impl == "pallas":
-        from .pallas import pallas_attention  # imported lazily: kernels are optional
+    if impl == "pallas":  # the kernels (imported lazily, they are optional), per shard under a mesh
+        from .sharded import pallas_attention
         return pallas_attention(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta)
     raise ValueError(f"unknown attention_impl {impl!r} (expected 'xla' or 'pallas')")
 
 
-__all__ = ["CLEAN", "COPY", "TokenMeta", "attention", "block_starts", "clean_meta", "concat_meta",
+def attention_parts(q_BTHD, kv_parts, q_meta, *, impl: str = "xla", kv_meta=None):
+    """Attention over keys/values given in parts of one sequence: kv_parts = [(k, v, meta), ...]
+    means k = concat(k_i) along time. "pallas" reads the parts in place (decoding reads its cache
+    without a concatenated copy per layer); "xla" concatenates (`kv_meta`: the concatenated
+    metadata if the caller has it already)."""
+    if impl == "pallas":
+        from .sharded import pallas_attention_parts
+        return pallas_attention_parts(q_BTHD, kv_parts, q_meta)
+    if impl != "xla":
+        raise ValueError(f"unknown attention_impl {impl!r} (expected 'xla' or 'pallas')")
+    import jax.numpy as jnp
+    k = jnp.concatenate([p[0] for p in kv_parts], axis=1)
+    v = jnp.concatenate([p[1] for p in kv_parts], axis=1)
+    kv_meta = concat_meta(*(p[2] for p in kv_parts), axis=1) if kv_meta is None else kv_meta
+    return reference_attention(q_BTHD, k, v, q_meta, kv_meta)
+
+
+__all__ = ["CLEAN", "COPY", "TokenMeta", "attention", "attention_parts", "block_starts", "clean_meta", "concat_meta",
            "copy_meta", "dense_mask", "reference_attention", "sbd_mask"]

@@ -11,6 +11,9 @@ Parameters (a plain nested dict; layers stacked on a leading axis L and run with
   lm_head          [D, V]       (absent when tie_word_embeddings)
 
 `forward` is the single entry point used by training, decoding, the demo and the tests.
+Attention follows `cfg.attention_impl`; with "pallas" under an active mesh (`jax.set_mesh`, or
+`sbd_jax.sharding.mesh_context` as the training step and the decoder set it) the kernels run per
+shard inside `jax.shard_map` (sbd_jax/attention/sharded.py).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..attention import TokenMeta, attention, clean_meta, concat_meta
+from ..attention import TokenMeta, attention, attention_parts, clean_meta, concat_meta
 from ..attention.mask import CLEAN
 from ..config import ModelConfig
 from .layers import apply_rope, rms_norm, rope_inv_freq, swiglu
@@ -156,13 +159,10 @@ def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, wri
         cv = jax.lax.dynamic_index_in_dim(vs, li, 0, keepdims=False)
         # keys = committed cache (clean) + this window's copy tokens (its clean tokens are in the cache)
         cache_kv_meta, window_kv_meta, full_meta = kv_meta
-        if cfg.attention_impl == "pallas":  # reads the cache in place: no concatenated copy per layer
-            from ..attention.pallas import pallas_attention_parts
-            o = pallas_attention_parts(q, [(ck.astype(dt), cv.astype(dt), cache_kv_meta), (k, v, window_kv_meta)], meta)
-        else:
-            keys = jnp.concatenate([ck.astype(dt), k], axis=1)
-            vals = jnp.concatenate([cv.astype(dt), v], axis=1)
-            o = attention(q, keys, vals, meta, full_meta, impl=cfg.attention_impl)
+        # "pallas" reads the cache in place (no concatenated copy per layer; per shard under a
+        # mesh, see sbd_jax/attention/sharded.py); "xla" concatenates
+        o = attention_parts(q, [(ck.astype(dt), cv.astype(dt), cache_kv_meta), (k, v, window_kv_meta)], meta,
+                            impl=cfg.attention_impl, kv_meta=full_meta)
     h_BTD = h_BTD + jnp.einsum("bthk,hkd->btd", o, p["wo"]) + (p["bo"] if cfg.attention_bias else 0)
     x = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
     h_BTD = h_BTD + swiglu(x, p["w_gate"], p["w_up"], p["w_down"])
