@@ -27,6 +27,8 @@ Layout (choices documented here, see SBD.md "Inference"):
   * Sharding: with `mesh`, the cache is constrained to `cache_sharding` (batch over data x fsdp, KV
     heads over tensor, as wk/wv) and per-row state to `batch_sharding`; params come laid out by
     `shard_params` (the training rules). Without `mesh`, XLA propagates the inputs' shardings.
+    The decoder traces under `mesh_context(mesh)`: with attention_impl="pallas" the attention kernels
+    run per shard inside `jax.shard_map` (sbd_jax/attention/sharded.py).
   * Randomness: row b draws its step-n tokens from fold_in(key_b, n) (see sampling.py).
   * SBD never samples the mask token (its logit is set to -inf for the draw, not for the entropy).
     AR is left untouched (plain next-token decoding, the baseline, identical to `transformers`).
@@ -50,6 +52,7 @@ import numpy as np
 from ..attention import clean_meta, concat_meta, copy_meta
 from ..config import ModelConfig
 from ..models.transformer import KVCache, causal_meta, forward, init_cache
+from ..sharding import mesh_context
 from . import sampling
 
 MODES = ("sbd", "ar")
@@ -236,6 +239,14 @@ _STATIC = ("cfg", "max_new", "k", "top_k", "top_p", "tempered", "pad", "mode", "
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, rule, eos, *, cfg, max_new, k, top_k, top_p,
                  tempered, pad, mode, finalize, return_cache, mesh):
+    with mesh_context(mesh):  # ambient while tracing: attention_impl="pallas" then runs per shard
+        return _generate(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, rule, eos, cfg=cfg, max_new=max_new,
+                         k=k, top_k=top_k, top_p=top_p, tempered=tempered, pad=pad, mode=mode, finalize=finalize,
+                         return_cache=return_cache, mesh=mesh)
+
+
+def _generate(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, rule, eos, *, cfg, max_new, k, top_k, top_p,
+              tempered, pad, mode, finalize, return_cache, mesh):
     B, P = prompt_ids.shape
     S = P + max_new
     W = S + k  # token buffer: room for a whole last block past the cap

@@ -1,7 +1,8 @@
 """The train step: build the step's examples from a packed batch (PRNG from the state), dual loss,
 gradient accumulation over microbatches, AdamW update. `jit_train_step` compiles it for a device
 mesh with parameters sharded by the logical-axis rules, the batch over (data, fsdp), and the state
-donated.
+donated. The step traces under `mesh_context(mesh)`, so with attention_impl="pallas" the attention
+kernels run per shard inside `jax.shard_map` (sbd_jax/attention/sharded.py).
 
 Gradient accumulation: the whole batch's examples are built first (cheap integer work), so the
 token counts of the global batch are known; each microbatch then contributes
@@ -22,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..config import ModelConfig
-from ..sharding import batch_sharding, param_shardings
+from ..sharding import batch_sharding, mesh_context, param_shardings
 from .examples import Example, PackedBatch, make_example
 from .loss import LossSums, combine, loss_sums, metrics_from_sums
 
@@ -82,6 +83,10 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state: TrainState, batch: PackedBatch):
+        with mesh_context(mesh):  # ambient while tracing: attention_impl="pallas" then runs per shard
+            return _step(state, batch)
+
+    def _step(state: TrainState, batch: PackedBatch):
         rng, key = jax.random.split(state.rng)
         ex, k = make_example(key, batch, mask_token_id=opts.mask_token_id, k_max=opts.k_max,
                              block_size=opts.block_size, ntp_only=opts.ntp_only, block_align=opts.block_align)
