@@ -9,21 +9,32 @@ from `jax.default_backend()` (CPU -> interpret mode).
 `pallas_attention_parts(q, [(cache_k, cache_v, cache_meta), (win_k, win_v, win_meta)], q_meta)`
 is the same attention over K/V given in parts, so decoding can read the cache in place.
 
-Verified: interpret mode on CPU against `reference_attention` (tests/test_pallas_attention.py,
-tests/test_pallas_model.py), and Pallas -> Triton IR lowering for an abstract H100
-(tests/test_pallas_lowering.py). Not verified: PTX compilation, GPU runtime/correctness/speed
-(no GPU was available). TPU: not supported (backend "tpu" raises; see options.py).
+Two kernel families, chosen by backend (options.py): Triton-style kernels ("triton" on GPU,
+"interpret" on CPU) and Mosaic-TPU kernels ("tpu"; `interpret=True` or
+`force_backend("tpu", interpret=True)` runs them in TPU interpret mode on CPU).
+
+HONEST STATUS (no GPU or TPU was available):
+  Verified: interpret mode on CPU against `reference_attention`, for both families
+  (tests/test_pallas_attention.py, tests/test_pallas_model.py, tests/test_pallas_tpu.py:
+  outputs and gradients, f32 and bf16, GQA/MQA, packed segments, ragged caches, whole model);
+  Pallas -> Triton IR lowering for an abstract H100 and Pallas -> Mosaic lowering for TPU, on
+  CPU (tests/test_pallas_lowering.py).
+  Not verified: PTX compilation and GPU runtime; Mosaic layout passes / libtpu compilation and
+  TPU runtime; speed and tile tuning on any accelerator.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..mask import TokenMeta, concat_meta
+from . import tpu_decode, tpu_train
 from .decode import decode_forward, decode_forward_parts
 from .flash_train import train_backward, train_forward
 from .options import (
@@ -32,7 +43,9 @@ from .options import (
     PallasOptions,
     PallasOptionsError,
     check_head_dim,
+    check_tpu_blocks,
     check_triton_blocks,
+    force_backend,
 )
 
 
@@ -48,9 +61,28 @@ def choose_kernel(Tq: int, Tk: int, opts: PallasOptions) -> str:
     return "decode" if (Tk > Tq and Tq <= opts.decode_max_q) else "train"
 
 
+class _Kernels(NamedTuple):
+    train_forward: Callable
+    train_backward: Callable
+    decode_forward: Callable
+    decode_forward_parts: Callable
+
+
+_TRITON_STYLE = _Kernels(train_forward, train_backward, decode_forward, decode_forward_parts)
+_TPU = _Kernels(tpu_train.train_forward, tpu_train.train_backward, tpu_decode.decode_forward,
+                tpu_decode.decode_forward_parts)
+
+
+def _kernels(opts: PallasOptions) -> _Kernels:
+    """Mosaic-TPU kernels for backend "tpu" (compiled, or TPU interpret mode); the Triton-style
+    kernels for "triton" and "interpret"."""
+    return _TPU if opts.backend == "tpu" else _TRITON_STYLE
+
+
 def _forward(q, k, v, q_meta, kv_meta, opts):
     kind = choose_kernel(q.shape[1], k.shape[1], opts)
-    fn = decode_forward if kind == "decode" else train_forward
+    ks = _kernels(opts)
+    fn = ks.decode_forward if kind == "decode" else ks.train_forward
     return fn(q, k, v, q_meta, kv_meta, opts)
 
 
@@ -66,7 +98,7 @@ def _sbd_attention_fwd(q, k, v, q_meta, kv_meta, opts):
 
 def _sbd_attention_bwd(opts, res, do):
     q, k, v, q_meta, kv_meta, o, lse = res
-    dq, dk, dv = train_backward(q, k, v, q_meta, kv_meta, o, lse, do, opts)
+    dq, dk, dv = _kernels(opts).train_backward(q, k, v, q_meta, kv_meta, o, lse, do, opts)
     return dq, dk, dv, None, None
 
 
@@ -82,11 +114,11 @@ def _concat_parts(parts):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _sbd_attention_parts(q, parts, q_meta, opts):
-    return decode_forward_parts(q, parts, q_meta, opts)[0]
+    return _kernels(opts).decode_forward_parts(q, parts, q_meta, opts)[0]
 
 
 def _sbd_attention_parts_fwd(q, parts, q_meta, opts):
-    o, lse = decode_forward_parts(q, parts, q_meta, opts)
+    o, lse = _kernels(opts).decode_forward_parts(q, parts, q_meta, opts)
     return o, (q, parts, q_meta, o, lse)
 
 
@@ -94,7 +126,7 @@ def _sbd_attention_parts_bwd(opts, res, do):
     # not a decoding need; correct but concatenates (the backward kernels take one K/V)
     q, parts, q_meta, o, lse = res
     k, v, kv_meta = _concat_parts(parts)
-    dq, dk, dv = train_backward(q, k, v, q_meta, kv_meta, o, lse, do, opts)
+    dq, dk, dv = _kernels(opts).train_backward(q, k, v, q_meta, kv_meta, o, lse, do, opts)
     bounds = [int(x) for x in np.cumsum([p[0].shape[1] for p in parts])[:-1]]
     dks, dvs = jnp.split(dk, bounds, axis=1), jnp.split(dv, bounds, axis=1)
     return dq, tuple((a, b, None) for a, b in zip(dks, dvs)), None
@@ -135,17 +167,19 @@ def _validate(q, k, v, q_meta, kv_meta):
 def pallas_attention(q_BTHD, k_BSKD, v_BSKD, q_meta: TokenMeta, kv_meta: TokenMeta, *,
                      kernel: str = "auto", backend: str | None = None,
                      blocks: BlockSizes | None = None, scale: float | None = None,
-                     options: PallasOptions | None = None):
+                     interpret: bool | None = None, options: PallasOptions | None = None):
     """SBD attention with Pallas kernels; drop-in for `reference_attention`.
 
     q_BTHD [B, T, H, D]; k/v_BSKD [B, S, K, D] (H a multiple of K); metadata [B, T] / [B, S].
     `kernel`: "auto" | "train" | "decode"; `backend`: None (from jax.default_backend()) |
     "interpret" | "triton" | "tpu"; `blocks`: tile sizes (None: per-backend defaults);
+    `interpret`: with backend "tpu", run the Mosaic-TPU kernels in TPU interpret mode (CPU);
     or pass a whole `options` (then the other keywords must be left at their defaults).
     """
     if options is None:
-        options = PallasOptions(kernel=kernel, backend=backend, blocks=blocks, scale=scale)
-    elif (kernel, backend, blocks, scale) != ("auto", None, None, None):
+        options = PallasOptions(kernel=kernel, backend=backend, blocks=blocks, scale=scale,
+                                interpret=interpret)
+    elif (kernel, backend, blocks, scale, interpret) != ("auto", None, None, None, None):
         raise PallasOptionsError("pass either `options` or the individual keywords, not both")
     _validate(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta)
     opts = options.resolved()
@@ -154,6 +188,7 @@ def pallas_attention(q_BTHD, k_BSKD, v_BSKD, q_meta: TokenMeta, kv_meta: TokenMe
         opts = dataclasses.replace(opts, scale=float(D) ** -0.5)
     check_head_dim(opts.backend, D)
     check_triton_blocks(opts.backend, opts.blocks)
+    check_tpu_blocks(opts)
     q_meta = TokenMeta(*(jnp.asarray(f, jnp.int32) for f in q_meta))
     kv_meta = TokenMeta(*(jnp.asarray(f, jnp.int32) for f in kv_meta))
     return _sbd_attention(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta, opts)
@@ -161,7 +196,8 @@ def pallas_attention(q_BTHD, k_BSKD, v_BSKD, q_meta: TokenMeta, kv_meta: TokenMe
 
 def pallas_attention_parts(q_BTHD, kv_parts, q_meta: TokenMeta, *, kernel: str = "auto",
                            backend: str | None = None, blocks: BlockSizes | None = None,
-                           scale: float | None = None, options: PallasOptions | None = None):
+                           scale: float | None = None, interpret: bool | None = None,
+                           options: PallasOptions | None = None):
     """`pallas_attention` over keys/values given as parts of one sequence, WITHOUT concatenating
     them: kv_parts = [(k_BSKD, v_BSKD, kv_meta), ...] means k = concat(k_i), kv_meta =
     concat(meta_i) along time. Meant for decoding: [(cache_k, cache_v, cache_meta),
@@ -171,8 +207,9 @@ def pallas_attention_parts(q_BTHD, kv_parts, q_meta: TokenMeta, *, kernel: str =
     are concatenated and `pallas_attention` is used.
     """
     if options is None:
-        options = PallasOptions(kernel=kernel, backend=backend, blocks=blocks, scale=scale)
-    elif (kernel, backend, blocks, scale) != ("auto", None, None, None):
+        options = PallasOptions(kernel=kernel, backend=backend, blocks=blocks, scale=scale,
+                                interpret=interpret)
+    elif (kernel, backend, blocks, scale, interpret) != ("auto", None, None, None, None):
         raise PallasOptionsError("pass either `options` or the individual keywords, not both")
     kv_parts = tuple(tuple(p) for p in kv_parts)
     if not kv_parts or any(len(p) != 3 for p in kv_parts):
@@ -191,6 +228,7 @@ def pallas_attention_parts(q_BTHD, kv_parts, q_meta: TokenMeta, *, kernel: str =
         opts = dataclasses.replace(opts, scale=float(D) ** -0.5)
     check_head_dim(opts.backend, D)
     check_triton_blocks(opts.backend, opts.blocks)
+    check_tpu_blocks(opts)
     as_meta = lambda m: TokenMeta(*(jnp.asarray(f, jnp.int32) for f in m))
     kv_parts = tuple((k, v, as_meta(m)) for k, v, m in kv_parts)
     return _sbd_attention_parts(q_BTHD, kv_parts, as_meta(q_meta), opts)
@@ -204,6 +242,7 @@ __all__ = [
     "PallasOptionsError",
     "choose_kernel",
     "decode_forward",
+    "force_backend",
     "pallas_attention",
     "pallas_attention_parts",
     "train_backward",

@@ -1,25 +1,35 @@
 """Backend choice and block sizes for the SBD Pallas kernels.
 
-The backend is chosen from `jax.default_backend()` unless given explicitly:
-  "cpu" -> Pallas interpret mode (the only mode Pallas supports on CPU; this is what the tests run);
-  "gpu" -> compiled with the *Triton* lowering, selected explicitly by passing
-           `jax.experimental.pallas.triton.CompilerParams` (in jax 0.11.x a GPU pallas_call without
-           compiler params is also lowered through Triton; Mosaic GPU needs its own kernel style);
-  "tpu" -> not supported yet (clear error; see below).
+The backend is chosen from `jax.default_backend()` unless given explicitly (or forced with
+`force_backend`):
+  "cpu" -> "interpret": the Triton-style kernels (`flash_train`, `decode`) in Pallas interpret
+           mode (the only mode Pallas supports on CPU);
+  "gpu" -> "triton": the same kernels compiled with the *Triton* lowering, selected explicitly by
+           passing `jax.experimental.pallas.triton.CompilerParams` (in jax 0.11.x a GPU
+           pallas_call without compiler params is also lowered through Triton; Mosaic GPU needs
+           its own kernel style);
+  "tpu" -> "tpu": the Mosaic-TPU kernels (`tpu_train`, `tpu_decode`: [.., T, D] tiles with
+           (8, 128)-legal blocks, scalar-prefetched tile lists, VMEM scratch accumulators).
+           `interpret=True` runs them in TPU interpret mode (`pltpu.InterpretParams()`) on CPU.
 
 HONEST STATUS (no GPU or TPU was available to the session that wrote this):
-  * interpret mode: run and tested against the reference attention (tests/test_pallas_*.py);
+  * interpret mode: both kernel families run and are tested against the reference attention
+    (tests/test_pallas_attention.py, tests/test_pallas_model.py: Triton-style;
+    tests/test_pallas_tpu.py: TPU kernels in TPU interpret mode, outputs, gradients, GQA/MQA,
+    ragged caches, bf16, and the whole model);
   * Triton: the kernels are written to the Triton lowering's rules (power-of-two tensor shapes,
     2-D dots without batch dims, dynamic `pl.ds` slices of refs, scalar loads of tile tables),
     and tests/test_pallas_lowering.py lowers them (Pallas -> Triton IR) for an abstract H100 on
     CPU. PTX compilation, runtime and speed are NOT verified;
-  * TPU: NOT supported yet. Cross-lowering for TPU shows these kernels' layouts break Mosaic's
-    block rules (last two block dims must be (8k, 128m) or full; scalar tables belong in SMEM),
-    so backend "tpu" raises a clear error instead of failing deep inside the lowering. A TPU
-    version needs a [B, H, T, D] layout and scalar-prefetched tile lists (splash-attention style).
+  * TPU: tests/test_pallas_lowering.py cross-lowers the TPU kernels on CPU
+    (`lower(lowering_platforms=("tpu",))`: Pallas' Mosaic lowering, its block-shape rules, SMEM
+    scalar prefetch, dimension semantics; the serialised kernels are decoded and checked).
+    Mosaic's layout passes and compilation (they run in libtpu, on a TPU host), VMEM limits,
+    runtime on a TPU and speed are NOT verified. DEFAULT_BLOCKS["tpu"] is untuned.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -87,7 +97,17 @@ DEFAULT_BLOCKS = {
     "triton": BlockSizes(block_q=64, block_k=64, block_q_dkv=64, block_k_dkv=64,
                          decode_block_k=64, decode_block_rows=128, num_splits=None,
                          num_warps=4, num_stages=2),
+    # Mosaic TPU: lane-facing tiles (block_q, block_k, block_q_dkv, decode_block_k) are
+    # multiples of 128, sublane-facing ones (block_k_dkv, decode_block_rows) multiples of 16.
+    # UNTUNED starting points (no TPU was available), in the range of jax's splash attention
+    # defaults; num_splits = 2 gives both TensorCores of a megacore chip work at batch 1.
+    "tpu": BlockSizes(block_q=256, block_k=512, block_q_dkv=512, block_k_dkv=256,
+                      decode_block_k=512, decode_block_rows=256, num_splits=2),
 }
+
+# tile fields by the side of the score tile they sit on in the TPU kernels
+TPU_LANE_FIELDS = ("block_q", "block_k", "block_q_dkv", "decode_block_k")
+TPU_SUBLANE_FIELDS = ("block_k_dkv", "decode_block_rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +121,10 @@ class PallasOptions:
              "tpu" -> "tpu"); or one of "interpret", "triton", "tpu".
     blocks:  None -> DEFAULT_BLOCKS[backend].
     scale:   softmax scale; None -> head_dim ** -0.5 (as the reference).
+    interpret: run the chosen backend's kernels in Pallas interpret mode on the host. Only
+             meaningful with backend "tpu" (the TPU kernels under `pltpu.InterpretParams()`, how
+             they are tested on CPU); backend "interpret" always interprets. None -> False, or
+             what `force_backend` set.
     """
 
     kernel: str = "auto"
@@ -108,6 +132,7 @@ class PallasOptions:
     blocks: BlockSizes | None = None
     scale: float | None = None
     decode_max_q: int = 128
+    interpret: bool | None = None
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -116,15 +141,37 @@ class PallasOptions:
             raise PallasOptionsError(f"backend must be None or one of {BACKENDS}, got {self.backend!r}")
         if self.blocks is not None and not isinstance(self.blocks, BlockSizes):
             raise PallasOptionsError(f"blocks must be a BlockSizes, got {type(self.blocks).__name__}")
+        if self.interpret not in (None, True, False):
+            raise PallasOptionsError(f"interpret must be None or a bool, got {self.interpret!r}")
 
     def resolved(self) -> PallasOptions:
-        backend = self.backend or default_backend()
-        if backend == "tpu":
-            raise PallasOptionsError(
-                "the SBD Pallas kernels have no TPU (Mosaic) version yet: their layouts break "
-                "Mosaic's block-shape rules; use attention_impl='xla' on TPU")
+        backend, interpret = self.backend, self.interpret
+        if backend is None:
+            backend, forced_interpret = _forced[-1] if _forced else (default_backend(), False)
+            interpret = forced_interpret if interpret is None else interpret
+        interpret = bool(interpret) or backend == "interpret"
+        if interpret and backend == "triton":
+            backend = "interpret"  # the Triton kernels' interpret mode
         blocks = self.blocks or DEFAULT_BLOCKS[backend]
-        return dataclasses.replace(self, backend=backend, blocks=blocks)
+        return dataclasses.replace(self, backend=backend, blocks=blocks, interpret=interpret)
+
+
+_forced: list[tuple[str, bool]] = []
+
+
+@contextlib.contextmanager
+def force_backend(backend: str, *, interpret: bool = False):
+    """Within the block, options with backend=None (e.g. the model's attention_impl="pallas")
+    resolve to `backend` (and `interpret`) instead of following jax.default_backend(). Read when
+    a call is TRACED: trace (first-call) jitted functions inside the block. E.g.
+    `with force_backend("tpu", interpret=True):` runs the Mosaic-TPU kernels on CPU."""
+    if backend not in BACKENDS:
+        raise PallasOptionsError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _forced.append((backend, bool(interpret)))
+    try:
+        yield
+    finally:
+        _forced.pop()
 
 
 def default_backend() -> str:
@@ -148,6 +195,41 @@ def call_kwargs(backend: str, blocks: BlockSizes) -> dict:
         return {"compiler_params": plgpu.CompilerParams(num_warps=blocks.num_warps,
                                                         num_stages=blocks.num_stages)}
     raise PallasOptionsError(f"no Pallas kernels for backend {backend!r}")
+
+
+def tpu_call_kwargs(opts: PallasOptions, semantics: tuple[str, ...]) -> dict:
+    """`compiler_params=` (Mosaic dimension semantics) and, in interpret mode,
+    `interpret=pltpu.InterpretParams()` (TPU interpret mode: simulates VMEM/SMEM, DMAs and the
+    scalar prefetch on the host; uninitialised buffers read as NaN, which the tests rely on)."""
+    from jax.experimental.pallas import tpu as pltpu
+    kw = {"compiler_params": pltpu.CompilerParams(dimension_semantics=semantics)}
+    if opts.interpret:
+        kw["interpret"] = pltpu.InterpretParams()
+    return kw
+
+
+def check_tpu_blocks(opts: PallasOptions) -> None:
+    """Mosaic's block rules for the tiles that do not cover a whole axis (a tile that covers its
+    axis is the full array dim, always legal). Interpret mode accepts any tile >= 8 so CPU tests
+    can cross many tiles on short sequences."""
+    if opts.backend != "tpu":
+        return
+    b = opts.blocks
+    for f in TPU_LANE_FIELDS + TPU_SUBLANE_FIELDS:
+        if getattr(b, f) < 8:
+            raise PallasOptionsError(f"TPU kernels need tiles >= 8, got {f}={getattr(b, f)}")
+    if opts.interpret:
+        return
+    for f in TPU_LANE_FIELDS:
+        if getattr(b, f) % 128:
+            raise PallasOptionsError(
+                f"Mosaic TPU: {f} sits on the lane axis and must be a multiple of 128, got "
+                f"{getattr(b, f)} (any tile >= 8 is accepted in interpret mode only)")
+    for f in TPU_SUBLANE_FIELDS:
+        if getattr(b, f) < 16:
+            raise PallasOptionsError(
+                f"Mosaic TPU: {f} sits on the sublane axis and must be >= 16 (bf16 packs 16 "
+                f"rows per tile), got {getattr(b, f)}")
 
 
 def check_head_dim(backend: str, head_dim: int) -> None:

@@ -9,7 +9,9 @@ shared by the forward and backward kernels of all heads.
 
 The kernels never index the table directly; they read compact lists:
 `table[..., 0]` = number of visible tiles, `table[..., 1 : 1 + count]` = their indices
-(ascending). The last dim is padded to a power of two (Triton block shapes must be).
+(ascending). The last dim is padded to a power of two (Triton block shapes must be); the TPU
+kernels take the lists unpadded and flattened to 1-D (`flat_tile_lists`), scalar-prefetched into
+SMEM.
 """
 from __future__ import annotations
 
@@ -67,13 +69,13 @@ def tile_visibility(q_meta: TokenMeta, kv_meta: TokenMeta, block_q: int, block_k
     return vis[:, :nq]
 
 
-def compact_tiles(vis):
-    """bool [..., C] -> int32 [..., P] with P = next_pow2(C + 1): entry 0 = count of visible
-    tiles, entries 1..count = their indices ascending, the rest 0."""
+def compact_tiles(vis, *, pow2: bool = True):
+    """bool [..., C] -> int32 [..., P] with P = next_pow2(C + 1) (or C + 1 if not `pow2`):
+    entry 0 = count of visible tiles, entries 1..count = their indices ascending, the rest 0."""
     C = vis.shape[-1]
     order = jnp.argsort(jnp.logical_not(vis), axis=-1, stable=True).astype(jnp.int32)
     cnt = jnp.sum(vis, axis=-1, dtype=jnp.int32)[..., None]
-    P = next_pow2(C + 1)
+    P = next_pow2(C + 1) if pow2 else C + 1
     pad = [(0, 0)] * (vis.ndim - 1) + [(0, P - C - 1)]
     return jnp.pad(jnp.concatenate([cnt, order], axis=-1), pad)
 
@@ -91,10 +93,17 @@ def tile_lists(q_meta: TokenMeta, kv_meta: TokenMeta, block_q: int, block_k: int
     return out[0] if len(out) == 1 else tuple(out)
 
 
+def flat_tile_lists(vis):
+    """bool [B, n, C] -> (int32 [B * n * (C + 1)], C + 1): the compact lists of `compact_tiles`
+    (unpadded) flattened for SMEM; list (b, i) starts at (b * n + i) * (C + 1)."""
+    lists = compact_tiles(vis, pow2=False)
+    return lists.reshape(-1), lists.shape[-1]
+
+
 def visible_fraction(vis) -> float:
     """Fraction of tile pairs computed (for benchmarks / reports)."""
     return float(jnp.mean(vis.astype(jnp.float32)))
 
 
-__all__ = ["compact_tiles", "pack_meta", "pad_meta", "tile_lists", "tile_visibility",
+__all__ = ["compact_tiles", "flat_tile_lists", "pack_meta", "pad_meta", "tile_lists", "tile_visibility",
            "visible_fraction"]

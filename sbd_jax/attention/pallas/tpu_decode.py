@@ -1,0 +1,191 @@
+"""Mosaic-TPU flash-decoding SBD attention: a decode window of queries (k or 2k tokens) against
+a KV cache with per-row valid lengths, plus the window's in-block SBD mask.
+
+Same contract as `decode` (the Triton-style kernel): q [B, Tq, H, D], K/V parts
+[B, S_i, K, D] with metadata [B, S_i] (cache slots past a row's length carry segment 0, so the
+exact tile table drops them: they are never read), -> (o [B, Tq, H, D], lse [B, H, Tq]).
+
+One program = (row b, KV head, split s, row tile r, step), grid (B, K, ns, nr, steps):
+  * GQA/MQA: the query block holds the G query heads of the KV head as rows (row = (token,
+    head), R = Tq * G rows), so each K/V tile is DMA'd once for all G heads (once per row tile
+    when Tq * G exceeds `decode_block_rows`);
+  * flash-decoding: a row's visible key tiles (a compact list, scalar-prefetched to SMEM) are
+    divided evenly between the `ns` splits ("parallel": megacore cores take different splits);
+    step t of split s reads list entry lo_s + t through the K/V index maps; steps past the
+    split's share repeat the block index (no DMA) and skip the compute;
+  * each split writes a normalised partial output and its log-sum-exp; XLA merges the splits.
+The cache is read IN PLACE when head_dim % 128 == 0 (block (bk, D) of the free reshape
+[B, S, K * D]); other head dims use a transposed copy [B, K, S, D]. S need not be a multiple of
+the tile: the last block overhangs the array (Pallas pads the read with unspecified values),
+its columns are masked by the (padded, segment-0) metadata and its V rows are zeroed. A part
+shorter than one tile (the window's keys) is padded to 128 keys and read as one tile.
+
+VERIFIED: TPU interpret mode on CPU and the Pallas -> Mosaic lowering for TPU on CPU.
+NOT VERIFIED: compilation in libtpu, runtime, speed (no TPU was available).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ..mask import TokenMeta
+from .decode import merge_splits
+from .options import PallasOptions, tpu_call_kwargs
+from .tiling import flat_tile_lists, pad_meta, tile_visibility
+from .tpu_common import (
+    NUM_LANES,
+    HeadsLayout,
+    cols_meta,
+    online_softmax_step,
+    pad_time,
+    plan_axis,
+    rows_meta,
+    round_up,
+    softmax_finish,
+    softmax_init,
+    tile_mask_rows_q,
+)
+
+F32 = jnp.float32
+
+
+def _split_range(tab, b, s, P, num_splits):
+    """[lo, hi) of row b's visible-tile list handled by split s."""
+    cnt = tab[b * P]
+    per = lax.div(cnt + (num_splits - 1), num_splits)
+    lo = jnp.minimum(s * per, cnt)
+    return lo, jnp.minimum(lo + per, cnt)
+
+
+def _kv_tile(b, s, t, tab, *, P, num_splits):
+    lo, hi = _split_range(tab, b, s, P, num_splits)
+    n = jnp.maximum(jnp.minimum(lo + t, hi - 1), 0)
+    return tab[b * P + 1 + n]
+
+
+def _decode_kernel(tab_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, o_ref, lse_ref,
+                   m_sc, l_sc, acc_sc, *, scale, P, num_splits, steps, kv_len):
+    b, s, t = pl.program_id(0), pl.program_id(2), pl.program_id(4)
+    lo, hi = _split_range(tab_ref, b, s, P, num_splits)
+
+    @pl.when(t == 0)
+    def _init():
+        softmax_init(m_sc, l_sc, acc_sc)
+
+    @pl.when(lo + t < hi)
+    def _run():
+        k, v = k_ref[...], v_ref[...]
+        bk = k.shape[0]
+        if kv_len % bk:  # the last block overhangs the cache: zero its unspecified V rows
+            first = tab_ref[b * P + 1 + lo + t] * bk
+            inside = first + lax.broadcasted_iota(jnp.int32, v.shape, 0) < kv_len
+            v = jnp.where(inside, v, jnp.zeros_like(v))
+        mask = tile_mask_rows_q(qm_ref, km_ref, bk)
+        online_softmax_step(q_ref[...], k, v, mask, scale, m_sc, l_sc, acc_sc)
+
+    @pl.when(t == steps - 1)
+    def _end():
+        o, lse = softmax_finish(m_sc, l_sc, acc_sc)
+        o_ref[...] = o
+        lse_ref[...] = lse
+
+
+def auto_num_splits(batch: int, kv_heads: int, n_tiles: int) -> int:
+    """TPU: splits only add parallelism across the (up to 2) TensorCores of a chip, and the
+    (batch, KV head) axes already give that unless there is a single one."""
+    return 2 if batch * kv_heads < 2 and n_tiles >= 2 else 1
+
+
+def _query_rows(q, q_meta: TokenMeta, K: int, opts: PallasOptions):
+    """[B, Tq, H, D] -> rows [B, K, R, D] (row = (token, head of the KV head)), rows-layout
+    metadata [B, 4, R, 128], row tile br (R a multiple of br)."""
+    B, Tq, H, D = q.shape
+    G = H // K
+    R, (br,) = plan_axis(Tq * G, opts.blocks.decode_block_rows)
+    q_rows = q.reshape(B, Tq, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, Tq * G, D)
+    q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, R - Tq * G), (0, 0)])
+    row_meta = TokenMeta(*(jnp.repeat(jnp.asarray(f, jnp.int32), G, axis=1) for f in q_meta))
+    return q_rows, rows_meta(row_meta, R), br
+
+
+def _partials(q_rows, qm, br, q_meta: TokenMeta, k, v, kv_meta: TokenMeta, opts: PallasOptions):
+    """One kernel launch over one K/V part -> (o_part [B, K, ns, R, D] normalised per split,
+    lse_part [B, K, ns, R])."""
+    B, K, R, D = q_rows.shape
+    Sp, (bk,) = plan_axis(k.shape[1], opts.blocks.decode_block_k, align=NUM_LANES)
+    if Sp == bk and Sp > k.shape[1]:  # a short part (the window's keys): one tile, padded to
+        # 128 lanes (a small copy); a long part (the cache) is read in place, its last tile
+        # overhanging the array
+        k, v = pad_time(k, Sp), pad_time(v, Sp)
+        kv_meta = pad_meta(kv_meta, Sp)
+    S = k.shape[1]
+    nk = -(-S // bk)
+    ns = opts.blocks.num_splits or auto_num_splits(B, K, nk)
+    ns = max(1, min(ns, nk))
+    steps = -(-nk // ns)
+    # the whole window is one query tile: lists of visible key tiles per batch row
+    vis = tile_visibility(q_meta, kv_meta, q_meta.segment.shape[1], bk)  # [B, 1, nk]
+    tab, P = flat_tile_lists(vis)
+    lay = HeadsLayout.for_head_dim(D)
+    kk, vk = lay.to_kernel(k), lay.to_kernel(v)  # fused: a free reshape, the cache stays put
+    km = cols_meta(kv_meta, round_up(S, bk))  # metadata padded: overhanging columns invisible
+
+    kv_tile = functools.partial(_kv_tile, P=P, num_splits=ns)
+    kv_idx = lambda b, h, s, r, t, tab: (b, h, kv_tile(b, s, t, tab))
+    out_idx = lambda b, h, s, r, t, tab: (b, h, s, r, 0)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(B, K, ns, R // br, steps),
+        in_specs=[
+            pl.BlockSpec((None, None, br, D), lambda b, h, s, r, t, tab: (b, h, r, 0)),
+            lay.spec(bk, D, kv_idx),
+            lay.spec(bk, D, kv_idx),
+            pl.BlockSpec((None, 4, br, NUM_LANES), lambda b, h, s, r, t, tab: (b, 0, r, 0)),
+            pl.BlockSpec((None, 4, 8, bk),
+                         lambda b, h, s, r, t, tab: (b, 0, 0, kv_tile(b, s, t, tab))),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, br, D), out_idx),
+            pl.BlockSpec((None, None, None, br, NUM_LANES), out_idx),
+        ],
+        scratch_shapes=[pltpu.VMEM((br, NUM_LANES), F32), pltpu.VMEM((br, NUM_LANES), F32),
+                        pltpu.VMEM((br, D), F32)],
+    )
+    o_part, lse_part = pl.pallas_call(
+        functools.partial(_decode_kernel, scale=opts.scale, P=P, num_splits=ns, steps=steps,
+                          kv_len=S),
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((B, K, ns, R, D), F32),
+                   jax.ShapeDtypeStruct((B, K, ns, R, NUM_LANES), F32)],
+        name="sbd_tpu_flash_decode",
+        **tpu_call_kwargs(opts, ("parallel", "parallel", "parallel", "parallel", "arbitrary")),
+    )(tab, q_rows, kk, vk, qm, km)
+    return o_part, lse_part[..., 0]
+
+
+def decode_forward_parts(q, parts, q_meta: TokenMeta, opts: PallasOptions):
+    """Attention over the concatenation of K/V parts without concatenating them: parts =
+    ((k [B, S_i, K, D], v, kv_meta [B, S_i]), ...), e.g. (cache, window keys). One kernel
+    launch per part; all their splits are merged by log-sum-exp.
+    -> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
+    B, Tq, H, D = q.shape
+    K = parts[0][0].shape[2]
+    G = H // K
+    q_rows, qm, br = _query_rows(q, q_meta, K, opts)
+    outs = [_partials(q_rows, qm, br, q_meta, k, v, m, opts) for k, v, m in parts]
+    o_part = jnp.concatenate([o for o, _ in outs], axis=2)
+    lse_part = jnp.concatenate([l for _, l in outs], axis=2)
+    o, lse = merge_splits(o_part, lse_part)  # [B, K, R, D], [B, K, R]
+    o = o[:, :, :Tq * G].reshape(B, K, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, H, D)
+    lse = lse[:, :, :Tq * G].reshape(B, K, Tq, G).transpose(0, 1, 3, 2).reshape(B, H, Tq)
+    return o.astype(q.dtype), lse
+
+
+def decode_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOptions):
+    """-> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
+    return decode_forward_parts(q, ((k, v, kv_meta),), q_meta, opts)

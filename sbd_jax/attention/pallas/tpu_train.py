@@ -1,0 +1,265 @@
+"""Mosaic-TPU flash SBD attention over whole sequences (training: the doubled `[x ; x_hat]`
+input): forward, dq and dk/dv kernels, computing only the tile pairs the SBD mask can reach.
+
+Same contract as `flash_train` (the Triton-style kernels): q [B, Tq, H, D], k/v [B, Tk, K, D]
+with H = K * G (GQA/MQA: query head h reads KV head h // G through the index maps; K/V are
+never repeated), metadata [B, T]; forward -> (o, lse [B, H, Tq]); backward -> (dq, dk, dv).
+
+TPU structure (after jax's splash attention):
+  forward  grid (B, H, nq, nk)        step j reads the j-th VISIBLE key tile of query tile i
+  dq       grid (B, H, nq, nk)        same
+  dk/dv    grid (B, K, nk', G, nq')   step n reads the n-th visible query tile of key tile j'
+                                      for query head g of the KV head; dk/dv accumulate over
+                                      (g, n) in VMEM scratch (no atomics, no per-q-head dk)
+The visible-tile lists (exact, from `sbd_mask`, `tiling`) are scalar-prefetched to SMEM; the
+K/V (or Q) index maps read them, so only visible tiles are DMA'd. Steps past a tile's count
+repeat the last block index (Pallas skips the copy) and skip the compute (`pl.when`): a masked
+tile costs one grid step of overhead, no DMA and no FLOPs. The last grid axis is "arbitrary"
+(accumulation), the others "parallel" (megacore may split them). f32 accumulators live in VMEM
+scratch. Sequences are padded to a multiple of the tile (padding = segment 0: never visible);
+an axis shorter than its tile is padded to a multiple of 128 and taken as one tile (both the
+query and the key axis land on lanes in some kernel: lse / dk-dv's transposed scores).
+
+The forward writes lse transposed to lanes ([B, H, 1, T] blocks (1, bq)) so it costs 4 bytes
+per (head, token), not 512 as a lane-broadcast [.., T, 128] output would.
+
+VERIFIED: TPU interpret mode on CPU (tests/test_pallas_tpu.py) and the Pallas -> Mosaic lowering
+(block rules, supported primitives) for TPU on CPU. NOT VERIFIED: Mosaic's layout passes and
+compilation in libtpu, runtime, speed (no TPU was available).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ..mask import TokenMeta
+from .kernel_common import NEG, dot_nn, dot_nt
+from .options import PallasOptions, tpu_call_kwargs
+from .tiling import flat_tile_lists, pad_meta, tile_visibility
+from .tpu_common import (
+    NUM_LANES,
+    HeadsLayout,
+    cols_meta,
+    online_softmax_step,
+    pad_time,
+    plan_axis,
+    rows_meta,
+    softmax_finish,
+    softmax_init,
+    tile_mask_rows_k,
+    tile_mask_rows_q,
+)
+
+F32 = jnp.float32
+
+
+def _listed(tab, row, step, P):
+    """Tile index read by grid step `step` from compact list `row` (clamped to the last visible
+    tile, so steps past the count keep the same block index: no new DMA)."""
+    base = row * P
+    return tab[base + 1 + jnp.minimum(step, jnp.maximum(tab[base] - 1, 0))]
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+
+
+def _fwd_kernel(tab_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc,
+                *, scale, nq, P, steps):
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _init():
+        softmax_init(m_sc, l_sc, acc_sc)
+
+    @pl.when(j < tab_ref[(b * nq + i) * P])
+    def _run():
+        mask = tile_mask_rows_q(qm_ref, km_ref, k_ref.shape[0])
+        online_softmax_step(q_ref[...], k_ref[...], v_ref[...], mask, scale, m_sc, l_sc, acc_sc)
+
+    @pl.when(j == steps - 1)
+    def _end():
+        o, lse = softmax_finish(m_sc, l_sc, acc_sc)
+        o_ref[...] = o.astype(o_ref.dtype)
+        lse_ref[...] = lse.T[:1, :]  # [bq, 128] lane-broadcast -> [1, bq] along lanes
+
+
+def train_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOptions):
+    """-> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
+    B, Tq, H, D = q.shape
+    Tk, K = k.shape[1], k.shape[2]
+    G = H // K
+    Tqp, (bq,) = plan_axis(Tq, opts.blocks.block_q, align=NUM_LANES)
+    Tkp, (bk,) = plan_axis(Tk, opts.blocks.block_k, align=NUM_LANES)
+    nq, nk = Tqp // bq, Tkp // bk
+    q_meta, kv_meta = pad_meta(q_meta, Tqp), pad_meta(kv_meta, Tkp)  # tables: nq x nk exactly
+    tab, P = flat_tile_lists(tile_visibility(q_meta, kv_meta, bq, bk))
+    lay = HeadsLayout.for_head_dim(D)
+    qk, kk, vk = (lay.to_kernel(pad_time(x, n)) for x, n in ((q, Tqp), (k, Tkp), (v, Tkp)))
+    qm, km = rows_meta(q_meta, Tqp), cols_meta(kv_meta, Tkp)
+
+    kv_tile = lambda b, i, j, tab: _listed(tab, b * nq + i, j, P)
+    q_idx = lambda b, h, i, j, tab: (b, h, i)
+    kv_idx = lambda b, h, i, j, tab: (b, lax.div(h, G), kv_tile(b, i, j, tab))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(B, H, nq, nk),
+        in_specs=[
+            lay.spec(bq, D, q_idx),
+            lay.spec(bk, D, kv_idx),
+            lay.spec(bk, D, kv_idx),
+            pl.BlockSpec((None, 4, bq, NUM_LANES), lambda b, h, i, j, tab: (b, 0, i, 0)),
+            pl.BlockSpec((None, 4, 8, bk), lambda b, h, i, j, tab: (b, 0, 0, kv_tile(b, i, j, tab))),
+        ],
+        out_specs=[
+            lay.spec(bq, D, q_idx),
+            pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, tab: (b, h, 0, i)),
+        ],
+        scratch_shapes=[pltpu.VMEM((bq, NUM_LANES), F32), pltpu.VMEM((bq, NUM_LANES), F32),
+                        pltpu.VMEM((bq, D), F32)],
+    )
+    o, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, scale=opts.scale, nq=nq, P=P, steps=nk),
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct(lay.shape(B, Tqp, H, D), q.dtype),
+                   jax.ShapeDtypeStruct((B, H, 1, Tqp), F32)],
+        name="sbd_tpu_flash_fwd",
+        **tpu_call_kwargs(opts, ("parallel", "parallel", "parallel", "arbitrary")),
+    )(tab, qk, kk, vk, qm, km)
+    return lay.from_kernel(o, H, D)[:, :Tq], lse[:, :, 0, :Tq]
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+
+
+def _dq_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qm_ref, km_ref, dq_ref,
+               dq_sc, *, scale, nq, P, steps):
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _init():
+        dq_sc[...] = jnp.zeros(dq_sc.shape, F32)
+
+    @pl.when(j < tab_ref[(b * nq + i) * P])
+    def _run():
+        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+        lse = jnp.expand_dims(lse_ref[0], -1)  # [1, bq] along lanes -> [bq, 1]
+        delta = jnp.expand_dims(delta_ref[0], -1)
+        mask = tile_mask_rows_q(qm_ref, km_ref, k.shape[0])
+        p = jnp.exp(jnp.where(mask, dot_nt(q, k) * scale - lse, NEG))  # exp(NEG) == 0
+        ds = p * (dot_nt(do, v) - delta)
+        dq_sc[...] += dot_nn(ds.astype(k.dtype), k)
+
+    @pl.when(j == steps - 1)
+    def _end():
+        dq_ref[...] = (dq_sc[...] * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, qm_ref, km_ref,
+                dk_ref, dv_ref, dk_sc, dv_sc, *, scale, nk, P, groups, steps):
+    b, j, g, n = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+
+    @pl.when(jnp.logical_and(g == 0, n == 0))
+    def _init():
+        dk_sc[...] = jnp.zeros(dk_sc.shape, F32)
+        dv_sc[...] = jnp.zeros(dv_sc.shape, F32)
+
+    @pl.when(n < tab_ref[(b * nk + j) * P])
+    def _run():
+        k, v, q, do = k_ref[...], v_ref[...], q_ref[...], do_ref[...]
+        # transposed scores [bk, bq]: keys on sublanes, queries (and lse, delta) along lanes
+        mask = tile_mask_rows_k(qm_ref, km_ref, q.shape[0])
+        p = jnp.exp(jnp.where(mask, dot_nt(k, q) * scale - lse_ref[...], NEG))
+        dv_sc[...] += dot_nn(p.astype(do.dtype), do)
+        ds = p * (dot_nt(v, do) - delta_ref[...])
+        dk_sc[...] += dot_nn(ds.astype(q.dtype), q)
+
+    @pl.when(jnp.logical_and(g == groups - 1, n == steps - 1))
+    def _end():
+        dk_ref[...] = (dk_sc[...] * scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def train_backward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, o, lse, do,
+                   opts: PallasOptions):
+    """Gradients (dq, dk, dv) given o, lse [B, H, Tq] (float32) and do = dL/do."""
+    B, Tq, H, D = q.shape
+    Tk, K = k.shape[1], k.shape[2]
+    G = H // K
+    blk = opts.blocks
+    Tqp, (bq, bq2) = plan_axis(Tq, blk.block_q, blk.block_q_dkv, align=NUM_LANES)
+    Tkp, (bk, bk2) = plan_axis(Tk, blk.block_k, blk.block_k_dkv, align=NUM_LANES)
+    nq, nk, nq2, nk2 = Tqp // bq, Tkp // bk, Tqp // bq2, Tkp // bk2
+    q_meta, kv_meta = pad_meta(q_meta, Tqp), pad_meta(kv_meta, Tkp)  # tables match the grids
+
+    delta = jnp.einsum("bthd,bthd->bht", o.astype(F32), do.astype(F32))
+    lse4 = pad_time(lse, Tqp, axis=2)[:, :, None, :]  # [B, H, 1, Tqp]
+    delta4 = pad_time(delta, Tqp, axis=2)[:, :, None, :]
+    lay = HeadsLayout.for_head_dim(D)
+    qk, dok = (lay.to_kernel(pad_time(x, Tqp)) for x in (q, do.astype(q.dtype)))
+    kk, vk = (lay.to_kernel(pad_time(x, Tkp)) for x in (k, v))
+
+    vis = tile_visibility(q_meta, kv_meta, bq, bk)
+    tab_q, P = flat_tile_lists(vis)
+    vis2 = vis if (bq, bk) == (bq2, bk2) else tile_visibility(q_meta, kv_meta, bq2, bk2)
+    tab_k, P2 = flat_tile_lists(jnp.swapaxes(vis2, 1, 2))  # query tiles per key tile
+
+    # dq: grid (B, H, nq, nk) over the visible key tiles of each query tile
+    kv_tile = lambda b, i, j, tab: _listed(tab, b * nq + i, j, P)
+    q_idx = lambda b, h, i, j, tab: (b, h, i)
+    kv_idx = lambda b, h, i, j, tab: (b, lax.div(h, G), kv_tile(b, i, j, tab))
+    stat_q = pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, tab: (b, h, 0, i))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=opts.scale, nq=nq, P=P, steps=nk),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, H, nq, nk),
+            in_specs=[
+                lay.spec(bq, D, q_idx), lay.spec(bk, D, kv_idx), lay.spec(bk, D, kv_idx),
+                lay.spec(bq, D, q_idx), stat_q, stat_q,
+                pl.BlockSpec((None, 4, bq, NUM_LANES), lambda b, h, i, j, tab: (b, 0, i, 0)),
+                pl.BlockSpec((None, 4, 8, bk),
+                             lambda b, h, i, j, tab: (b, 0, 0, kv_tile(b, i, j, tab))),
+            ],
+            out_specs=lay.spec(bq, D, q_idx),
+            scratch_shapes=[pltpu.VMEM((bq, D), F32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct(lay.shape(B, Tqp, H, D), q.dtype),
+        name="sbd_tpu_flash_dq",
+        **tpu_call_kwargs(opts, ("parallel", "parallel", "parallel", "arbitrary")),
+    )(tab_q, qk, kk, vk, dok, lse4, delta4, rows_meta(q_meta, Tqp), cols_meta(kv_meta, Tkp))
+
+    # dk/dv: grid (B, K, nk2, G, nq2) over the G query heads and the visible query tiles
+    q_tile = lambda b, j, n, tab: _listed(tab, b * nk2 + j, n, P2)
+    qh_idx = lambda b, h, j, g, n, tab: (b, h * G + g, q_tile(b, j, n, tab))
+    k_idx = lambda b, h, j, g, n, tab: (b, h, j)
+    stat_k = pl.BlockSpec((None, None, 1, bq2),
+                          lambda b, h, j, g, n, tab: (b, h * G + g, 0, q_tile(b, j, n, tab)))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, scale=opts.scale, nk=nk2, P=P2, groups=G, steps=nq2),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, K, nk2, G, nq2),
+            in_specs=[
+                lay.spec(bq2, D, qh_idx), lay.spec(bq2, D, qh_idx), stat_k, stat_k,
+                lay.spec(bk2, D, k_idx), lay.spec(bk2, D, k_idx),
+                pl.BlockSpec((None, 4, 8, bq2),
+                             lambda b, h, j, g, n, tab: (b, 0, 0, q_tile(b, j, n, tab))),
+                pl.BlockSpec((None, 4, bk2, NUM_LANES), lambda b, h, j, g, n, tab: (b, 0, j, 0)),
+            ],
+            out_specs=[lay.spec(bk2, D, k_idx), lay.spec(bk2, D, k_idx)],
+            scratch_shapes=[pltpu.VMEM((bk2, D), F32), pltpu.VMEM((bk2, D), F32)],
+        ),
+        out_shape=[jax.ShapeDtypeStruct(lay.shape(B, Tkp, K, D), k.dtype),
+                   jax.ShapeDtypeStruct(lay.shape(B, Tkp, K, D), v.dtype)],
+        name="sbd_tpu_flash_dkv",
+        **tpu_call_kwargs(opts, ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
+    )(tab_k, qk, dok, lse4, delta4, kk, vk, cols_meta(q_meta, Tqp), rows_meta(kv_meta, Tkp))
+    return (lay.from_kernel(dq, H, D)[:, :Tq], lay.from_kernel(dk, K, D)[:, :Tk],
+            lay.from_kernel(dv, K, D)[:, :Tk])
