@@ -173,6 +173,14 @@ def test_prompt_response_with_chat_template(tmp_path, tok_dir):
     b2 = build_iterator(cfg2, 1).next_batch()
     assert b2.tokens[0][b2.segment[0] == 1].tolist() == [1] + ids("hello world yes </s>")
     np.testing.assert_array_equal(b2.loss_mask[0][b2.segment[0] == 1], [0, 0, 0, 1, 1])
+    # eos_padding: extra loss-counted EOS tokens after the end (SBD blocks are never cut at the end)
+    cfg3 = DataConfig(path=str(tmp_path / "sft.jsonl"), tokenizer=str(tok_dir), seq_len=32, shuffle=False,
+                      chat_template=False, eos_padding=3, cache_dir=str(tmp_path / "c"))
+    b3 = build_iterator(cfg3, 1).next_batch()
+    assert b3.tokens[0][b3.segment[0] == 1].tolist() == [1] + ids("hello world yes </s> </s> </s> </s>")
+    np.testing.assert_array_equal(b3.loss_mask[0][b3.segment[0] == 1], [0, 0, 0, 1, 1, 1, 1, 1])
+    with pytest.raises(Exception, match="eos_padding must be >= 0"):
+        DataConfig(eos_padding=-1)
 
 
 def test_callable_tokenizer(tmp_path):

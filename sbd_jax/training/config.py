@@ -72,6 +72,9 @@ class DataConfig:
     tokenizer: str | None = None  # tokenizer.json, or a directory with tokenizer.json (+ tokenizer_config.json)
     chat_template: bool = True  # SFT: wrap prompt/response with the tokenizer's chat template when it has one
     add_eos: bool = True  # append EOS to every document (not with a chat template: it ends the turn itself)
+    # extra EOS tokens after each document's end, loss-counted (SBD choice, see data.py): set it to
+    # k_max - 1 so that an SBD block never ends early at a document's end, as it never does at inference
+    eos_padding: int = 0
     seq_len: int = 512  # L: the packed row length (the SBD input is 2L)
     shuffle: bool = True
     seed: int = 0  # document order (per epoch) is a pure function of (seed, epoch)
@@ -86,6 +89,8 @@ class DataConfig:
             raise ConfigError(f"data.mode must be auto/text/sft, got {self.mode!r}")
         if self.seq_len < 2:
             raise ConfigError(f"data.seq_len must be >= 2, got {self.seq_len}")
+        if self.eos_padding < 0:
+            raise ConfigError(f"data.eos_padding must be >= 0, got {self.eos_padding}")
 
 
 @dataclasses.dataclass(frozen=True)

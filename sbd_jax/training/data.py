@@ -12,6 +12,12 @@ in a deterministic, resumable order.
   the next row (the rest is padding, segment 0). Text longer than L is cut into L-token pieces, each
   its own document (positions restart); a prompt/response pair longer than L is truncated (the
   pair is dropped when no response token fits). Pieces shorter than `min_doc_tokens` are dropped.
+- `eos_padding` (SBD choice): that many extra EOS tokens follow each document's end, loss-counted.
+  Documents are isolated (segments), so without them the copy stream's last block of a document is
+  cut at its end, and the number of `<m>` left in it tells the model where the answer ends; at
+  inference the block holding the EOS is always k masks wide. With k_max - 1 extra EOS the last
+  block is never cut, and the positions after the end learn to be EOS (generation stops at the first
+  one). Measured in the demo: README.
 - Iterator state {epoch, cursor, offset, rows} (JSON) is saved with each checkpoint; `restore`
   continues with exactly the rows an uninterrupted run would have produced.
 """
@@ -189,6 +195,9 @@ def tokenize_records(ds, cfg: DataConfig, tok: Tokenizer) -> Documents:
     mode = _resolve_mode(cfg, columns)
     use_template = mode == "sft" and cfg.chat_template and tok.chat_template
     eos = tok.eos_id if cfg.add_eos and not use_template else None
+    if cfg.eos_padding and tok.eos_id is None:
+        raise DataError("data.eos_padding needs an EOS token, but the tokenizer names none")
+    tail = [tok.eos_id] * cfg.eos_padding  # see DataConfig.eos_padding and the module docstring
 
     def text_fn(batch):
         ids = []
@@ -196,7 +205,7 @@ def tokenize_records(ds, cfg: DataConfig, tok: Tokenizer) -> Documents:
             x = tok.encode(t, True) if isinstance(t, str) and t else []
             if x and eos is not None and x[-1] != eos:
                 x.append(eos)
-            ids.append(x)
+            ids.append(x + tail if x else x)
         return {"input_ids": ids, "n_prompt": [0] * len(ids)}
 
     def sft_fn(batch):
@@ -218,7 +227,7 @@ def tokenize_records(ds, cfg: DataConfig, tok: Tokenizer) -> Documents:
                 p_ids, r_ids = tok.encode(pr, True), tok.encode(re, False)
                 if eos is not None:
                     r_ids = r_ids + [eos]
-            ids.append(p_ids + r_ids)
+            ids.append(p_ids + r_ids + tail)
             n_prompt.append(len(p_ids))
         return {"input_ids": ids, "n_prompt": n_prompt}
 
