@@ -72,8 +72,8 @@ class DataConfig:
     tokenizer: str | None = None  # tokenizer.json, or a directory with tokenizer.json (+ tokenizer_config.json)
     chat_template: bool = True  # SFT: wrap prompt/response with the tokenizer's chat template when it has one
     add_eos: bool = True  # append EOS to every document (not with a chat template: it ends the turn itself)
-    # extra EOS tokens after each document's end, loss-counted (SBD choice, see data.py): set it to
-    # k_max - 1 so that an SBD block never ends early at a document's end, as it never does at inference
+    # extra EOS tokens after each document's end, loss-counted (SBD choice, see data.py): k_max - 1
+    # means an SBD block is never cut at a document's end, as at inference (hurt the demo: data.py)
     eos_padding: int = 0
     seq_len: int = 512  # L: the packed row length (the SBD input is 2L)
     shuffle: bool = True
