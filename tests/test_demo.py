@@ -42,8 +42,10 @@ def test_quick_pipeline_end_to_end(tmp_path):
     out = tmp_path / "demo"
     saved = json.loads((out / "results.json").read_text())
     assert len(saved["rows"]) == len(rows)
-    table = (out / "table.md").read_text().strip().splitlines()
-    assert len(table) == 2 + len(rows)
+    main, families = (out / "table.md").read_text().strip().split("\n\nAccuracy per task family:\n\n")
+    assert len(main.splitlines()) == 2 + len(rows)
+    assert len(families.splitlines()) == 2 + len(rows)
+    assert families.splitlines()[0].count("|") == 2 + len(tasks.FAMILIES)
     assert (out / "accuracy_vs_speedup.png").stat().st_size > 10_000
     # rerun: every stage is reused (no retraining), same table
     rows2 = run(cfg, log=lambda *a: None)

@@ -58,7 +58,7 @@ class DemoConfig:
     # evaluation
     block_size: int = 16
     gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0)
-    max_new_tokens: int = 40
+    max_new_tokens: int = 48
     eval_batch: int = 100
 
     @classmethod
@@ -256,6 +256,14 @@ def markdown_table(rows: list[dict]) -> str:
     return head + body
 
 
+def family_table(rows: list[dict]) -> str:
+    """Exact-match accuracy per task family (same rows as `markdown_table`)."""
+    fams = sorted(rows[0]["per_family"])
+    head = "| model, decoding | " + " | ".join(fams) + " |\n|---|" + "---:|" * len(fams) + "\n"
+    return head + "".join(f"| {r['label']} | " + " | ".join(f"{100 * r['per_family'][f]:.0f}%" for f in fams) + " |\n"
+                          for r in rows)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -308,7 +316,7 @@ def run(cfg: DemoConfig, log=print) -> list[dict]:
         rows = prev["rows"]
     else:
         rows = stage_eval(cfg, models, files["test"], files["tokenizer"], log)
-    table = markdown_table(rows)
+    table = markdown_table(rows) + "\nAccuracy per task family:\n\n" + family_table(rows)
     _write_atomic(out / "table.md", table)
     _write_atomic(res_file, json.dumps({"config": dataclasses.asdict(cfg), "rows": rows,
                                         "device": str(jax.devices()[0].device_kind),

@@ -4,7 +4,7 @@ deterministically from a seed, with worked solutions and exact-match answers.
 Families (each problem is `prompt` -> `solution` whose final `=` answer is checked exactly):
   arith  multi-step arithmetic word problem, solved left to right with a chain of partial results
          "Q:Ann has 7, gets 5, loses 3, gets 9. How many?"  -> "7+5=12;12-3=9;9+9=18;=18"
-  trace  program tracing: "Q:a=3;b=a+2;a=b*2;a?"           -> "b=5;a=10;=10"
+  trace  program tracing: "Q:a=3;b=a+2;a=b*2;a?"           -> "b=a+2=3+2=5;a=b*2=5*2=10;=10"
   rev    list reversal:   "Q:rev 4 1 7 2"                  -> "2 7 1 4;=2714"
   sort   list sorting:    "Q:sort 4 1 7 2"                 -> "1 2 4 7;=1247"
   sum    running sum:     "Q:sum 4 1 7"                    -> "4+1=5;5+7=12;=12"
@@ -62,7 +62,7 @@ def _trace(r: random.Random) -> tuple[str, str, str]:
         c = r.randint(2, 3) if op == "*" else r.randint(1, 9)
         val = env[src] + c if op == "+" else env[src] * c
         prog.append(f"{dst}={src}{op}{c}")
-        steps.append(f"{dst}={val}")
+        steps.append(f"{dst}={src}{op}{c}={env[src]}{op}{c}={val}")
         env[dst] = val
     q = r.choice(sorted(env))
     return f"Q:{';'.join(prog)};{q}?\nA:", ";".join(steps) + f";={env[q]}", str(env[q])
