@@ -133,22 +133,30 @@ def _partials(q_rows, qm, br, q_meta: TokenMeta, k, v, kv_meta: TokenMeta, opts:
     )(tab, q_rows, k, v, qm, km)
 
 
-def decode_forward_parts(q, parts, q_meta: TokenMeta, opts: PallasOptions):
-    """Attention over the concatenation of K/V parts without concatenating them: parts =
-    ((k [B, S_i, K, D], v, kv_meta [B, S_i]), ...), e.g. (cache, window keys). Each part is one
-    kernel launch; all their splits are merged by log-sum-exp.
+def forward_parts_with(query_rows, partials, q, parts, q_meta: TokenMeta, opts: PallasOptions):
+    """The decode driver shared by the GPU and TPU kernels: `query_rows` lays the window's queries out
+    as rows per KV head, `partials` runs one kernel launch per K/V part (its cache splits); all the
+    splits are merged by log-sum-exp and the rows laid back out as heads.
     -> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
     B, Tq, H, D = q.shape
     K = parts[0][0].shape[2]
     G = H // K
-    q_rows, qm, br = _query_rows(q, q_meta, K, opts)
-    outs = [_partials(q_rows, qm, br, q_meta, k, v, m, opts) for k, v, m in parts]
+    q_rows, qm, br = query_rows(q, q_meta, K, opts)
+    outs = [partials(q_rows, qm, br, q_meta, k, v, m, opts) for k, v, m in parts]
     o_part = jnp.concatenate([o for o, _ in outs], axis=2)
     lse_part = jnp.concatenate([l for _, l in outs], axis=2)
     o, lse = merge_splits(o_part, lse_part)  # [B, K, R, D], [B, K, R]
     o = o[:, :, :Tq * G].reshape(B, K, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, H, D)
     lse = lse[:, :, :Tq * G].reshape(B, K, Tq, G).transpose(0, 1, 3, 2).reshape(B, H, Tq)
     return o.astype(q.dtype), lse
+
+
+def decode_forward_parts(q, parts, q_meta: TokenMeta, opts: PallasOptions):
+    """Attention over the concatenation of K/V parts without concatenating them: parts =
+    ((k [B, S_i, K, D], v, kv_meta [B, S_i]), ...), e.g. (cache, window keys). Each part is one
+    kernel launch; all their splits are merged by log-sum-exp.
+    -> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
+    return forward_parts_with(_query_rows, _partials, q, parts, q_meta, opts)
 
 
 def decode_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOptions):

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..mask import TokenMeta
-from .decode import merge_splits
+from .decode import forward_parts_with
 from .options import PallasOptions, tpu_call_kwargs
 from .tiling import flat_tile_lists, pad_meta, tile_visibility
 from .tpu_common import (
@@ -171,19 +171,9 @@ def _partials(q_rows, qm, br, q_meta: TokenMeta, k, v, kv_meta: TokenMeta, opts:
 def decode_forward_parts(q, parts, q_meta: TokenMeta, opts: PallasOptions):
     """Attention over the concatenation of K/V parts without concatenating them: parts =
     ((k [B, S_i, K, D], v, kv_meta [B, S_i]), ...), e.g. (cache, window keys). One kernel
-    launch per part; all their splits are merged by log-sum-exp.
+    launch per part (the driver is the GPU kernel's, `decode.forward_parts_with`).
     -> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
-    B, Tq, H, D = q.shape
-    K = parts[0][0].shape[2]
-    G = H // K
-    q_rows, qm, br = _query_rows(q, q_meta, K, opts)
-    outs = [_partials(q_rows, qm, br, q_meta, k, v, m, opts) for k, v, m in parts]
-    o_part = jnp.concatenate([o for o, _ in outs], axis=2)
-    lse_part = jnp.concatenate([l for _, l in outs], axis=2)
-    o, lse = merge_splits(o_part, lse_part)  # [B, K, R, D], [B, K, R]
-    o = o[:, :, :Tq * G].reshape(B, K, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, H, D)
-    lse = lse[:, :, :Tq * G].reshape(B, K, Tq, G).transpose(0, 1, 3, 2).reshape(B, H, Tq)
-    return o.astype(q.dtype), lse
+    return forward_parts_with(_query_rows, _partials, q, parts, q_meta, opts)
 
 
 def decode_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOptions):
