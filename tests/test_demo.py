@@ -5,7 +5,7 @@ import numpy as np
 
 from sbd_jax.demo import tasks
 from sbd_jax.demo.pipeline import DemoConfig, decoder_specs, run
-from sbd_jax.demo.tokenizer import build_char_tokenizer
+from sbd_jax.demo.tokenizer import build_tokenizer
 
 
 def test_task_suite_is_deterministic_disjoint_and_self_consistent():
@@ -20,11 +20,20 @@ def test_task_suite_is_deterministic_disjoint_and_self_consistent():
     for p in test:
         if p.family in ("rev", "sort", "sum"):
             xs = [int(c) for c in p.prompt.split("\n")[0].split()[1:]]
-            want = {"rev": "".join(map(str, xs[::-1])), "sort": "".join(map(str, sorted(xs))),
+            want = {"rev": " ".join(map(str, xs[::-1])), "sort": " ".join(map(str, sorted(xs))),
                     "sum": str(sum(xs))}[p.family]
             assert p.answer == want
-    tok = build_char_tokenizer()
-    assert all(tok.decode(tok.encode(p.text).ids) == p.text for p in test[:50])
+
+
+def test_tokenizer_trained_on_training_text_round_trips_and_keeps_numbers_whole():
+    train, test = tasks.generate(2000, "train", 0), tasks.generate(200, "test", 0)
+    tok = build_tokenizer((p.text for p in train), vocab_size=512)
+    assert all(tok.decode(tok.encode(p.text).ids) == p.text for p in test)  # lossless on unseen problems
+    assert tok.decode(tok.encode("any text ~ {ok} 12345").ids) == "any text ~ {ok} 12345"  # printable fallback
+    # numbers of up to 3 digits are one token each (as in Llama-3 / Qwen): "13+4=17" -> 13 + 4 = 17
+    assert tok.encode("13+4=17;").tokens == ["13", "+", "4", "=", "17", ";"]
+    assert tok.encode("Q:sum 4 7").tokens == ["Q", ":", "sum", " 4", " 7"]
+    assert build_tokenizer((p.text for p in train), vocab_size=512).to_str() == tok.to_str()  # deterministic
 
 
 def test_quick_pipeline_end_to_end(tmp_path):

@@ -181,6 +181,25 @@ def test_prompt_response_with_chat_template(tmp_path, tok_dir):
     np.testing.assert_array_equal(b3.loss_mask[0][b3.segment[0] == 1], [0, 0, 0, 1, 1, 1, 1, 1])
     with pytest.raises(Exception, match="eos_padding must be >= 0"):
         DataConfig(eos_padding=-1)
+    # block_tail: uncounted <m> tokens after the end (the last SBD block is always k wide, masks after EOS)
+    cfg4 = DataConfig(path=str(tmp_path / "sft.jsonl"), tokenizer=str(tok_dir), seq_len=32, shuffle=False,
+                      chat_template=False, block_tail=3, cache_dir=str(tmp_path / "c"))
+    b4 = build_iterator(cfg4, 1, mask_id=99).next_batch()
+    assert b4.tokens[0][b4.segment[0] == 1].tolist() == [1] + ids("hello world yes </s>") + [99, 99, 99]
+    np.testing.assert_array_equal(b4.loss_mask[0][b4.segment[0] == 1], [0, 0, 0, 1, 1, 0, 0, 0])
+    with pytest.raises(DataError, match="block_tail needs the model's mask token"):
+        build_iterator(cfg4, 1)
+    with pytest.raises(Exception, match="block_tail must be >= 0"):
+        DataConfig(block_tail=-1)
+    # text documents cut into pieces: only the piece holding the tail loses those tokens
+    (tmp_path / "long_text.jsonl").write_text(json.dumps({"text": " ".join(["the"] * 10)}) + "\n")
+    cfg5 = DataConfig(path=str(tmp_path / "long_text.jsonl"), tokenizer=str(tok_dir), seq_len=8, shuffle=False,
+                      block_tail=4, cache_dir=str(tmp_path / "c5"))
+    it5 = build_iterator(cfg5, 1, mask_id=99)
+    rows = [it5.next_batch() for _ in range(2)]  # 1 BOS + 10 words + EOS + 4 tail = 16 tokens = 2 pieces
+    np.testing.assert_array_equal(rows[0].loss_mask[0], [1] * 8)
+    np.testing.assert_array_equal(rows[1].loss_mask[0], [1, 1, 1, 1, 0, 0, 0, 0])
+    assert rows[1].tokens[0, 4:].tolist() == [99] * 4
 
 
 def test_callable_tokenizer(tmp_path):

@@ -124,3 +124,23 @@ def test_make_example_varies_k_without_recompiling():
 def test_make_example_requires_mask_token():
     with pytest.raises(ValueError, match="mask token"):
         make_example(jax.random.PRNGKey(0), _sft_batch(B=1, L=8, n_prompt=2, split=6), mask_token_id=None)
+
+
+def test_block_tail_makes_the_last_block_full_width_with_masks():
+    """An SFT pair (prompt 2, response 3 = 2 tokens + EOS 7) followed by a 3-token `<m>` tail (data.block_tail,
+    loss mask 0): with k = 4 and response alignment the response's block [2, 6) is 4 copy positions wide,
+    the tail positions carry `<m>`, belong to the document, attend inside the block and are never counted."""
+    row = ([30, 31, 40, 41, 7, M, M, M], [1] * 8, list(range(8)), [0, 0, 1, 1, 1, 0, 0, 0])
+    masked = jnp.asarray(np.array([[0, 0, 1, 0, 1, 0, 0, 0]], bool))
+    ex = build_sbd_example(_batch([row]), masked, jnp.int32(4), M, "response")
+    np.testing.assert_array_equal(ex.tokens[0, 8:], [30, 31, M, 41, M, M, M, M])
+    np.testing.assert_array_equal(ex.meta.segment[0, 8:], [0, 0, 1, 1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(ex.meta.block[0, 8:], [2, 2, 2, 2, 2, 2, 6, 6])
+    np.testing.assert_array_equal(ex.matp_weight[0, 8:], [0, 0, 1, 0, 1, 0, 0, 0])
+    np.testing.assert_array_equal(ex.ntp_weight[0, :8], [0, 1, 1, 1, 0, 0, 0, 0])  # EOS predicts nothing
+    # the masked EOS (copy position 4) sees all 4 positions of its block, as at inference
+    from sbd_jax.attention.mask import dense_mask
+    allowed = np.asarray(dense_mask(ex.meta, ex.meta))[0]  # [query, key]
+    assert allowed[8 + 4, 8 + 2:8 + 6].all() and not allowed[8 + 4, 8 + 6:].any()
+    # and the clean prompt, but no clean response token of its own block
+    assert allowed[8 + 4, :2].all() and not allowed[8 + 4, 2:8].any()

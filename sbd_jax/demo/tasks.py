@@ -5,8 +5,8 @@ Families (each problem is `prompt` -> `solution` whose final `=` answer is check
   arith  multi-step arithmetic word problem, solved left to right with a chain of partial results
          "Q:Ann has 7, gets 5, loses 3, gets 9. How many?"  -> "7+5=12;12-3=9;9+9=18;=18"
   trace  program tracing: "Q:a=3;b=a+2;a=b*2;a?"           -> "b=a+2=3+2=5;a=b*2=5*2=10;=10"
-  rev    list reversal:   "Q:rev 4 1 7 2"                  -> "2 7 1 4;=2714"
-  sort   list sorting:    "Q:sort 4 1 7 2"                 -> "1 2 4 7;=1247"
+  rev    list reversal:   "Q:rev 4 1 7 2"                  -> "2 7 1 4;=2 7 1 4"
+  sort   list sorting:    "Q:sort 4 1 7 2"                 -> "1 2 4 7;=1 2 4 7"
   sum    running sum:     "Q:sum 4 1 7"                    -> "4+1=5;5+7=12;=12"
 
 Train and test problems are drawn from disjoint problem identities: a problem's canonical prompt string is
@@ -81,8 +81,8 @@ def _lists(r: random.Random, family: str) -> tuple[str, str, str]:
             steps.append(f"{s}+{x}={s + x}")
             s += x
         return f"Q:sum {' '.join(map(str, xs))}\nA:", ";".join(steps) + f";={s}", str(s)
-    ans = "".join(map(str, out))
-    return f"Q:{family} {' '.join(map(str, xs))}\nA:", " ".join(map(str, out)) + f";={ans}", ans
+    ans = " ".join(map(str, out))
+    return f"Q:{family} {' '.join(map(str, xs))}\nA:", f"{ans};={ans}", ans
 
 
 def make_problem(r: random.Random, family: str) -> Problem:

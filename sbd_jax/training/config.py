@@ -75,6 +75,9 @@ class DataConfig:
     # extra EOS tokens after each document's end, loss-counted (SBD choice, see data.py): k_max - 1
     # means an SBD block is never cut at a document's end, as at inference (hurt the demo: data.py)
     eos_padding: int = 0
+    # uncounted `<m>` positions after each document's end (SBD choice, see data.py): with k_max - 1 the copy
+    # stream's last block is always k wide, as at inference, so the block's width does not give the end away
+    block_tail: int = 0
     seq_len: int = 512  # L: the packed row length (the SBD input is 2L)
     shuffle: bool = True
     seed: int = 0  # document order (per epoch) is a pure function of (seed, epoch)
@@ -91,6 +94,8 @@ class DataConfig:
             raise ConfigError(f"data.seq_len must be >= 2, got {self.seq_len}")
         if self.eos_padding < 0:
             raise ConfigError(f"data.eos_padding must be >= 0, got {self.eos_padding}")
+        if self.block_tail < 0:
+            raise ConfigError(f"data.block_tail must be >= 0, got {self.block_tail}")
 
 
 @dataclasses.dataclass(frozen=True)

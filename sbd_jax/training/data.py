@@ -20,6 +20,13 @@ in a deterministic, resumable order.
   one). Default 0: measured in the demo (eos_padding=15, same pretrain) it made SBD decoding much
   worse (38.8% vs 48.2% at gamma 0.1, same tasks and steps; reversal 74% vs 88%): the model then places an early, confident
   EOS that cuts the answer. Kept as an option for data where the answer length is not predictable.
+- `block_tail` (SBD choice): that many `<m>` tokens follow each document's end, never counted by a loss
+  (and never unmasked in the copy stream). Without them a document's last copy block is cut at its end:
+  it is narrower than k exactly when it holds the end, so training teaches the model that the block's
+  width tells where the answer stops, and that a full-width block never holds an EOS - while at inference
+  every block is k positions wide, with masks after the EOS. With k_max - 1 of them the last block is
+  always full width and the positions after the end are `<m>`, as at inference; unlike `eos_padding`
+  nothing teaches the model to predict EOS there. Costs k_max - 1 tokens of row space per document.
 - Iterator state {epoch, cursor, offset, rows} (JSON) is saved with each checkpoint; `restore`
   continues with exactly the rows an uninterrupted run would have produced.
 """
@@ -167,12 +174,14 @@ def _resolve_mode(cfg: DataConfig, columns: list[str]) -> str:
 
 
 class Documents:
-    """Tokenized documents as one flat int32 array + offsets; `n_prompt[i]` = loss-masked prefix."""
+    """Tokenized documents as one flat int32 array + offsets; `n_prompt[i]` = loss-masked prefix,
+    `n_tail[i]` = loss-masked suffix (the `block_tail` positions; default none)."""
 
-    def __init__(self, values: np.ndarray, offsets: np.ndarray, n_prompt: np.ndarray):
+    def __init__(self, values: np.ndarray, offsets: np.ndarray, n_prompt: np.ndarray, n_tail: np.ndarray | None = None):
         self.values = np.asarray(values, np.int32)
         self.offsets = np.asarray(offsets, np.int64)
         self.n_prompt = np.asarray(n_prompt, np.int64)
+        self.n_tail = np.zeros_like(self.n_prompt) if n_tail is None else np.asarray(n_tail, np.int64)
 
     def __len__(self) -> int:
         return len(self.n_prompt)
@@ -191,15 +200,19 @@ class Documents:
         return cls(values, offsets, np.zeros(len(docs), np.int64) if n_prompt is None else n_prompt)
 
 
-def tokenize_records(ds, cfg: DataConfig, tok: Tokenizer) -> Documents:
-    """Tokenize a `datasets.Dataset` into `Documents` (batched `map`, in memory)."""
+def tokenize_records(ds, cfg: DataConfig, tok: Tokenizer, mask_id: int | None = None) -> Documents:
+    """Tokenize a `datasets.Dataset` into `Documents` (batched `map`, in memory). `mask_id`: the `<m>` id,
+    needed for `cfg.block_tail`."""
     columns = list(ds.column_names)
     mode = _resolve_mode(cfg, columns)
     use_template = mode == "sft" and cfg.chat_template and tok.chat_template
     eos = tok.eos_id if cfg.add_eos and not use_template else None
     if cfg.eos_padding and tok.eos_id is None:
         raise DataError("data.eos_padding needs an EOS token, but the tokenizer names none")
-    tail = [tok.eos_id] * cfg.eos_padding  # see DataConfig.eos_padding and the module docstring
+    if cfg.block_tail and mask_id is None:
+        raise DataError("data.block_tail needs the model's mask token id (model.mask_token_id)")
+    # see DataConfig.eos_padding / block_tail and the module docstring
+    tail = [tok.eos_id] * cfg.eos_padding + [mask_id] * cfg.block_tail
 
     def text_fn(batch):
         ids = []
@@ -242,7 +255,8 @@ def tokenize_records(ds, cfg: DataConfig, tok: Tokenizer) -> Documents:
     offsets = col.offsets.to_numpy().astype(np.int64)
     values = col.values.to_numpy(zero_copy_only=False).astype(np.int32)
     n_prompt = table.column("n_prompt").to_numpy().astype(np.int64)
-    return Documents(values, offsets - offsets[0], n_prompt)
+    lens = np.diff(offsets)
+    return Documents(values, offsets - offsets[0], n_prompt, np.where(lens > 0, cfg.block_tail, 0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,19 +304,24 @@ class PackedIterator:
         text = n_prompt == 0
         full, rest = lens // self.L, lens % self.L
         n_text = full * (self.L >= self.min_tokens) + (rest >= self.min_tokens)
-        sft_ok = (n_prompt < self.L) & (np.minimum(lens, self.L) >= self.min_tokens) & (lens > n_prompt)
+        end = lens - self.docs.n_tail
+        sft_ok = (n_prompt < np.minimum(self.L, end)) & (np.minimum(lens, self.L) >= self.min_tokens)
         return int(np.sum(np.where(text, n_text, sft_ok)))
 
     def _piece(self, i: int, offset: int):
-        """Piece of document i starting at token `offset` -> (tokens, n_prompt, next_offset) or None."""
+        """Piece of document i starting at token `offset` -> (tokens, loss mask, next_offset); tokens is None
+        for an unusable piece."""
         d, n_prompt = self.docs.doc(i), int(self.docs.n_prompt[i])
+        end = len(d) - int(self.docs.n_tail[i])  # the uncounted tail starts here
         if n_prompt == 0:
             piece = d[offset:offset + self.L]
             nxt = offset + self.L if offset + self.L < len(d) else None
-            return (piece if len(piece) >= self.min_tokens else None), 0, nxt
+            counted = offset + np.arange(len(piece)) < end
+            return (piece if len(piece) >= self.min_tokens else None), counted, nxt
         piece = d[:self.L]
-        ok = n_prompt < len(piece) and len(piece) >= self.min_tokens
-        return (piece if ok else None), n_prompt, None
+        ok = n_prompt < min(len(piece), end) and len(piece) >= self.min_tokens
+        idx = np.arange(len(piece))
+        return (piece if ok else None), (idx >= n_prompt) & (idx < end), None
 
     def _advance(self, nxt):
         if nxt is not None:
@@ -323,7 +342,7 @@ class PackedIterator:
         loss_mask = np.zeros(L, np.int32)
         used, seg = 0, 0
         while used < L:
-            piece, n_prompt, nxt = self._piece(int(self._perm[self._cursor]), self._offset)
+            piece, counted, nxt = self._piece(int(self._perm[self._cursor]), self._offset)
             if piece is None:
                 self._advance(nxt)
                 continue
@@ -334,7 +353,7 @@ class PackedIterator:
             tokens[used:used + n] = piece
             segment[used:used + n] = seg
             position[used:used + n] = np.arange(n)
-            loss_mask[used:used + n] = np.arange(n) >= n_prompt
+            loss_mask[used:used + n] = counted
             used += n
             self._advance(nxt)
         self._rows += 1
@@ -352,9 +371,10 @@ class PackedIterator:
 
 
 def build_iterator(cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | Callable | None = None,
-                   eos_id: int | None = None) -> PackedIterator:
+                   eos_id: int | None = None, mask_id: int | None = None) -> PackedIterator:
     """DataConfig -> PackedIterator. `tokenizer` overrides cfg.tokenizer (a Tokenizer or a callable
-    text -> ids); `eos_id` is used when the tokenizer does not name its EOS token."""
+    text -> ids); `eos_id` is used when the tokenizer does not name its EOS token; `mask_id` (the
+    model's `<m>`) fills `cfg.block_tail`."""
     if tokenizer is None:
         if not cfg.tokenizer:
             raise DataError("data.tokenizer is not set (a tokenizer.json or a directory that holds one)")
@@ -366,6 +386,6 @@ def build_iterator(cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | C
     ds = load_records(cfg)
     if len(ds) == 0:
         raise DataError(f"dataset {cfg.path!r} has no usable rows: it holds no records")
-    docs = tokenize_records(ds, cfg, tokenizer)
+    docs = tokenize_records(ds, cfg, tokenizer, mask_id)
     return PackedIterator(docs, cfg.seq_len, batch_size, seed=cfg.seed, shuffle=cfg.shuffle,
                           min_doc_tokens=cfg.min_doc_tokens, source=f"dataset {cfg.path!r}")

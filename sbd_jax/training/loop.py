@@ -182,7 +182,8 @@ def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
                                           mesh=mesh)
     if data is None:
         data = build_iterator(cfg.data, cfg.batch_size, tokenizer=tokenizer,
-                              eos_id=model_cfg.eos_ids[0] if model_cfg.eos_ids else None)
+                              eos_id=model_cfg.eos_ids[0] if model_cfg.eos_ids else None,
+                              mask_id=model_cfg.mask_token_id)
 
     opts = StepOptions(mask_token_id=model_cfg.mask_token_id, k_max=cfg.sbd.k_max, block_size=cfg.sbd.block_size,
                        ntp_only=cfg.sbd.ntp_only, block_align=cfg.sbd.block_align,
