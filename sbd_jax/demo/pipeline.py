@@ -53,11 +53,13 @@ class DemoConfig:
     pretrain_lr: float = 2e-3
     finetune_lr: float = 1.5e-3
     k_max: int = 16
+    train_block_size: int | None = None  # fixed training block size instead of k ~ U[2, k_max] (the paper's)
     # SFT blocks start at the response, as blocks start after the prompt at inference (measured against
     # "document" alignment in README: no clear difference at this scale, slightly better at low gamma)
     block_align: str = "response"
-    # SBD fine-tune: uncounted <m> after each answer so its last block is k wide, as at inference (data.py)
-    block_tail: int = 15
+    # SBD fine-tune: uncounted <m> after each answer so its last block is k wide, as at inference (data.py);
+    # measured worse here (README), so off by default
+    block_tail: int = 0
     # evaluation
     block_size: int = 16
     gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0)
@@ -127,7 +129,7 @@ def _train_config(cfg: DemoConfig, data_file: Path, tok_dir: Path, *, mode: str,
         model=ModelSource(init_from=init_from, config=model),
         data=DataConfig(path=str(data_file), mode=mode, tokenizer=str(tok_dir), seq_len=cfg.seq_len,
                         seed=cfg.seed, chat_template=False, block_tail=0 if ntp_only else cfg.block_tail),
-        sbd=SBDConfig(k_max=cfg.k_max, ntp_only=ntp_only,
+        sbd=SBDConfig(k_max=cfg.k_max, block_size=cfg.train_block_size, ntp_only=ntp_only,
                       block_align=cfg.block_align if mode == "sft" else "document"),
         optim=OptimConfig(lr=lr, warmup_steps=max(1, steps // 20), schedule="cosine", weight_decay=0.01),
         checkpoint=CheckpointConfig(every=max(1, steps // 4), keep=2, async_save=False),
