@@ -36,7 +36,7 @@ def test_tokenizer_trained_on_training_text_round_trips_and_keeps_numbers_whole(
     assert build_tokenizer((p.text for p in train), vocab_size=512).to_str() == tok.to_str()  # deterministic
 
 
-def test_quick_pipeline_end_to_end(tmp_path):
+def test_quick_pipeline_end_to_end(tmp_path, capsys):
     cfg = DemoConfig.quick(out_dir=str(tmp_path / "demo"))
     rows = run(cfg, log=lambda *a: None)
     assert [r["label"] for r in rows] == [s.label for s in decoder_specs(cfg)]
@@ -44,8 +44,12 @@ def test_quick_pipeline_end_to_end(tmp_path):
     assert base["mode"] == "ar" and base["tokens_per_forward"] == 1.0  # AR: one token per forward
     for r in rows:
         assert 0.0 <= r["accuracy"] <= 1.0 and r["n"] == cfg.n_test and r["tokens_per_s"] > 0
-    sbd = [r for r in rows if r["mode"] == "sbd"]
+    sbd = [r for r in rows if r["mode"] == "sbd" and r["rule"] == "eb"]
     assert len(sbd) == len(cfg.gammas)
+    assert len([r for r in rows if r["rule"] == "threshold"]) == len(cfg.threshold_gammas)
+    for r in rows:  # the batch-1 (latency) pass: timed, and the same tokens as in the batch
+        assert r["latency_n"] == min(cfg.latency_n, cfg.n_test) and r["latency_tokens_per_s"] > 0
+        assert r["latency_same_as_batch"] >= 0.9
     assert np.mean([r["tokens_per_forward"] for r in sbd]) > 1.0  # SBD makes more than one token per forward
     assert sbd[-1]["tokens_per_forward"] >= sbd[0]["tokens_per_forward"]  # larger gamma -> more per step
     out = tmp_path / "demo"
@@ -53,9 +57,16 @@ def test_quick_pipeline_end_to_end(tmp_path):
     assert len(saved["rows"]) == len(rows)
     main, families = (out / "table.md").read_text().strip().split("\n\nAccuracy per task family:\n\n")
     assert len(main.splitlines()) == 2 + len(rows)
+    assert main.splitlines()[0].count("|") == 10  # 9 columns: accuracy, NFE and two wall-clock settings
     assert len(families.splitlines()) == 2 + len(rows)
     assert families.splitlines()[0].count("|") == 2 + len(tasks.FAMILIES)
     assert (out / "accuracy_vs_speedup.png").stat().st_size > 10_000
     # rerun: every stage is reused (no retraining), same table
     rows2 = run(cfg, log=lambda *a: None)
     assert [r["accuracy"] for r in rows2] == [r["accuracy"] for r in rows]
+    # the diagnostics script runs on the finished run's output
+    from sbd_jax.demo import diagnose
+    capsys.readouterr()
+    diagnose.main([str(out), "--n", "8", "ar:1:0:eb", "sbd:4:0.35:threshold"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and all("accuracy" in line and "tokens/forward" in line for line in lines)

@@ -1,0 +1,71 @@
+"""`python -m sbd_jax.demo.diagnose [RESULTS_DIR] [--n N] [mode:block:gamma:rule ...]`: where the SBD model
+of a finished demo run loses accuracy, decoded several ways on the first N held-out problems.
+
+Default decodings of the SBD fine-tune (greedy):
+  ar:1:0:eb        AR with the NTP logits (the SBD model's own next-token stream)
+  sbd:1:0:eb       SBD with block size 1: the MATP (copy-stream) logits, one position at a time, left to right
+  sbd:16:0:eb      block 16, one lowest-entropy position per step (entropy order, no parallelism)
+  sbd:16:0.1:eb    the paper's EB rule at gamma 0.1
+  sbd:16:0.1:threshold / sbd:16:0.35:threshold   the threshold rule (no uncounted "free" position)
+Comparing them separates a weak MATP stream (ar vs sbd:1), the cost of decoding in entropy order
+(sbd:1 vs sbd:16:0) and the cost of accepting several positions per step (the rest). Prints accuracy,
+tokens per forward and per-family accuracy for each.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_SPECS = ("ar:1:0:eb", "sbd:1:0:eb", "sbd:16:0:eb", "sbd:16:0.1:eb", "sbd:16:0.1:threshold",
+                 "sbd:16:0.35:threshold")
+
+
+def parse_spec(spec: str) -> tuple[str, int, float, str]:
+    try:
+        mode, k, gamma, rule = spec.split(":")
+        return mode, int(k), float(gamma), rule
+    except ValueError:
+        raise SystemExit(f"bad decoding spec {spec!r}: expected mode:block:gamma:rule, e.g. sbd:16:0.1:eb") from None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m sbd_jax.demo.diagnose", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="?", default="results", help="a finished demo's output directory")
+    ap.add_argument("specs", nargs="*", help=f"decodings (default: {' '.join(DEFAULT_SPECS)})")
+    ap.add_argument("--n", type=int, default=300, help="held-out problems to decode (default 300)")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    args = ap.parse_intermixed_args(argv)
+    specs = [parse_spec(s) for s in (args.specs or DEFAULT_SPECS)]
+    root = Path(args.results)
+    model_dir, test_file = root / "ft_sbd" / "hf", root / "data" / "test.jsonl"
+    for f in (model_dir / "config.json", test_file, root / "data" / "tokenizer" / "tokenizer.json"):
+        if not f.exists():
+            raise SystemExit(f"{f} does not exist: run the demo first (make demo) or pass its output directory")
+
+    from tokenizers import Tokenizer
+
+    from ..decoding import generate
+    from ..io.hf import from_pretrained
+    from . import tasks
+    from .pipeline import _encode_prompts
+    tok = Tokenizer.from_file(str(root / "data" / "tokenizer" / "tokenizer.json"))
+    problems = [json.loads(line) for line in test_file.read_text().splitlines()][: args.n]
+    cfg, params = from_pretrained(model_dir)
+    prompts, lengths = _encode_prompts(tok, problems)
+    for (mode, k, gamma, rule), name in zip(specs, args.specs or DEFAULT_SPECS):
+        out = generate(params, cfg, prompts, lengths, max_new_tokens=args.max_new_tokens, block_size=k,
+                       gamma=gamma, rule=rule, mode=mode)
+        toks, lens, nfe = (np.asarray(a) for a in (out.tokens, out.lengths, out.nfe))
+        ok = [tasks.extract_answer(tok.decode(toks[i, : lens[i]].tolist(), skip_special_tokens=True)) == p["answer"]
+              for i, p in enumerate(problems)]
+        fams = {f: np.mean([c for c, p in zip(ok, problems) if p["family"] == f]) for f in tasks.FAMILIES}
+        print(f"{name:24s} accuracy {100 * np.mean(ok):5.1f}%  tokens/forward {lens.sum() / nfe.sum():5.2f}  " +
+              "  ".join(f"{f} {100 * v:.0f}%" for f, v in fams.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
