@@ -47,7 +47,7 @@ class DemoConfig:
     intermediate_size: int = 384
     # training
     seq_len: int = 128
-    batch_size: int = 8  # measured: 2000 steps of 8 rows beat 1000 steps of 16 for SBD (README)
+    batch_size: int = 8  # more, smaller SBD updates for the same CPU time (docs/demo_experiments.md)
     pretrain_steps: int = 600
     finetune_steps: int = 2000
     pretrain_lr: float = 2e-3
@@ -58,9 +58,10 @@ class DemoConfig:
     # "document" alignment in README: no clear difference at this scale, slightly better at low gamma)
     block_align: str = "response"
     # SBD fine-tune: uncounted <m> after each answer so its last block is k wide, as at inference (data.py);
-    # measured worse here (README), so off by default
+    # measured worse here (docs/demo_experiments.md), so off by default
     block_tail: int = 0
-    # SBD fine-tune: extra loss-counted EOS after each answer (data.py), so positions after the end are learned
+    # SBD fine-tune: extra loss-counted EOS after each answer (data.py), so positions after the end are learned;
+    # eos_padding=4 measured worse here
     eos_padding: int = 0
     # evaluation
     block_size: int = 16
