@@ -65,3 +65,36 @@ def test_clean_prefix_split_attention_matches_full_square():
     valid = np.asarray(meta.segment) > 0
     np.testing.assert_allclose(np.asarray(la)[valid], np.asarray(lb)[valid], atol=1e-5)
     jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-6), ga, gb)
+
+
+def test_training_layout_equals_decoding_calls():
+    """The MATP logits the training loss sees (`build_sbd_example`, response-aligned [x ; x_hat], forward with
+    clean_prefix) equal what the decoder computes for the same block state: the prompt (and the finished
+    first block) as clean tokens in the cache, the current block as copy tokens with the same masks."""
+    from sbd_jax.training.examples import PackedBatch, build_sbd_example
+    rng = np.random.default_rng(3)
+    P, R, k, L = 5, 8, 4, 16  # prompt 5, response 8 = two blocks of 4, row of 16 (3 padding)
+    x = rng.integers(0, 48, P + R).astype(np.int32)
+    row = np.zeros((4, 1, L), np.int32)
+    row[0, 0, :P + R], row[1, 0, :P + R], row[2, 0, :P + R], row[3, 0, P:P + R] = x, 1, np.arange(P + R), 1
+    masked = np.zeros((1, L), bool)
+    masked[0, P:P + k] = True                      # first block fully masked (the decoder's first step)
+    masked[0, P + k + 1] = masked[0, P + k + 3] = True  # second block partly decoded
+    ex = build_sbd_example(PackedBatch(*(jnp.asarray(a) for a in row)), jnp.asarray(masked), jnp.int32(k),
+                           CFG.mask_token_id, "response")
+    train, _ = sbd_jax.forward(PARAMS, CFG, ex.tokens, ex.meta, clean_prefix=L)
+    train = np.asarray(train)[0, L:]
+    M = CFG.mask_token_id
+    # decoder, block 1: [prompt CLEAN ; 4 masks COPY] in one call (the prompt folded into the first step)
+    cache = init_cache(CFG, 1, 32)
+    b1 = np.full((1, k), M, np.int32)
+    meta1 = concat_meta(clean_meta(np.ones((1, P)), np.arange(P)[None]),
+                        copy_meta(np.ones((1, k)), np.arange(P, P + k)[None], np.full((1, k), P)))
+    got1, cache = fwd(PARAMS, CFG, np.concatenate([x[None, :P], b1], 1), meta1, cache)
+    np.testing.assert_allclose(np.asarray(got1)[0, P:], train[P:P + k], atol=2e-5)
+    # decoder, block 2: [finished block 1 CLEAN ; block 2 COPY with its masks] over the cached prompt
+    b2 = np.where(masked[0, P + k:P + 2 * k], M, x[P + k:P + 2 * k])[None].astype(np.int32)
+    meta2 = concat_meta(clean_meta(np.ones((1, k)), np.arange(P, P + k)[None]),
+                        copy_meta(np.ones((1, k)), np.arange(P + k, P + 2 * k)[None], np.full((1, k), P + k)))
+    got2, _ = fwd(PARAMS, CFG, np.concatenate([x[None, P:P + k], b2], 1), meta2, cache)
+    np.testing.assert_allclose(np.asarray(got2)[0, k:], train[P + k:P + 2 * k], atol=2e-5)

@@ -50,8 +50,7 @@ def main(argv=None):
 
     from ..decoding import generate
     from ..io.hf import from_pretrained
-    from . import tasks
-    from .pipeline import _encode_prompts
+    from .pipeline import _encode_prompts, per_family, score
     tok = Tokenizer.from_file(str(root / "data" / "tokenizer" / "tokenizer.json"))
     problems = [json.loads(line) for line in test_file.read_text().splitlines()][: args.n]
     cfg, params = from_pretrained(model_dir)
@@ -60,9 +59,8 @@ def main(argv=None):
         out = generate(params, cfg, prompts, lengths, max_new_tokens=args.max_new_tokens, block_size=k,
                        gamma=gamma, rule=rule, mode=mode)
         toks, lens, nfe = (np.asarray(a) for a in (out.tokens, out.lengths, out.nfe))
-        ok = [tasks.extract_answer(tok.decode(toks[i, : lens[i]].tolist(), skip_special_tokens=True)) == p["answer"]
-              for i, p in enumerate(problems)]
-        fams = {f: np.mean([c for c, p in zip(ok, problems) if p["family"] == f]) for f in tasks.FAMILIES}
+        ok = score(tok, toks, lens, problems)
+        fams = per_family(ok, problems)
         print(f"{name:24s} accuracy {100 * np.mean(ok):5.1f}%  tokens/forward {lens.sum() / nfe.sum():5.2f}  " +
               "  ".join(f"{f} {100 * v:.0f}%" for f, v in fams.items()), flush=True)
 

@@ -173,13 +173,13 @@ class DecoderSpec:
     model: str  # "ntp" | "sbd"
     mode: str  # "ar" | "sbd"
     gamma: float | None = None
-    rule: str = "eb"  # SBD acceptance rule (SBD.md step 4)
+    rule: str | None = None  # SBD acceptance rule (SBD.md step 4); None for AR
 
 
 def decoder_specs(cfg: DemoConfig) -> list[DecoderSpec]:
     specs = [DecoderSpec("NTP fine-tune, AR (baseline)", "ntp", "ar"),
              DecoderSpec("SBD fine-tune, AR", "sbd", "ar")]
-    specs += [DecoderSpec(f"SBD fine-tune, SBD gamma={g:g}", "sbd", "sbd", g) for g in cfg.gammas]
+    specs += [DecoderSpec(f"SBD fine-tune, SBD gamma={g:g}", "sbd", "sbd", g, "eb") for g in cfg.gammas]
     specs += [DecoderSpec(f"SBD fine-tune, SBD threshold rule gamma={g:g}", "sbd", "sbd", g, "threshold")
               for g in cfg.threshold_gammas]
     return specs
@@ -210,7 +210,7 @@ def run_decoder(spec: DecoderSpec, params, mcfg: ModelConfig, tok, problems: lis
     def call(sl):
         return generate(params, mcfg, prompts[sl], lengths[sl], max_new_tokens=cfg.max_new_tokens,
                         block_size=cfg.block_size, gamma=spec.gamma if spec.gamma is not None else 0.0,
-                        rule=spec.rule, temperature=0.0, mode=spec.mode)
+                        rule=spec.rule or "eb", temperature=0.0, mode=spec.mode)
 
     def timed_pass(slices, desc):
         jax.block_until_ready(call(slices[0]))  # compile
@@ -227,10 +227,7 @@ def run_decoder(spec: DecoderSpec, params, mcfg: ModelConfig, tok, problems: lis
     toks = np.concatenate([o.tokens for o in outs])[: len(problems)]
     lens = np.concatenate([o.lengths for o in outs])[: len(problems)]
     nfe = np.concatenate([o.nfe for o in outs])[: len(problems)]
-    correct = []
-    for i, p in enumerate(problems):
-        text = tok.decode(toks[i, : lens[i]].tolist(), skip_special_tokens=True)
-        correct.append(tasks.extract_answer(text) == p["answer"])
+    correct = score(tok, toks, lens, problems)
     gen_all = int(np.concatenate([o.lengths for o in outs]).sum())  # tokens actually produced, incl. pad rows
     n_lat = min(cfg.latency_n, len(problems))
     lat_outs, lat_seconds = timed_pass([slice(i, i + 1) for i in range(n_lat)], f"batch-1 {spec.label}")
@@ -245,8 +242,18 @@ def run_decoder(spec: DecoderSpec, params, mcfg: ModelConfig, tok, problems: lis
             "latency_n": n_lat, "latency_seconds": lat_seconds,
             "latency_tokens_per_s": float(lens[:n_lat].sum() / lat_seconds) if n_lat else float("nan"),
             "latency_same_as_batch": float(np.mean(same)) if n_lat else float("nan"),
-            "per_family": {f: float(np.mean([c for c, p in zip(correct, problems) if p["family"] == f]))
-                           for f in sorted({p["family"] for p in problems})}}
+            "per_family": per_family(correct, problems)}
+
+
+def score(tok, tokens_BN, lengths_B, problems: list[dict]) -> list[bool]:
+    """Exact match of each decoded row (first `lengths[b]` tokens) against its problem's answer."""
+    return [tasks.extract_answer(tok.decode(tokens_BN[i, : lengths_B[i]].tolist(), skip_special_tokens=True))
+            == p["answer"] for i, p in enumerate(problems)]
+
+
+def per_family(correct: list[bool], problems: list[dict]) -> dict[str, float]:
+    return {f: float(np.mean([c for c, p in zip(correct, problems) if p["family"] == f]))
+            for f in sorted({p["family"] for p in problems})}
 
 
 def stage_eval(cfg: DemoConfig, models: dict[str, Path], test_file: Path, tok_dir: Path, log=print) -> list[dict]:
@@ -304,7 +311,7 @@ def plot(rows: list[dict], path: Path, eval_batch: int) -> None:
                             (axes[2], "wall_speedup", f"measured wall-clock speedup, batch {eval_batch} (CPU)")):
         for rule, color, name in (("eb", "C1", "SBD, EB rule (gamma sweep)"),
                                   ("threshold", "C3", "SBD, threshold rule (gamma sweep)")):
-            sbd = [r for r in rows if r["mode"] == "sbd" and r.get("rule", "eb") == rule]
+            sbd = [r for r in rows if r["mode"] == "sbd" and r["rule"] == rule]
             if not sbd:
                 continue
             ax.plot([r[key] for r in sbd], [100 * r["accuracy"] for r in sbd], "o-", color=color, label=name)
