@@ -61,6 +61,8 @@ def parse(argv=None):
     ap.add_argument("--gammas", type=float, nargs="*", default=None,
                     help="default: 0, log(V) * (k/4 - 1) + 1 (about k/4 tokens per step), 1e9 (whole block)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--attention", default="xla", choices=["xla", "pallas"], help="model attention_impl")
+    ap.add_argument("--intermediate", type=int, default=None, help="MLP width (default hidden * 8/3, rounded)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None, help="markdown results file (default bench/results/decode_<backend>.md)")
     ap.add_argument("--append", action="store_true", help="add a section to --out instead of replacing it")
@@ -97,10 +99,11 @@ def bare_forward(params, cfg, B, S, tokens_BT, meta, n):
 
 def main(argv=None):
     a = parse(argv)
-    cfg = sbd_jax.ModelConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=int(a.hidden * 8 / 3) // 8 * 8,
+    cfg = sbd_jax.ModelConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate or int(a.hidden * 8 / 3) // 8 * 8,
                               num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
                               max_position_embeddings=max(2048, a.prompt + a.new), mask_token_id=a.vocab - 1,
-                              rope_theta=10000.0, param_dtype=a.dtype, dtype=a.dtype)
+                              rope_theta=10000.0, param_dtype=a.dtype, dtype=a.dtype,
+                              attention_impl=a.attention)
     params = jax.jit(lambda key: sbd_jax.init_params(cfg, key))(jax.random.key(0))
     n_params = sum(x.size for x in jax.tree.leaves(params))
     B, P, N, k = a.batch, a.prompt, a.new, a.block
@@ -168,7 +171,7 @@ def main(argv=None):
 
     dev = jax.devices()[0]
     head = (f"model: Llama-style, random weights, {n_params / 1e6:.1f}M params (hidden {a.hidden}, {a.layers} layers, "
-            f"heads {a.heads}/{a.kv_heads}, vocab {a.vocab}, {a.dtype}); batch {B}, ragged prompts "
+            f"heads {a.heads}/{a.kv_heads}, vocab {a.vocab}, {a.dtype}, attention {a.attention}); batch {B}, ragged prompts "
             f"{int(lens.min())}-{int(lens.max())} tokens (width {P}), {N} new tokens, no EOS; device: "
             f"{dev.platform} {dev.device_kind} x{jax.device_count()}; jax {jax.__version__}; "
             f"medians of {a.reps} interleaved runs")

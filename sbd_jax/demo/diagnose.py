@@ -9,11 +9,14 @@ Default decodings of the SBD fine-tune (greedy):
   sbd:16:0.1:threshold / sbd:16:0.35:threshold   the threshold rule (no uncounted "free" position)
 Comparing them separates a weak MATP stream (ar vs sbd:1), the cost of decoding in entropy order
 (sbd:1 vs sbd:16:0) and the cost of accepting several positions per step (the rest). Prints accuracy,
-tokens per forward and per-family accuracy for each.
+tokens per forward and per-family accuracy for each, then where the wrong answers first leave the worked
+solution (`first_error_kind`): at a computed value (the token after an `=` inside the solution), at a copied
+number, at the final answer (after the last `;=`), at a structural token, or by stopping early / running on.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 from pathlib import Path
 
@@ -29,6 +32,35 @@ def parse_spec(spec: str) -> tuple[str, int, float, str]:
         return mode, int(k), float(gamma), rule
     except ValueError:
         raise SystemExit(f"bad decoding spec {spec!r}: expected mode:block:gamma:rule, e.g. sbd:16:0.1:eb") from None
+
+
+ERROR_KINDS = ("computed value", "copied number", "final answer", "structure", "stopped early", "ran on")
+
+
+def first_error_kind(got: list[int], gold: list[int], tokens: list[str]) -> str:
+    """Where the decoded ids `got` first differ from the worked solution's ids `gold` (EOS excluded from
+    both); `tokens` are the solution's token strings. One of ERROR_KINDS."""
+    j = next((i for i, (a, b) in enumerate(zip(got, gold)) if a != b), None)
+    if j is None:
+        return "stopped early" if len(got) < len(gold) else "ran on"
+    eqs = [i for i, t in enumerate(tokens) if t.strip() == "="]
+    if j > (eqs[-1] if eqs else len(tokens)):
+        return "final answer"
+    if j > 0 and tokens[j - 1].strip() == "=":
+        return "computed value"
+    return "copied number" if tokens[j].strip().isdigit() else "structure"
+
+
+def error_breakdown(tok, tokens_BN, lengths_B, problems: list[dict], correct: list[bool], eos_ids) -> dict[str, int]:
+    """Counts of `first_error_kind` over the rows whose answer is wrong."""
+    counts = collections.Counter({kind: 0 for kind in ERROR_KINDS})
+    for b, (p, ok) in enumerate(zip(problems, correct)):
+        if ok:
+            continue
+        gold = tok.encode(p["response"], add_special_tokens=False)
+        got = [int(t) for t in tokens_BN[b, : lengths_B[b]] if int(t) not in eos_ids]
+        counts[first_error_kind(got, gold.ids, gold.tokens)] += 1
+    return dict(counts)
 
 
 def main(argv=None):
@@ -61,8 +93,11 @@ def main(argv=None):
         toks, lens, nfe = (np.asarray(a) for a in (out.tokens, out.lengths, out.nfe))
         ok = score(tok, toks, lens, problems)
         fams = per_family(ok, problems)
+        errs = error_breakdown(tok, toks, lens, problems, ok, set(cfg.eos_ids))
         print(f"{name:24s} accuracy {100 * np.mean(ok):5.1f}%  tokens/forward {lens.sum() / nfe.sum():5.2f}  " +
               "  ".join(f"{f} {100 * v:.0f}%" for f, v in fams.items()), flush=True)
+        print(f"{'':24s} first wrong token of the {sum(errs.values())} wrong answers: " +
+              ", ".join(f"{kind} {n}" for kind, n in errs.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -33,19 +33,28 @@ def tile_mask(q_fields, k_fields):
     return sbd_mask(*(f[:, None] for f in q_fields), *(f[None, :] for f in k_fields))
 
 
+# Full-precision dots: with the default precision the Triton lowering multiplies float32 tiles in
+# TF32 (10-bit mantissa; measured on an H100: 2.2e-4 relative error on the attention output).
+# HIGHEST selects IEEE float32 for float32 tiles and changes nothing for bfloat16 ones.
+_PREC = lax.Precision.HIGHEST
+
+
 def dot_nt(a, b):
     """a [m, d] . b[n, d]^T -> f32 [m, n]."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_PREC,
+                           preferred_element_type=jnp.float32)
 
 
 def dot_nn(a, b):
     """a [m, n] . b [n, d] -> f32 [m, d]."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_PREC,
+                           preferred_element_type=jnp.float32)
 
 
 def dot_tn(a, b):
     """a[n, m]^T . b [n, d] -> f32 [m, d]."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_PREC,
+                           preferred_element_type=jnp.float32)
 
 
 def softmax_init(rows: int, head_dim: int):

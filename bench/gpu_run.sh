@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (the `device` tool): runs the stages named as arguments, each under
+# its own time limit, logging to $OUT (or bench/results/gpu_logs when $OUT is unset).
+#   bash bench/gpu_run.sh info tests attn-quick decode      # first call: correctness, then a quick grid
+#   bash bench/gpu_run.sh attn                              # the full kernel grid of bench_attention.py
+# The GPU image has jax 0.11.2 (+ CUDA 13 plugin) preinstalled and no network: the pinned flax/optax/orbax
+# travel as wheels in .whl/ (see the device README) and are put first on PYTHONPATH.
+set -u
+cd "$(dirname "$0")/.."
+LOG=/tmp/gpu_logs  # everything is packed into $OUT/logs.tgz at the end (the tool returns at most 8 files)
+mkdir -p "$LOG"
+trap '[ -n "${OUT:-}" ] && tar czf "$OUT/logs.tgz" -C "$LOG" .' EXIT
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY=${PY:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+
+stage() {  # stage NAME LIMIT_S CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0))s"
+  tail -n "${TAIL:-12}" "$LOG/$name.log"
+}
+
+for s in "$@"; do
+  case $s in
+    info) stage info 60 bash -c "nvidia-smi; $PY -c 'import jax, flax, optax, orbax.checkpoint as o; \
+print(jax.__version__, flax.__version__, optax.__version__, jax.devices(), jax.devices()[0].core_count)'" ;;
+    # the XLA reference (the oracle) at full float32 precision: XLA's GPU default multiplies float32 in TF32
+    tests) JAX_DEFAULT_MATMUL_PRECISION=highest stage tests 240 $PY -m pytest -q -x -p no:cacheprovider tests/test_pallas_attention.py \
+             tests/test_pallas_model.py -k "not kernel_choice_and_backend" ;;
+    attn-quick) stage attn_quick 200 $PY bench/bench_attention.py --quick --reps 10 ;;
+    attn) stage attn 560 $PY bench/bench_attention.py --reps 10 ;;
+    attn-decode) stage attn_decode 400 $PY bench/bench_attention.py --only decode --reps 10 ;;
+    attn-train) stage attn_train 400 $PY bench/bench_attention.py --only train --reps 5 ;;
+    ncu) for b in 1 8; do
+           XLA_FLAGS=--xla_gpu_autotune_level=0 stage "ncu_b$b" 120 ncu --csv --metrics gpu__time_duration.sum \
+             $PY bench/profile_decode.py --batch $b --cache 8192
+         done ;;
+    tune) stage tune 330 $PY bench/tune_decode.py ;;
+    decode) for impl in xla pallas; do for b in 1 16; do
+              stage "decode_${impl}_b$b" 120 $PY bench/bench_decode.py --hidden 2048 --layers 16 --heads 32 \
+                --kv-heads 8 --vocab 32000 --intermediate 8192 --batch $b --prompt 512 --new 256 --dtype bfloat16 \
+                --attention $impl --reps 3 --out "$LOG/decode_${impl}_b$b.md"
+            done; done ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
