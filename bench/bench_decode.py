@@ -99,7 +99,8 @@ def bare_forward(params, cfg, B, S, tokens_BT, meta, n):
 
 def main(argv=None):
     a = parse(argv)
-    cfg = sbd_jax.ModelConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate or int(a.hidden * 8 / 3) // 8 * 8,
+    inter = a.intermediate or int(a.hidden * 8 / 3) // 8 * 8
+    cfg = sbd_jax.ModelConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=inter,
                               num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
                               max_position_embeddings=max(2048, a.prompt + a.new), mask_token_id=a.vocab - 1,
                               rope_theta=10000.0, param_dtype=a.dtype, dtype=a.dtype,
