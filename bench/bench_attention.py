@@ -233,6 +233,10 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
     ap.add_argument("--only", choices=("decode", "train"), default=None)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--batches", help="comma list overriding the decode batch sizes")
+    ap.add_argument("--ks", help="comma list overriding the decode block sizes")
+    ap.add_argument("--caches", help="comma list overriding the decode cache lengths")
+    ap.add_argument("--lengths", help="comma list overriding the training lengths L")
     ap.add_argument("--allow-cpu", action="store_true",
                     help="run tiny shapes in interpret mode to check the script (timings meaningless)")
     args = ap.parse_args(argv)
@@ -259,6 +263,11 @@ def main(argv=None):
         batches, ks, caches, lengths = [1, 8], [16], [4096, 8192], [2048]
     else:
         batches, ks, caches, lengths = [1, 8, 32], [16, 32], [4096, 8192, 16384, 32768], [2048, 4096, 8192]
+    ints = lambda s: [int(x) for x in s.split(",")]
+    batches = ints(args.batches) if args.batches else batches
+    ks = ints(args.ks) if args.ks else ks
+    caches = ints(args.caches) if args.caches else caches
+    lengths = ints(args.lengths) if args.lengths else lengths
     if args.only in (None, "decode"):
         bench_decode(batches, ks, caches, args.reps)
     if args.only in (None, "train"):

@@ -42,6 +42,8 @@ print(jax.__version__, flax.__version__, optax.__version__, jax.devices(), jax.d
            XLA_FLAGS=--xla_gpu_autotune_level=0 stage "ncu_b$b" 120 ncu --csv --metrics gpu__time_duration.sum \
              $PY bench/profile_decode.py --batch $b --cache 8192
          done ;;
+    attn-medium) stage attn_medium 520 $PY bench/bench_attention.py --reps 5 --batches 1,8,32 --ks 16,32 \
+                   --caches 8192,32768 --lengths 2048,4096,8192 ;;
     tune) stage tune 330 $PY bench/tune_decode.py ;;
     decode) for impl in xla pallas; do for b in 1 16; do
               stage "decode_${impl}_b$b" 120 $PY bench/bench_decode.py --hidden 2048 --layers 16 --heads 32 \
