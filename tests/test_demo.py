@@ -69,4 +69,26 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys):
     capsys.readouterr()
     diagnose.main([str(out), "--n", "8", "ar:1:0:eb", "sbd:4:0.35:threshold"])
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 2 and all("accuracy" in line and "tokens/forward" in line for line in lines)
+    assert len(lines) == 4
+    for head, errs in zip(lines[0::2], lines[1::2]):
+        assert "accuracy" in head and "tokens/forward" in head
+        acc = float(head.split("accuracy")[1].split("%")[0])
+        n_wrong = int(errs.split("of the ")[1].split(" wrong")[0])
+        assert n_wrong == round(8 * (1 - acc / 100))  # every wrong answer is classified once
+        assert sum(int(part.rsplit(" ", 1)[1]) for part in errs.split(": ", 1)[1].split(", ")) == n_wrong
+
+
+def test_first_error_kind_classifies_where_a_solution_goes_wrong():
+    from sbd_jax.demo.diagnose import first_error_kind
+    sol = ["4", "+", "1", "=", "5", ";", "5", "-", "4", "=", "1", ";", "=", "1"]
+    gold = list(range(len(sol)))
+
+    def wrong_at(j):
+        return gold[:j] + [99] + gold[j + 1:]
+    assert first_error_kind(wrong_at(4), gold, sol) == "computed value"   # 4+1=[5]
+    assert first_error_kind(wrong_at(10), gold, sol) == "computed value"  # 5-4=[1]
+    assert first_error_kind(wrong_at(6), gold, sol) == "copied number"    # ;[5]-4
+    assert first_error_kind(wrong_at(13), gold, sol) == "final answer"    # ;=[1]
+    assert first_error_kind(wrong_at(5), gold, sol) == "structure"
+    assert first_error_kind(gold[:7], gold, sol) == "stopped early"
+    assert first_error_kind(gold + [3], gold, sol) == "ran on"

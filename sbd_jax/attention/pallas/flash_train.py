@@ -14,7 +14,8 @@ Kernels (grid, loop):
 Memory is O(T) plus the O((T/block)^2) int32 tile lists; no score matrix is materialised.
 Sequences are padded to a multiple of the tile (padding = segment 0: never visible).
 
-NOT VERIFIED on GPU/TPU (written to the Triton lowering's rules; run only in interpret mode).
+Run on an H100 (Triton lowering, 2026-11-24): tests pass there; 7-11x faster than the XLA reference at
+L = 2k-4k, and runs at L = 8k where XLA runs out of memory (BENCHMARKS.md). Not run on a TPU.
 """
 from __future__ import annotations
 
