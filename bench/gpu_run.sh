@@ -44,6 +44,8 @@ print(jax.__version__, flax.__version__, optax.__version__, jax.devices(), jax.d
          done ;;
     attn-medium) stage attn_medium 520 $PY bench/bench_attention.py --reps 5 --batches 1,8,32 --ks 16,32 \
                    --caches 8192,32768 --lengths 2048,4096,8192 ;;
+    attn-rest) stage attn_rest 300 $PY bench/bench_attention.py --only decode --reps 5 --batches 1,8,32 --ks 16,32 \
+                 --caches 4096,16384 ;;
     tune) stage tune 330 $PY bench/tune_decode.py ;;
     decode) for impl in xla pallas; do for b in 1 16; do
               stage "decode_${impl}_b$b" 120 $PY bench/bench_decode.py --hidden 2048 --layers 16 --heads 32 \
