@@ -164,6 +164,12 @@ IMPLS = {
 }
 
 
+def pallas_decode_fn(blocks=None):
+    """Jitted Pallas decode attention over (cache ; window keys), reading the cache in place."""
+    return jax.jit(lambda q, ck, cv, cm, wk, wv, wm, qm: pallas_attention_parts(
+        q, [(ck, cv, cm), (wk, wv, wm)], qm, blocks=blocks))
+
+
 def fmt_ms(t, err):
     return f"{t * 1e3:.3f}" if t is not None else f"n/a ({err})"
 
@@ -181,8 +187,7 @@ def bench_decode(batches, ks, caches, reps, copy_gib=4.0):
     print("| batch | k | cache | pallas ms | xla_ref ms | sdpa ms | pallas/xla | pallas/sdpa "
           "| pallas GB/s | % of copy bw | rel err vs xla |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    parts_fn = jax.jit(lambda q, ck, cv, cm, wk, wv, wm, qm: pallas_attention_parts(
-        q, [(ck, cv, cm), (wk, wv, wm)], qm))
+    parts_fn = pallas_decode_fn()
     for B in batches:
         for k in ks:
             for S in caches:

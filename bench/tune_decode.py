@@ -13,11 +13,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax
 import numpy as np
-from bench_attention import copy_bandwidth, decode_case, timeit
+from bench_attention import copy_bandwidth, decode_case, pallas_decode_fn, timeit
 
-from sbd_jax.attention.pallas import BlockSizes, pallas_attention_parts
+from sbd_jax.attention.pallas import BlockSizes
 
 
 def main():
@@ -29,14 +28,12 @@ def main():
     for B in (1, 8):
         ((ck, cv), cm), ((wk, wv), wm), q, qm, read_bytes = decode_case(B, 16, 8192, rng)
         best = None
-        for bk, rows, warps, stages, splits in itertools.product((64, 128), (64, 128), (4, 8), (2,),
-                                                                 (None, 2)):
-            ns = None if splits is None else {1: 64, 8: 16}[B] * splits // 2
+        # splits: None = auto_num_splits, or a fixed count (about twice auto's choice)
+        for bk, rows, warps, stages, ns in itertools.product((64, 128), (64, 128), (4, 8), (2,),
+                                                             (None, {1: 64, 8: 16}[B])):
             blocks = BlockSizes(decode_block_k=bk, decode_block_rows=rows, num_warps=warps, num_stages=stages,
                                 num_splits=ns)
-            fn = jax.jit(lambda q, ck, cv, cm, wk, wv, wm, qm, blocks=blocks: pallas_attention_parts(
-                q, [(ck, cv, cm), (wk, wv, wm)], qm, blocks=blocks))
-            t, err = timeit(fn, q, ck, cv, cm, wk, wv, wm, qm, reps=5)
+            t, err = timeit(pallas_decode_fn(blocks), q, ck, cv, cm, wk, wv, wm, qm, reps=5)
             if t is None:
                 print(f"| {B} | {bk} | {rows} | {warps} | {stages} | {ns} | failed: {err} | | |", flush=True)
                 continue
