@@ -1,8 +1,11 @@
 """The demo: task-suite properties, and the --quick pipeline end to end (table shape and sanity)."""
+import dataclasses
 import json
 
 import numpy as np
+import pytest
 
+from sbd_jax.config import ConfigError
 from sbd_jax.demo import tasks
 from sbd_jax.demo.pipeline import DemoConfig, decoder_specs, run
 from sbd_jax.demo.tokenizer import build_tokenizer
@@ -64,6 +67,11 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys):
     # rerun: every stage is reused (no retraining), same table
     rows2 = run(cfg, log=lambda *a: None)
     assert [r["accuracy"] for r in rows2] == [r["accuracy"] for r in rows]
+    # a rerun with other training settings refuses to reuse the stale stage, naming the difference
+    with pytest.raises(ConfigError, match=r"ft_ntp was made with other settings \(steps: 250 there, 251 now"):
+        run(dataclasses.replace(cfg, finetune_steps=251), log=lambda *a: None)
+    with pytest.raises(ConfigError, match=r"data was made with other settings \(n_test: 64 there, 65 now"):
+        run(dataclasses.replace(cfg, n_test=65), log=lambda *a: None)
     # the diagnostics script runs on the finished run's output
     from sbd_jax.demo import diagnose
     capsys.readouterr()

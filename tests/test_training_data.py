@@ -86,6 +86,35 @@ def test_packing_hand_built():
     np.testing.assert_array_equal(rows[1].loss_mask[0], [1, 1, 1, 1, 1, 0])
 
 
+def test_packing_with_a_copy_stream_budget():
+    """copy_len C: a row closes when the next piece's copy-stream tokens (from its response start on) would
+    exceed C; longer responses are cut to C tokens, text pieces to C tokens; state records C."""
+    A = [1, 2, 3, 4, 5]          # prompt 3, response 2
+    B = [6, 7, 8, 9, 10, 11]     # prompt 2, response 4
+    T = list(range(12, 19))      # text, 7 tokens
+    F = [20, 21, 22, 23, 24, 25, 26, 27]  # prompt 1, response 7 -> cut to 1 + C
+    docs = Documents.from_lists([A, B, T, F], n_prompt=[3, 2, 0, 1])
+    it = PackedIterator(docs, seq_len=12, batch_size=1, shuffle=False, copy_len=5)
+    rows = [it.next_batch() for _ in range(6)]
+    tok = [r.tokens[0].tolist() for r in rows]
+    assert tok[0] == [1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 0, 0]  # 11 tokens would fit L, but 2 + 4 copy tokens > 5
+    assert tok[1] == [6, 7, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0]  # the text piece (5 copy tokens) does not fit after
+    assert tok[2] == [12, 13, 14, 15, 16, 0, 0, 0, 0, 0, 0, 0]  # text cut into C-token pieces
+    assert tok[3] == [17, 18, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]  # 2 + F's 5 copy tokens > 5
+    assert tok[4] == [20, 21, 22, 23, 24, 25, 0, 0, 0, 0, 0, 0]  # F's response cut to C = 5 tokens
+    np.testing.assert_array_equal(rows[4].loss_mask[0][:6], [0, 1, 1, 1, 1, 1])
+    assert tok[5] == tok[0]  # next epoch
+    assert it.state()["copy_len"] == 5
+    with pytest.raises(DataError, match="copy_len"):
+        PackedIterator(docs, 12, 1, shuffle=False).restore(it.state())
+    with pytest.raises(DataError, match="copy_len must be in"):
+        PackedIterator(docs, 12, 1, copy_len=13)
+    # C = L: the same rows as without a budget
+    plain, same = PackedIterator(docs, 12, 2, seed=4), PackedIterator(docs, 12, 2, seed=4, copy_len=12)
+    for _ in range(6):
+        np.testing.assert_array_equal(plain.next_batch().tokens, same.next_batch().tokens)
+
+
 def test_packing_multiple_docs_per_row_and_epoch_coverage():
     rng = np.random.default_rng(0)
     docs = [list(rng.integers(5, 50, rng.integers(2, 9))) for _ in range(40)]

@@ -201,3 +201,38 @@ def test_ntp_only_equals_ntp_term_of_dual_loss(setup):
     loss_ntp, m_ntp = _loss(params, build_ntp_example(batch))
     np.testing.assert_allclose(float(loss_ntp), float(m_dual["ntp_loss"]), rtol=1e-6)
     assert float(m_ntp["matp_tokens"]) == 0 and float(m_ntp["matp_loss"]) == 0
+
+
+def full_copy_seg(batch):
+    from sbd_jax.training.examples import response_start
+    return jnp.where(batch.position >= response_start(batch), batch.segment, 0)
+
+
+def test_compact_copy_stream_equals_the_full_layout(setup):
+    """`copy_len`: the copy stream without the prompts (L + C tokens instead of 2L) gives the same losses,
+    token counts and gradients as the full [x ; x_hat] layout (response-aligned blocks), also with the
+    clean-prefix attention split the train step uses."""
+    from sbd_jax.training.loss import combine, loss_sums
+    params, batch, masked = setup
+    L = batch.tokens.shape[1]
+    # copy-stream tokens per row: row 0 its 18 text tokens (2 pads dropped), row 1 20 - its 5-token prompt
+    assert np.asarray(full_copy_seg(batch) > 0).sum(1).tolist() == [18, 15]
+    full = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), M, "response")
+
+    def value_and_grad(ex, prefix):
+        return jax.value_and_grad(lambda p: combine(loss_sums(p, CFG, ex, clean_prefix=prefix)))(params)
+
+    f_val, f_grad = jax.jit(lambda: value_and_grad(full, None))()
+    for C in (18, 20):
+        ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), M, "response", copy_len=C)
+        assert ex.tokens.shape == (2, L + C)
+        assert float(ex.matp_weight.sum()) == float(full.matp_weight.sum()) > 4
+        np.testing.assert_array_equal(np.sort(np.asarray(ex.targets[:, L:])[np.asarray(ex.matp_weight[:, L:]) > 0]),
+                                      np.sort(np.asarray(full.targets[:, L:])[np.asarray(full.matp_weight[:, L:]) > 0]))
+        for prefix in (None, L):
+            val, grad = jax.jit(lambda ex=ex, prefix=prefix: value_and_grad(ex, prefix))()
+            np.testing.assert_allclose(float(val), float(f_val), rtol=1e-6)
+            for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(f_grad)):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="copy_len needs block_align='response'"):
+        build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), M, "document", copy_len=18)

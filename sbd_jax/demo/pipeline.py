@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig, to_dict
 from ..io.hf import from_pretrained
 from ..sharding import MeshConfig
 from ..training.config import (CheckpointConfig, DataConfig, ModelSource, OptimConfig, SBDConfig,
@@ -47,6 +47,10 @@ class DemoConfig:
     intermediate_size: int = 384
     # training
     seq_len: int = 128
+    # fine-tunes: the SBD copy stream holds the responses only (data.copy_len): 80 slots keep the rows as full
+    # as 128 (responses are ~56% of the tokens) and cut the SBD step's input from 256 to 208 tokens; the
+    # baseline's rows are packed under the same budget, so both fine-tunes see the same rows
+    copy_len: int | None = 80
     batch_size: int = 8  # more, smaller SBD updates for the same CPU time (docs/demo_experiments.md)
     pretrain_steps: int = 600
     finetune_steps: int = 2000
@@ -88,10 +92,14 @@ def stage_data(cfg: DemoConfig, log=print) -> dict:
     root = Path(cfg.out_dir) / "data"
     files = {n: root / f"{n}.jsonl" for n in ("pretrain", "finetune", "test")}
     tok_dir = root / "tokenizer"
+    spec = {k: getattr(cfg, k) for k in ("seed", "n_pretrain", "n_finetune", "n_test", "vocab_size")}
+    if (root / "settings.json").exists():
+        check_stage_settings(root, json.loads((root / "settings.json").read_text()), spec)
     if all(f.exists() for f in files.values()) and (tok_dir / "tokenizer.json").exists():
         log(f"[data] reusing {root}")
         return {**files, "tokenizer": tok_dir}
     root.mkdir(parents=True, exist_ok=True)
+    (root / "settings.json").write_text(json.dumps(spec))
     sets = {"pretrain": tasks.generate(cfg.n_pretrain, "train", cfg.seed),
             "finetune": tasks.generate(cfg.n_finetune, "train", cfg.seed + 1),
             "test": tasks.generate(cfg.n_test, "test", cfg.seed)}
@@ -134,7 +142,7 @@ def _train_config(cfg: DemoConfig, data_file: Path, tok_dir: Path, *, mode: str,
         model=ModelSource(init_from=init_from, config=model),
         data=DataConfig(path=str(data_file), mode=mode, tokenizer=str(tok_dir), seq_len=cfg.seq_len,
                         seed=cfg.seed, chat_template=False, block_tail=0 if ntp_only else cfg.block_tail,
-                        eos_padding=0 if ntp_only else cfg.eos_padding),
+                        eos_padding=0 if ntp_only else cfg.eos_padding, copy_len=cfg.copy_len if mode == "sft" else None),
         sbd=SBDConfig(k_max=cfg.k_max, block_size=cfg.train_block_size, ntp_only=ntp_only,
                       block_align=cfg.block_align if mode == "sft" else "document"),
         optim=OptimConfig(lr=lr, warmup_steps=max(1, steps // 20), schedule="cosine", weight_decay=0.01),
@@ -143,11 +151,39 @@ def _train_config(cfg: DemoConfig, data_file: Path, tok_dir: Path, *, mode: str,
         log_every=10)
 
 
+# where a stage's saved settings may differ from this run's without making its result stale (paths)
+_PATH_KEYS = {"out_dir", "model.init_from", "data.path", "data.tokenizer"}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_stage_settings(stage_dir: Path, saved: dict, wanted: dict) -> None:
+    """Refuse to reuse or resume a stage whose saved settings differ from this run's (a rerun with
+    `finetune_steps=4000` must not silently reuse a 2000-step model): ConfigError naming every difference."""
+    old, new = _flat(json.loads(json.dumps(saved, default=str))), _flat(json.loads(json.dumps(wanted, default=str)))
+    diff = sorted(k for k in old.keys() | new.keys() if k not in _PATH_KEYS and old.get(k) != new.get(k))
+    if diff:
+        detail = ", ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in diff)
+        raise ConfigError(f"{stage_dir} was made with other settings ({detail}); pass a new --out directory or "
+                          f"delete {stage_dir} to redo that stage")
+
+
 def stage_train(name: str, tcfg: TrainConfig, log=print) -> Path:
     """Run (or resume, or skip) one training stage; returns its HF export directory."""
     from ..training import train
     out = Path(tcfg.out_dir)
     hf = out / "hf"
+    saved = out / "train_config.json"
+    if saved.exists():
+        check_stage_settings(out, json.loads(saved.read_text())["train"], to_dict(tcfg))
     if (out / "DONE").exists() and (hf / "config.json").exists():
         log(f"[{name}] reusing {hf}")
         return hf

@@ -79,6 +79,10 @@ class DataConfig:
     # stream's last block is always k wide, as at inference, so the block's width does not give the end away
     block_tail: int = 0
     seq_len: int = 512  # L: the packed row length (the SBD input is 2L)
+    # C: static length of the SBD copy stream (None: C = L, the paper's [x ; x_hat]). With C < L the copy
+    # stream holds only the row's loss-counted tokens (responses), packed to the front: the input is L + C
+    # tokens instead of 2L, and a row takes no more documents than fit C counted tokens (data.py)
+    copy_len: int | None = None
     shuffle: bool = True
     seed: int = 0  # document order (per epoch) is a pure function of (seed, epoch)
     min_doc_tokens: int = 2  # shorter pieces are dropped (NTP needs 2 tokens)
@@ -96,6 +100,8 @@ class DataConfig:
             raise ConfigError(f"data.eos_padding must be >= 0, got {self.eos_padding}")
         if self.block_tail < 0:
             raise ConfigError(f"data.block_tail must be >= 0, got {self.block_tail}")
+        if self.copy_len is not None and not 1 <= self.copy_len <= self.seq_len:
+            raise ConfigError(f"data.copy_len must be in [1, seq_len={self.seq_len}] (or null), got {self.copy_len}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +170,13 @@ class TrainConfig:
             what = "sbd.block_size" if self.sbd.block_size is not None else "sbd.k_max"
             raise ConfigError(f"data.seq_len ({self.data.seq_len}) is shorter than {what} "
                               f"({self.sbd.largest_block}): a block cannot be longer than a row")
+        if self.data.copy_len is not None and not self.sbd.ntp_only:
+            if self.sbd.block_align != "response":
+                raise ConfigError("data.copy_len (a copy stream without the prompts) needs sbd.block_align="
+                                  "'response': with document-aligned blocks the prompts are part of the copy stream")
+            if self.data.copy_len < self.sbd.largest_block:
+                raise ConfigError(f"data.copy_len ({self.data.copy_len}) is shorter than the largest training block "
+                                  f"({self.sbd.largest_block})")
         if self.loss_chunk < 0:
             raise ConfigError(f"loss_chunk must be >= 0, got {self.loss_chunk}")
         if self.log_every < 1:

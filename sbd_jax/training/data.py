@@ -27,6 +27,11 @@ in a deterministic, resumable order.
   every block is k positions wide, with masks after the EOS. With k_max - 1 of them the last block is
   always full width and the positions after the end are `<m>`, as at inference; unlike `eos_padding`
   nothing teaches the model to predict EOS there. Costs k_max - 1 tokens of row space per document.
+- `copy_len` C (SBD choice, an efficiency; needs response-aligned blocks): with C < L no row holds more
+  than C tokens from a response start on (a prompt/response pair with a longer response is truncated
+  to C response tokens, a text piece to C tokens); the SBD example then lays out only those tokens in
+  its copy stream (examples.py), not the prompts, which the copy stream never uses. For SFT data
+  C ~ L x (response share) keeps the rows about as full as without it.
 - Iterator state {epoch, cursor, offset, rows} (JSON) is saved with each checkpoint; `restore`
   continues with exactly the rows an uninterrupted run would have produced.
 """
@@ -267,8 +272,11 @@ class PackedIterator:
     """Endless iterator of `PackedBatch` (numpy int32 [batch_size, seq_len]) over `docs`."""
 
     def __init__(self, docs: Documents, seq_len: int, batch_size: int, *, seed: int = 0, shuffle: bool = True,
-                 min_doc_tokens: int = 2, source: str = "the dataset"):
+                 min_doc_tokens: int = 2, source: str = "the dataset", copy_len: int | None = None):
         self.docs, self.L, self.B = docs, int(seq_len), int(batch_size)
+        self.C = self.L if copy_len is None else int(copy_len)  # budget of loss-counted tokens per row
+        if not 1 <= self.C <= self.L:
+            raise DataError(f"copy_len must be in [1, seq_len={self.L}], got {copy_len}")
         self.seed, self.shuffle, self.min_tokens = int(seed), bool(shuffle), max(int(min_doc_tokens), 1)
         n_usable = self._count_usable()
         if n_usable == 0:
@@ -282,12 +290,13 @@ class PackedIterator:
     # -- state --------------------------------------------------------------------------------
     def state(self) -> dict:
         return {"epoch": self._epoch, "cursor": self._cursor, "offset": self._offset, "rows": self._rows,
-                "seed": self.seed, "seq_len": self.L}
+                "seed": self.seed, "seq_len": self.L, "copy_len": self.C}
 
     def restore(self, state: dict) -> None:
-        if state.get("seq_len", self.L) != self.L or state.get("seed", self.seed) != self.seed:
-            raise DataError(f"data iterator state {state} was saved with another seq_len/seed "
-                            f"(now seq_len={self.L}, seed={self.seed})")
+        if (state.get("seq_len", self.L) != self.L or state.get("seed", self.seed) != self.seed
+                or state.get("copy_len", self.L) != self.C):
+            raise DataError(f"data iterator state {state} was saved with another seq_len/seed/copy_len "
+                            f"(now seq_len={self.L}, seed={self.seed}, copy_len={self.C})")
         self._epoch, self._cursor = int(state["epoch"]), int(state["cursor"])
         self._offset, self._rows = int(state["offset"]), int(state["rows"])
         self._perm = self._permutation(self._epoch)
@@ -302,8 +311,9 @@ class PackedIterator:
     def _count_usable(self) -> int:
         lens, n_prompt = self.docs.lengths(), self.docs.n_prompt
         text = n_prompt == 0
-        full, rest = lens // self.L, lens % self.L
-        n_text = full * (self.L >= self.min_tokens) + (rest >= self.min_tokens)
+        W = min(self.L, self.C)  # text piece width
+        full, rest = lens // W, lens % W
+        n_text = full * (W >= self.min_tokens) + (rest >= self.min_tokens)
         end = lens - self.docs.n_tail
         sft_ok = (n_prompt < np.minimum(self.L, end)) & (np.minimum(lens, self.L) >= self.min_tokens)
         return int(np.sum(np.where(text, n_text, sft_ok)))
@@ -314,11 +324,12 @@ class PackedIterator:
         d, n_prompt = self.docs.doc(i), int(self.docs.n_prompt[i])
         end = len(d) - int(self.docs.n_tail[i])  # the uncounted tail starts here
         if n_prompt == 0:
-            piece = d[offset:offset + self.L]
-            nxt = offset + self.L if offset + self.L < len(d) else None
+            W = min(self.L, self.C)
+            piece = d[offset:offset + W]
+            nxt = offset + W if offset + W < len(d) else None
             counted = offset + np.arange(len(piece)) < end
             return (piece if len(piece) >= self.min_tokens else None), counted, nxt
-        piece = d[:self.L]
+        piece = d[:min(self.L, n_prompt + self.C)]  # at most C counted (response) tokens
         ok = n_prompt < min(len(piece), end) and len(piece) >= self.min_tokens
         idx = np.arange(len(piece))
         return (piece if ok else None), (idx >= n_prompt) & (idx < end), None
@@ -340,15 +351,18 @@ class PackedIterator:
         segment = np.zeros(L, np.int32)
         position = np.zeros(L, np.int32)
         loss_mask = np.zeros(L, np.int32)
-        used, seg = 0, 0
+        used, used_copy, seg = 0, 0, 0
         while used < L:
-            piece, counted, nxt = self._piece(int(self._perm[self._cursor]), self._offset)
+            i = int(self._perm[self._cursor])
+            piece, counted, nxt = self._piece(i, self._offset)
             if piece is None:
                 self._advance(nxt)
                 continue
             n = len(piece)
-            if used + n > L:
+            n_copy = n - int(self.docs.n_prompt[i])  # the piece's copy-stream tokens (from the response on)
+            if used + n > L or used_copy + n_copy > self.C:
                 break
+            used_copy += n_copy
             seg += 1
             tokens[used:used + n] = piece
             segment[used:used + n] = seg
@@ -388,4 +402,4 @@ def build_iterator(cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | C
         raise DataError(f"dataset {cfg.path!r} has no usable rows: it holds no records")
     docs = tokenize_records(ds, cfg, tokenizer, mask_id)
     return PackedIterator(docs, cfg.seq_len, batch_size, seed=cfg.seed, shuffle=cfg.shuffle,
-                          min_doc_tokens=cfg.min_doc_tokens, source=f"dataset {cfg.path!r}")
+                          min_doc_tokens=cfg.min_doc_tokens, source=f"dataset {cfg.path!r}", copy_len=cfg.copy_len)

@@ -6,7 +6,7 @@ Input: a `PackedBatch` of B rows of L tokens (see `data.py`), possibly several d
   document), loss_mask [B,L] (1 = token counted by the losses: every token of a text document, the
   response tokens of an SFT document; 0 = prompt or padding).
 
-Output (`Example`, T = 2L for SBD, T = L for the NTP-only baseline):
+Output (`Example`, T = 2L for SBD (L + copy_len with a compact copy stream), T = L for the NTP-only baseline):
   tokens [B,T]   clean half x, then x_hat (x with `<m>` at masked positions)
   meta           `TokenMeta` [B,T] built with the builders of `sbd_jax.attention.mask` (the one mask
                  definition): clean half = `clean_meta`, copy half = `copy_meta` with duplicated
@@ -96,24 +96,38 @@ def sample_masked(key, batch: PackedBatch):
 
 
 def build_sbd_example(batch: PackedBatch, masked_BL, k, mask_token_id: int,
-                      block_align: str = "document") -> Example:
-    """Deterministic part: the doubled input for given masked positions and block size k (traced ok)."""
+                      block_align: str = "document", copy_len: int | None = None) -> Example:
+    """Deterministic part: the doubled input for given masked positions and block size k (traced ok).
+
+    `copy_len=C` (static; needs block_align="response"): the copy half keeps only the tokens that belong
+    to it (from each document's response start on), in row order, packed into C slots (segment 0 after
+    them): [x ; x_hat] becomes L + C tokens with the same attention, targets and weights on every kept
+    token. The packer guarantees they fit (data.py `copy_len`)."""
     if block_align not in ("document", "response"):
         raise ValueError(f"block_align must be 'document' or 'response', got {block_align!r}")
+    if copy_len is not None and block_align != "response":
+        raise ValueError("copy_len needs block_align='response' (otherwise prompts are part of the copy stream)")
     seg = batch.segment.astype(jnp.int32)
     pos = batch.position.astype(jnp.int32)
+    tok = batch.tokens.astype(jnp.int32)
     offset = response_start(batch) if block_align == "response" else jnp.zeros_like(pos)
     copy_seg = jnp.where(pos >= offset, seg, 0)
-    meta = concat_meta(clean_meta(seg, pos), copy_meta(copy_seg, pos, block_starts(pos, k, offset)))
-    x_hat = jnp.where(masked_BL, jnp.int32(mask_token_id), batch.tokens.astype(jnp.int32))
-    tokens = jnp.concatenate([batch.tokens.astype(jnp.int32), x_hat], axis=1)
-    ntp_tgt, ntp_w = ntp_targets(batch)
-    zeros = jnp.zeros_like(ntp_w)
+    x_hat = jnp.where(masked_BL, jnp.int32(mask_token_id), tok)
     matp_w = (masked_BL & (copy_seg > 0)).astype(jnp.float32)
-    return Example(tokens, meta,
-                   jnp.concatenate([ntp_tgt, batch.tokens.astype(jnp.int32)], axis=1),
-                   jnp.concatenate([ntp_w, zeros], axis=1),
-                   jnp.concatenate([zeros, matp_w], axis=1))
+    c_pos, c_start, c_tgt = pos, block_starts(pos, k, offset), tok
+    if copy_len is not None:
+        keep = copy_seg > 0
+        idx = jnp.argsort(~keep, axis=1, stable=True)[:, :copy_len]  # kept tokens first, in row order
+        valid = jnp.arange(copy_len)[None, :] < jnp.sum(keep, axis=1, keepdims=True)
+        take = lambda a: jnp.take_along_axis(a, idx, axis=1)
+        copy_seg, matp_w = jnp.where(valid, take(copy_seg), 0), jnp.where(valid, take(matp_w), 0.0)
+        x_hat, c_pos, c_start, c_tgt = take(x_hat), take(c_pos), take(c_start), take(c_tgt)
+    meta = concat_meta(clean_meta(seg, pos), copy_meta(copy_seg, c_pos, c_start))
+    ntp_tgt, ntp_w = ntp_targets(batch)
+    return Example(jnp.concatenate([tok, x_hat], axis=1), meta,
+                   jnp.concatenate([ntp_tgt, c_tgt], axis=1),
+                   jnp.concatenate([ntp_w, jnp.zeros_like(matp_w)], axis=1),
+                   jnp.concatenate([jnp.zeros_like(ntp_w), matp_w], axis=1))
 
 
 def build_ntp_example(batch: PackedBatch) -> Example:
@@ -126,7 +140,7 @@ def build_ntp_example(batch: PackedBatch) -> Example:
 
 def make_example(key, batch: PackedBatch, *, mask_token_id: int | None, k_max: int = 16,
                  block_size: int | None = None, ntp_only: bool = False,
-                 block_align: str = "document"):
+                 block_align: str = "document", copy_len: int | None = None):
     """PRNG-driven example for one step -> (Example, k int32 scalar). k is 0 for NTP-only."""
     if ntp_only:
         return build_ntp_example(batch), jnp.int32(0)
@@ -134,4 +148,4 @@ def make_example(key, batch: PackedBatch, *, mask_token_id: int | None, k_max: i
         raise ValueError("SBD training needs a mask token id (model.mask_token_id)")
     k_key, m_key = jax.random.split(key)
     k = sample_block_size(k_key, k_max, block_size)
-    return build_sbd_example(batch, sample_masked(m_key, batch), k, mask_token_id, block_align), k
+    return build_sbd_example(batch, sample_masked(m_key, batch), k, mask_token_id, block_align, copy_len), k

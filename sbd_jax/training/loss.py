@@ -32,11 +32,11 @@ def _weighted_ce(params, cfg: ModelConfig, h_BTD, targets_BT, w_ntp_BT, w_matp_B
     return jnp.sum(ce * w_ntp_BT), jnp.sum(ce * w_matp_BT)
 
 
-def loss_sums(params, cfg: ModelConfig, ex: Example, *, chunk: int = 0, doubled: bool = False) -> LossSums:
-    """Run the model on `ex.tokens` under `ex.meta` and sum the two CE terms (float32). `doubled`: the
-    example is the `[x ; x_hat]` layout, whose clean half attends only itself (see `forward(clean_prefix)`)."""
-    T = ex.tokens.shape[1]
-    h, _ = forward(params, cfg, ex.tokens, ex.meta, return_hidden=True, clean_prefix=T // 2 if doubled else None)
+def loss_sums(params, cfg: ModelConfig, ex: Example, *, chunk: int = 0, clean_prefix: int | None = None) -> LossSums:
+    """Run the model on `ex.tokens` under `ex.meta` and sum the two CE terms (float32). `clean_prefix=L`:
+    the example is the SBD layout `[x ; x_hat]` with an L-token clean half that attends only itself (see
+    `forward(clean_prefix)`)."""
+    h, _ = forward(params, cfg, ex.tokens, ex.meta, return_hidden=True, clean_prefix=clean_prefix)
     B, T = h.shape[:2]
     if chunk <= 0 or chunk >= T:
         ntp, matp = _weighted_ce(params, cfg, h, ex.targets, ex.ntp_weight, ex.matp_weight)

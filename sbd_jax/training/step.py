@@ -42,6 +42,7 @@ class StepOptions:
     block_size: int | None = None
     ntp_only: bool = False
     block_align: str = "document"
+    copy_len: int | None = None  # static copy-stream length (None: L); see examples.build_sbd_example
     grad_accum: int = 1
     loss_chunk: int = 0
 
@@ -76,11 +77,11 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
         axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
         spec_axes = (axes if len(axes) > 1 else axes[0]) if axes else None
 
-    def loss_fn(params, ex: Example, totals):
-        s = loss_sums(params, model_cfg, ex, chunk=opts.loss_chunk, doubled=not opts.ntp_only)
+    def loss_fn(params, ex: Example, totals, L: int):
+        s = loss_sums(params, model_cfg, ex, chunk=opts.loss_chunk, clean_prefix=None if opts.ntp_only else L)
         return combine(s, *totals), s
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)  # L (the clean half's length) is static
 
     def step(state: TrainState, batch: PackedBatch):
         with mesh_context(mesh):  # ambient while tracing: attention_impl="pallas" then runs per shard
@@ -89,10 +90,12 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
     def _step(state: TrainState, batch: PackedBatch):
         rng, key = jax.random.split(state.rng)
         ex, k = make_example(key, batch, mask_token_id=opts.mask_token_id, k_max=opts.k_max,
-                             block_size=opts.block_size, ntp_only=opts.ntp_only, block_align=opts.block_align)
+                             block_size=opts.block_size, ntp_only=opts.ntp_only, block_align=opts.block_align,
+                             copy_len=opts.copy_len)
+        L = batch.tokens.shape[1]
         totals = (jnp.sum(ex.ntp_weight), jnp.sum(ex.matp_weight))
         if A == 1:
-            (loss, sums), grads = grad_fn(state.params, ex, totals)
+            (loss, sums), grads = grad_fn(state.params, ex, totals, L)
         else:
             if batch.tokens.shape[0] % A:
                 raise ValueError(f"batch of {batch.tokens.shape[0]} rows does not split into {A} microbatches")
@@ -100,7 +103,7 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
 
             def body(carry, mex):
                 g_acc, l_acc, s_acc = carry
-                (l, s), g = grad_fn(state.params, mex, totals)
+                (l, s), g = grad_fn(state.params, mex, totals, L)
                 return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, jax.tree.map(jnp.add, s_acc, s)), None
 
             zeros_g = jax.tree.map(jnp.zeros_like, state.params)
