@@ -52,8 +52,8 @@ class DemoConfig:
     # baseline's rows are packed under the same budget, so both fine-tunes see the same rows
     copy_len: int | None = 80
     batch_size: int = 8  # more, smaller SBD updates for the same CPU time (docs/demo_experiments.md)
-    pretrain_steps: int = 600
-    finetune_steps: int = 2000
+    pretrain_steps: int = 1200
+    finetune_steps: int = 2500  # the SBD fine-tune's length decides the result (docs/demo_experiments.md)
     pretrain_lr: float = 2e-3
     finetune_lr: float = 2e-3
     k_max: int = 16
