@@ -9,6 +9,8 @@ reference XLA attention; the dense reference attention's cost grows with (2L)^2,
     .venv/bin/python bench/bench_train.py                       # CPU default sizes, writes bench/results/train_cpu.md
     .venv/bin/python bench/bench_train.py --hidden 1024 --layers 8 --seq-len 2048 --batch 8 \\
         --dtype bfloat16 --attention pallas --out bench/results/train_gpu.md   # on a GPU
+    .venv/bin/python bench/bench_train.py --vocab 192 --hidden 128 --intermediate 384 --layers 4 --seq-len 128 \
+        --prompt-share 0.44 --copy-len 80 --out bench/results/train_cpu_copy_len.md  # the demo's shapes + data.copy_len
 
 Block size k is drawn in [2, k_max] per step as in training (one compiled step for every k).
 """
@@ -59,6 +61,11 @@ def parse(argv=None):
     ap.add_argument("--dtype", default="float32", help="compute dtype (params stay float32)")
     ap.add_argument("--attention", default="xla", choices=["xla", "pallas"])
     ap.add_argument("--loss-chunk", type=int, default=0)
+    ap.add_argument("--prompt-share", type=float, default=0.0,
+                    help="> 0: prompt/response documents (this share of each is prompt), response-aligned blocks")
+    ap.add_argument("--copy-len", type=int, default=None,
+                    help="adds a variant with a compact copy stream of C slots (data.copy_len; needs --prompt-share); "
+                         "every variant's rows are packed under that budget, so all see the same rows")
     ap.add_argument("--allow-cpu-pallas", action="store_true", help="Pallas on CPU is interpret mode: meaningless")
     ap.add_argument("--out", default=None, help="markdown file (default bench/results/train_<platform>.md)")
     return ap.parse_args(argv)
@@ -66,13 +73,17 @@ def parse(argv=None):
 
 def batches(args, n):
     rng = np.random.default_rng(0)
-    lens = rng.integers(args.seq_len // 4, 2 * args.seq_len, 400)
-    docs = Documents.from_lists([list(rng.integers(4, args.vocab, n_)) for n_ in lens])
-    it = PackedIterator(docs, args.seq_len, args.batch, seed=0)
+    if args.prompt_share > 0:  # prompt/response pairs up to a row long
+        lens = rng.integers(max(2, args.seq_len // 8), args.seq_len // 2, 400)
+        n_prompt = [max(1, int(round(args.prompt_share * n_))) for n_ in lens]
+    else:
+        lens, n_prompt = rng.integers(args.seq_len // 4, 2 * args.seq_len, 400), None
+    docs = Documents.from_lists([list(rng.integers(4, args.vocab, n_)) for n_ in lens], n_prompt=n_prompt)
+    it = PackedIterator(docs, args.seq_len, args.batch, seed=0, copy_len=args.copy_len)
     return [it.next_batch() for _ in range(n)]
 
 
-def build_variant(cfg, args, ntp_only: bool, data):
+def build_variant(cfg, args, ntp_only: bool, data, copy_len: int | None = None):
     """A compiled step + its state; returns (run(i) -> seconds of step i, info)."""
     mesh = make_mesh(MeshConfig())
     tx, sched = make_optimizer(OptimConfig(warmup_steps=10), 1000)
@@ -80,6 +91,7 @@ def build_variant(cfg, args, ntp_only: bool, data):
     params = jax.jit(lambda k: init_params(cfg, k))(jax.random.PRNGKey(0))
     box = {"state": create_state(params, tx, jax.random.PRNGKey(1), sh)}
     opts = StepOptions(mask_token_id=cfg.mask_token_id, k_max=args.k_max, ntp_only=ntp_only,
+                       block_align="response" if args.prompt_share > 0 else "document", copy_len=copy_len,
                        loss_chunk=args.loss_chunk)
     step = jit_train_step(make_train_step(cfg, opts, tx, sched, mesh), mesh, sh, args.batch)
     dev = [put_batch(b, mesh, args.batch) for b in data]
@@ -94,7 +106,7 @@ def build_variant(cfg, args, ntp_only: bool, data):
     compile_s = run(0)
     for i in range(args.warmup):
         run(i + 1)
-    return run, {"compile_s": compile_s, "input_len": args.seq_len if ntp_only else 2 * args.seq_len}
+    return run, {"compile_s": compile_s, "input_len": args.seq_len + (0 if ntp_only else copy_len or args.seq_len)}
 
 
 def measure(cfg, args, L: int) -> dict:
@@ -102,6 +114,8 @@ def measure(cfg, args, L: int) -> dict:
     args = argparse.Namespace(**{**vars(args), "seq_len": L})
     data = batches(args, max(args.steps, args.warmup + 1))
     variants = {"NTP-only": build_variant(cfg, args, True, data), "SBD dual": build_variant(cfg, args, False, data)}
+    if args.copy_len:
+        variants[f"SBD dual, copy_len {args.copy_len}"] = build_variant(cfg, args, False, data, args.copy_len)
     times = {name: [] for name in variants}
     for i in range(args.steps):
         for name, (run, _) in variants.items():
@@ -116,6 +130,9 @@ def measure(cfg, args, L: int) -> dict:
 
 def main(argv=None):
     args = parse(argv)
+    if args.copy_len and args.prompt_share <= 0:
+        print("--copy-len needs --prompt-share > 0 (a compact copy stream drops the prompts)")
+        return 2
     backend = jax.default_backend()
     if args.attention == "pallas" and backend == "cpu" and not args.allow_cpu_pallas:
         print("Pallas on CPU runs in interpret mode; its timings mean nothing (pass --allow-cpu-pallas to run anyway)")
@@ -138,6 +155,9 @@ def main(argv=None):
          f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}), params float32, compute {args.dtype}, "
          f"attention `{args.attention}`; batch {args.batch} rows of L tokens; k ~ U[2, {args.k_max}]; "
          f"AdamW + clipping; median of {args.steps} interleaved steps after {args.warmup} warmup.  "),
+        (f"Data: prompt/response pairs, prompt share {args.prompt_share:g}, response-aligned blocks"
+         + (f", rows packed under copy_len {args.copy_len}" if args.copy_len else "") + ".  "
+         if args.prompt_share > 0 else "Data: text documents.  "),
         "Data tokens/s counts the non-padding tokens of the L-token rows for both steps.",
         "",
         "| L | step | input tokens / row | step time (ms) | data tokens/s | cost vs NTP | compile (s) |",

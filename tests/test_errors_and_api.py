@@ -1,6 +1,7 @@
 """Clear errors for bad configs/checkpoints, the NNX face, and the jitted functional path."""
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -133,7 +134,6 @@ def test_bf16_compute_with_f32_master_weights():
 
 def test_copy_len_config_errors_name_the_problem():
     from sbd_jax.training.config import load_train_config
-    from pathlib import Path
     yaml = Path(__file__).resolve().parents[1] / "configs" / "tiny_sbd.yaml"
     assert load_train_config(yaml, ["data.copy_len=80", "sbd.block_align=response"]).data.copy_len == 80
     with pytest.raises(ConfigError, match="data.copy_len .* needs sbd.block_align='response'"):

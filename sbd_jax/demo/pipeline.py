@@ -168,7 +168,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def check_stage_settings(stage_dir: Path, saved: dict, wanted: dict) -> None:
     """Refuse to reuse or resume a stage whose saved settings differ from this run's (a rerun with
     `finetune_steps=4000` must not silently reuse a 2000-step model): ConfigError naming every difference."""
-    old, new = _flat(json.loads(json.dumps(saved, default=str))), _flat(json.loads(json.dumps(wanted, default=str)))
+    old, new = _flat(saved), _flat(json.loads(json.dumps(wanted, default=str)))  # saved: read from JSON already
     diff = sorted(k for k in old.keys() | new.keys() if k not in _PATH_KEYS and old.get(k) != new.get(k))
     if diff:
         detail = ", ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in diff)

@@ -80,8 +80,9 @@ class DataConfig:
     block_tail: int = 0
     seq_len: int = 512  # L: the packed row length (the SBD input is 2L)
     # C: static length of the SBD copy stream (None: C = L, the paper's [x ; x_hat]). With C < L the copy
-    # stream holds only the row's loss-counted tokens (responses), packed to the front: the input is L + C
-    # tokens instead of 2L, and a row takes no more documents than fit C counted tokens (data.py)
+    # stream holds only each document's tokens from its response start on (not the prompts), packed to the
+    # front: the input is L + C tokens instead of 2L, and a row takes no more documents than fit C such
+    # tokens (data.py); needs sbd.block_align=response
     copy_len: int | None = None
     shuffle: bool = True
     seed: int = 0  # document order (per epoch) is a pure function of (seed, epoch)

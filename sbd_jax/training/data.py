@@ -274,7 +274,7 @@ class PackedIterator:
     def __init__(self, docs: Documents, seq_len: int, batch_size: int, *, seed: int = 0, shuffle: bool = True,
                  min_doc_tokens: int = 2, source: str = "the dataset", copy_len: int | None = None):
         self.docs, self.L, self.B = docs, int(seq_len), int(batch_size)
-        self.C = self.L if copy_len is None else int(copy_len)  # budget of loss-counted tokens per row
+        self.C = self.L if copy_len is None else int(copy_len)  # copy-stream tokens (from response starts) per row
         if not 1 <= self.C <= self.L:
             raise DataError(f"copy_len must be in [1, seq_len={self.L}], got {copy_len}")
         self.seed, self.shuffle, self.min_tokens = int(seed), bool(shuffle), max(int(min_doc_tokens), 1)
