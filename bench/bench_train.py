@@ -11,6 +11,7 @@ reference XLA attention; the dense reference attention's cost grows with (2L)^2,
         --dtype bfloat16 --attention pallas --out bench/results/train_gpu.md   # on a GPU
     .venv/bin/python bench/bench_train.py --vocab 192 --hidden 128 --intermediate 384 --layers 4 --seq-len 128 \
         --prompt-share 0.44 --copy-len 80 --out bench/results/train_cpu_copy_len.md  # the demo's shapes + data.copy_len
+    (add --scan-unroll 4 for the demo's unrolled layer loop: bench/results/train_cpu_unroll.md)
 
 Block size k is drawn in [2, k_max] per step as in training (one compiled step for every k).
 """
@@ -61,6 +62,7 @@ def parse(argv=None):
     ap.add_argument("--dtype", default="float32", help="compute dtype (params stay float32)")
     ap.add_argument("--attention", default="xla", choices=["xla", "pallas"])
     ap.add_argument("--loss-chunk", type=int, default=0)
+    ap.add_argument("--scan-unroll", type=int, default=1, help="layers per iteration of the layer scan (ModelConfig)")
     ap.add_argument("--prompt-share", type=float, default=0.0,
                     help="> 0: prompt/response documents (this share of each is prompt), response-aligned blocks")
     ap.add_argument("--copy-len", type=int, default=None,
@@ -140,7 +142,7 @@ def main(argv=None):
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                       rope_theta=500000.0, mask_token_id=3, dtype=args.dtype, param_dtype="float32",
-                      attention_impl=args.attention)
+                      attention_impl=args.attention, scan_unroll=args.scan_unroll)
     seq_lens = [int(x) for x in str(args.seq_len).split(",")]
     dev = jax.devices()[0]
     n_params = sum(int(np.prod(s)) for s in jax.tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)))
@@ -153,7 +155,7 @@ def main(argv=None):
          f"host: {platform.machine()}, jax {jax.__version__}  "),
         (f"Model: Llama-style, {n_params / 1e6:.1f}M params (hidden {args.hidden}, {args.layers} layers, "
          f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}), params float32, compute {args.dtype}, "
-         f"attention `{args.attention}`; batch {args.batch} rows of L tokens; k ~ U[2, {args.k_max}]; "
+         f"attention `{args.attention}`, layer scan unroll {args.scan_unroll}; batch {args.batch} rows of L tokens; k ~ U[2, {args.k_max}]; "
          f"AdamW + clipping; median of {args.steps} interleaved steps after {args.warmup} warmup.  "),
         (f"Data: prompt/response pairs, prompt share {args.prompt_share:g}, response-aligned blocks"
          + (f", rows packed under copy_len {args.copy_len}" if args.copy_len else "") + ".  "

@@ -105,6 +105,8 @@ def test_bad_model_config_values():
     with pytest.raises(ConfigError, match="mask_token_id"):
         sbd_jax.ModelConfig(vocab_size=10, hidden_size=8, num_attention_heads=2, num_key_value_heads=2,
                             mask_token_id=10)
+    with pytest.raises(ConfigError, match=r"scan_unroll must be in \[1, num_hidden_layers=4\], got 5"):
+        sbd_jax.ModelConfig(num_hidden_layers=4, scan_unroll=5)
     with pytest.raises(ValueError, match="tokens must be"):
         sbd_jax.forward(sbd_jax.init_params(CFG, jax.random.key(0)), CFG, jnp.ones((3,), jnp.int32), None)
 

@@ -139,7 +139,8 @@ def model_config(cfg: DemoConfig, tok_dir: Path) -> ModelConfig:
 def _train_config(cfg: DemoConfig, data_file: Path, tok_dir: Path, *, mode: str, steps: int, lr: float,
                   ntp_only: bool, init_from: str | None, model: ModelConfig | None, out: Path) -> TrainConfig:
     return TrainConfig(
-        model=ModelSource(init_from=init_from, config=model),
+        # the layer loop unrolled: 15% faster steps for this 4-layer model on a CPU (ModelConfig.scan_unroll)
+        model=ModelSource(init_from=init_from, config=model, scan_unroll=cfg.num_layers),
         data=DataConfig(path=str(data_file), mode=mode, tokenizer=str(tok_dir), seq_len=cfg.seq_len,
                         seed=cfg.seed, chat_template=False, block_tail=0 if ntp_only else cfg.block_tail,
                         eos_padding=0 if ntp_only else cfg.eos_padding, copy_len=cfg.copy_len if mode == "sft" else None),
@@ -151,8 +152,9 @@ def _train_config(cfg: DemoConfig, data_file: Path, tok_dir: Path, *, mode: str,
         log_every=10)
 
 
-# where a stage's saved settings may differ from this run's without making its result stale (paths)
-_PATH_KEYS = {"out_dir", "model.init_from", "data.path", "data.tokenizer"}
+# where a stage's saved settings may differ from this run's without making its result stale (paths, and the
+# layer loop's unrolling, which changes speed only)
+_PATH_KEYS = {"out_dir", "model.init_from", "data.path", "data.tokenizer", "model.scan_unroll"}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -200,7 +200,7 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
         def body(h, lp):
             h, _ = _layer(cfg, inv_freq, h, lp, meta, None, None, None, clean_prefix)
             return h, None
-        h, _ = jax.lax.scan(body, h, params["layers"])
+        h, _ = jax.lax.scan(body, h, params["layers"], unroll=cfg.scan_unroll)
         new_cache = None
     else:
         S = cache.max_len

@@ -19,6 +19,7 @@ class ModelSource:
     param_dtype: str | None = None  # master-weight dtype override (float32 recommended for training)
     dtype: str | None = None  # compute dtype override (bfloat16 = mixed precision, f32 master weights)
     attention_impl: str | None = None  # "xla" | "pallas" override
+    scan_unroll: int | None = None  # layers per scan iteration in the training forward (ModelConfig.scan_unroll)
     mask_token_id: int | None = None  # the `<m>` id; overrides the checkpoint's config
     add_mask_token: bool = False  # no free id: grow embed/lm_head by one row and use id = old vocab size
 

@@ -87,7 +87,8 @@ def add_mask_row(cfg: ModelConfig, params: dict | None) -> tuple[ModelConfig, di
 def prepare_model(src: ModelSource, seed: int, *, need_mask: bool, load_weights: bool = True, mesh=None):
     """ModelSource -> (ModelConfig, params or None). Params are sharded on `mesh` when given."""
     overrides = {k: v for k, v in (("param_dtype", src.param_dtype), ("dtype", src.dtype),
-                                   ("attention_impl", src.attention_impl), ("mask_token_id", src.mask_token_id))
+                                   ("attention_impl", src.attention_impl), ("mask_token_id", src.mask_token_id),
+                                   ("scan_unroll", src.scan_unroll))
                  if v is not None}
     params = None
     if src.init_from:
