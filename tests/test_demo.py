@@ -26,6 +26,12 @@ def test_task_suite_is_deterministic_disjoint_and_self_consistent():
             want = {"rev": " ".join(map(str, xs[::-1])), "sort": " ".join(map(str, sorted(xs))),
                     "sum": str(sum(xs))}[p.family]
             assert p.answer == want
+        if p.family == "trace":  # run the program
+            env = {}
+            for stmt in p.prompt.split("\n")[0].removeprefix("Q:run ").split(";"):
+                dst, expr = stmt.split("=")
+                env[dst] = last = eval(expr, {}, dict(env))
+            assert p.answer == str(last)
 
 
 def test_tokenizer_trained_on_training_text_round_trips_and_keeps_numbers_whole():

@@ -53,7 +53,7 @@ class DemoConfig:
     copy_len: int | None = 80
     batch_size: int = 8  # more, smaller SBD updates for the same CPU time (docs/demo_experiments.md)
     pretrain_steps: int = 1200
-    finetune_steps: int = 2500  # the SBD fine-tune's length decides the result (docs/demo_experiments.md)
+    finetune_steps: int = 2800  # the SBD fine-tune's length decides the result (docs/demo_experiments.md)
     pretrain_lr: float = 2e-3
     finetune_lr: float = 2e-3
     k_max: int = 16
