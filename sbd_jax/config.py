@@ -60,7 +60,7 @@ class ModelConfig:
     attention_impl: str = "xla"  # "xla" | "pallas"
     # layers per iteration of the `lax.scan` over layers in the cache-free forward (training): 1 = a rolled
     # loop (compiles once per layer shape, what big models want); num_hidden_layers = fully unrolled, which
-    # spares the loop's stacked residual buffers: the demo's 4-layer SBD step 176 -> 150 ms on a 2-core CPU
+    # spares the loop's stacked residual buffers (demo shapes, 2-core CPU: SBD step 172 -> 143 ms, BENCHMARKS.md)
     scan_unroll: int = 1
 
     def __post_init__(self):

@@ -1,6 +1,8 @@
 """The dual loss against an independent slow reference: numpy (float64) builds the doubled sequence,
 its dense attention mask straight from the rules in SBD.md, runs a numpy Llama forward and loops over
 tokens for the cross-entropies. Tolerance: relative 2e-5 on each term (float32 model vs float64)."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -241,7 +243,6 @@ def test_compact_copy_stream_equals_the_full_layout(setup):
 def test_unrolled_layer_scan_equals_rolled(setup):
     """`scan_unroll` (layers per scan iteration of the training forward) changes speed only: the same loss
     and gradients as the rolled loop."""
-    import dataclasses
     params, batch, masked = setup
     ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), M)
     unrolled = dataclasses.replace(CFG, scan_unroll=CFG.num_hidden_layers)

@@ -65,10 +65,8 @@ def _trace(r: random.Random) -> tuple[str, str, str]:
         prog.append(f"{dst}={src}{op}{c}")
         steps.append(f"{dst}={src}{op}{c}={env[src]}{op}{c}={val}")
         env[dst] = val
-    # The answer is the last statement's value. (Until session 6 a query `q?` asked for any variable: finding
-    # the latest assignment of q was the part a 0.8M-parameter model learned late and erratically - the
-    # baseline's trace accuracy swung 54-88% between seeds, most errors being a right trace with the wrong
-    # variable's value as the answer - which drowned the SBD-vs-NTP comparison in noise; docs/demo_experiments.md.)
+    # the answer is the last statement's value: a query for any variable (`a?`, before session 6) was learned
+    # late and erratically by the 0.8M-parameter model and drowned the comparison in noise (docs/demo_experiments.md)
     return f"Q:run {';'.join(prog)}\nA:", ";".join(steps) + f";={val}", str(val)
 
 
