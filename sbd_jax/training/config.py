@@ -85,6 +85,10 @@ class DataConfig:
     # front: the input is L + C tokens instead of 2L, and a row takes no more documents than fit C such
     # tokens (data.py); needs sbd.block_align=response
     copy_len: int | None = None
+    # look-ahead packing: a document that does not fit the rest of a row waits (up to this many at a time)
+    # for a later row while the next ones fill it; waiting documents go first in the next rows. 0: strictly
+    # in order (a row closes at the first document that does not fit)
+    pack_lookahead: int = 0
     shuffle: bool = True
     seed: int = 0  # document order (per epoch) is a pure function of (seed, epoch)
     min_doc_tokens: int = 2  # shorter pieces are dropped (NTP needs 2 tokens)
@@ -102,6 +106,8 @@ class DataConfig:
             raise ConfigError(f"data.eos_padding must be >= 0, got {self.eos_padding}")
         if self.block_tail < 0:
             raise ConfigError(f"data.block_tail must be >= 0, got {self.block_tail}")
+        if self.pack_lookahead < 0:
+            raise ConfigError(f"data.pack_lookahead must be >= 0, got {self.pack_lookahead}")
         if self.copy_len is not None and not 1 <= self.copy_len <= self.seq_len:
             raise ConfigError(f"data.copy_len must be in [1, seq_len={self.seq_len}] (or null), got {self.copy_len}")
 

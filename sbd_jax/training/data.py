@@ -272,8 +272,12 @@ class PackedIterator:
     """Endless iterator of `PackedBatch` (numpy int32 [batch_size, seq_len]) over `docs`."""
 
     def __init__(self, docs: Documents, seq_len: int, batch_size: int, *, seed: int = 0, shuffle: bool = True,
-                 min_doc_tokens: int = 2, source: str = "the dataset", copy_len: int | None = None):
+                 min_doc_tokens: int = 2, source: str = "the dataset", copy_len: int | None = None,
+                 lookahead: int = 0):
         self.docs, self.L, self.B = docs, int(seq_len), int(batch_size)
+        self.lookahead = int(lookahead)  # pieces that may wait for a later row (0: strictly in order)
+        if self.lookahead < 0:
+            raise DataError(f"pack_lookahead must be >= 0, got {lookahead}")
         self.C = self.L if copy_len is None else int(copy_len)  # copy-stream tokens (from response starts) per row
         if not 1 <= self.C <= self.L:
             raise DataError(f"copy_len must be in [1, seq_len={self.L}], got {copy_len}")
@@ -285,20 +289,23 @@ class PackedIterator:
                             "prompt/response data); check the field names and the data")
         self.n_usable_pieces = n_usable
         self._epoch, self._cursor, self._offset, self._rows = 0, 0, 0, 0
+        self._pending: list[tuple[int, int]] = []  # (document, offset) of pieces set aside, oldest first
         self._perm = self._permutation(0)
 
     # -- state --------------------------------------------------------------------------------
     def state(self) -> dict:
         return {"epoch": self._epoch, "cursor": self._cursor, "offset": self._offset, "rows": self._rows,
-                "seed": self.seed, "seq_len": self.L, "copy_len": self.C}
+                "seed": self.seed, "seq_len": self.L, "copy_len": self.C, "lookahead": self.lookahead,
+                "pending": [list(p) for p in self._pending]}
 
     def restore(self, state: dict) -> None:
         if (state.get("seq_len", self.L) != self.L or state.get("seed", self.seed) != self.seed
-                or state.get("copy_len", self.L) != self.C):
-            raise DataError(f"data iterator state {state} was saved with another seq_len/seed/copy_len "
-                            f"(now seq_len={self.L}, seed={self.seed}, copy_len={self.C})")
+                or state.get("copy_len", self.L) != self.C or state.get("lookahead", 0) != self.lookahead):
+            raise DataError(f"data iterator state {state} was saved with another seq_len/seed/copy_len/lookahead "
+                            f"(now seq_len={self.L}, seed={self.seed}, copy_len={self.C}, lookahead={self.lookahead})")
         self._epoch, self._cursor = int(state["epoch"]), int(state["cursor"])
         self._offset, self._rows = int(state["offset"]), int(state["rows"])
+        self._pending = [(int(i), int(o)) for i, o in state.get("pending", [])]
         self._perm = self._permutation(self._epoch)
 
     # -- pieces -------------------------------------------------------------------------------
@@ -352,24 +359,48 @@ class PackedIterator:
         position = np.zeros(L, np.int32)
         loss_mask = np.zeros(L, np.int32)
         used, used_copy, seg = 0, 0, 0
+
+        def place(i, piece, counted):
+            nonlocal used, used_copy, seg
+            n, n_copy = len(piece), len(piece) - int(self.docs.n_prompt[i])  # copy tokens: from the response on
+            if used + n > L or used_copy + n_copy > self.C:
+                return False
+            seg += 1
+            tokens[used:used + n] = piece
+            segment[used:used + n] = seg
+            position[used:used + n] = np.arange(n)
+            loss_mask[used:used + n] = counted
+            used, used_copy = used + n, used_copy + n_copy
+            return True
+
+        # pieces set aside by earlier rows go first, oldest first (the first one always fits an empty row)
+        j = 0
+        while j < len(self._pending) and used < L:
+            i, offset = self._pending[j]
+            piece, counted, nxt = self._piece(i, offset)
+            if piece is None:  # a text document's last piece, too short to use
+                del self._pending[j]
+            elif place(i, piece, counted):
+                if nxt is None:
+                    del self._pending[j]
+                else:  # the document's next piece takes its place in the queue
+                    self._pending[j] = (i, nxt)
+            else:
+                j += 1
         while used < L:
             i = int(self._perm[self._cursor])
             piece, counted, nxt = self._piece(i, self._offset)
             if piece is None:
                 self._advance(nxt)
                 continue
-            n = len(piece)
-            n_copy = n - int(self.docs.n_prompt[i])  # the piece's copy-stream tokens (from the response on)
-            if used + n > L or used_copy + n_copy > self.C:
+            if place(i, piece, counted):
+                self._advance(nxt)
+            elif len(self._pending) < self.lookahead:
+                # set the rest of this document aside for a later row, look at the next one
+                self._pending.append((i, self._offset))
+                self._advance(None)
+            else:
                 break
-            used_copy += n_copy
-            seg += 1
-            tokens[used:used + n] = piece
-            segment[used:used + n] = seg
-            position[used:used + n] = np.arange(n)
-            loss_mask[used:used + n] = counted
-            used += n
-            self._advance(nxt)
         self._rows += 1
         return tokens, segment, position, loss_mask
 
@@ -402,4 +433,5 @@ def build_iterator(cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | C
         raise DataError(f"dataset {cfg.path!r} has no usable rows: it holds no records")
     docs = tokenize_records(ds, cfg, tokenizer, mask_id)
     return PackedIterator(docs, cfg.seq_len, batch_size, seed=cfg.seed, shuffle=cfg.shuffle,
-                          min_doc_tokens=cfg.min_doc_tokens, source=f"dataset {cfg.path!r}", copy_len=cfg.copy_len)
+                          min_doc_tokens=cfg.min_doc_tokens, source=f"dataset {cfg.path!r}", copy_len=cfg.copy_len,
+                          lookahead=cfg.pack_lookahead)
