@@ -204,6 +204,26 @@ def test_lookahead_packing_covers_each_epoch_and_resumes():
         PackedIterator(docs, 16, 4, seed=2, lookahead=4).restore(state)
 
 
+def test_copy_reserve_keeps_copy_slots_free_per_document():
+    """copy_reserve R (for sbd.block_fill): each placed document takes its copy tokens + R of the C copy slots;
+    responses are cut to C - R tokens."""
+    A = [1, 2, 3, 4, 5]          # prompt 3, response 2
+    B = [6, 7, 8]                # prompt 1, response 2
+    F = [20, 21, 22, 23, 24, 25, 26, 27]  # prompt 1, response 7 -> cut to C - R = 4
+    docs = Documents.from_lists([A, B, F], n_prompt=[3, 1, 1])
+    plain = PackedIterator(docs, seq_len=12, batch_size=1, shuffle=False, copy_len=6)
+    assert plain.next_batch().tokens[0].tolist()[:8] == [1, 2, 3, 4, 5, 6, 7, 8]  # 2 + 2 copy tokens <= 6
+    it = PackedIterator(docs, seq_len=12, batch_size=1, shuffle=False, copy_len=6, copy_reserve=2)
+    tok = [it.next_batch().tokens[0].tolist() for _ in range(3)]
+    assert tok[0] == [1, 2, 3, 4, 5] + [0] * 7  # (2 + 2) + (2 + 2) > 6: B starts the next row
+    assert tok[1] == [6, 7, 8] + [0] * 9  # F's (4 + 2) does not fit after (2 + 2)
+    assert tok[2] == [20, 21, 22, 23, 24] + [0] * 7  # response cut to C - R = 4 tokens
+    with pytest.raises(DataError, match="copy_reserve must be in"):
+        PackedIterator(docs, 12, 1, copy_len=6, copy_reserve=6)
+    with pytest.raises(DataError, match="copy_reserve"):
+        PackedIterator(docs, 12, 1, shuffle=False, copy_len=6).restore(it.state())
+
+
 # ---------------------------------------------------------------------------------------------- files
 
 

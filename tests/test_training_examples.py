@@ -144,3 +144,35 @@ def test_block_tail_makes_the_last_block_full_width_with_masks():
     assert allowed[8 + 4, 8 + 2:8 + 6].all() and not allowed[8 + 4, 8 + 6:].any()
     # and the clean prompt, but no clean response token of its own block
     assert allowed[8 + 4, :2].all() and not allowed[8 + 4, 2:8].any()
+
+
+def test_block_fill_fills_each_documents_last_block_to_k():
+    """sbd.block_fill (compact copy stream): after each document's copy tokens, uncounted `<m>` up to the end of
+    its last k-block (positions continue, same segment, same block); what does not fit copy_len is cut off."""
+    ex = build_sbd_example(_batch([ROW0, ROW1]), jnp.asarray(MASKED), jnp.int32(3), M, "response",
+                           copy_len=8, block_fill=True)
+    c = slice(8, 16)
+    # row 0: text doc of 5 (+1 fill), text doc of 2 (+1 fill: the 9th slot, cut off)
+    np.testing.assert_array_equal(ex.tokens[0, c], [10, M, 12, M, M, M, 20, M])
+    np.testing.assert_array_equal(ex.meta.segment[0, c], [1, 1, 1, 1, 1, 1, 2, 2])
+    np.testing.assert_array_equal(ex.meta.position[0, c], [0, 1, 2, 3, 4, 5, 0, 1])
+    np.testing.assert_array_equal(ex.meta.block[0, c], [0, 0, 0, 3, 3, 3, 0, 0])
+    np.testing.assert_array_equal(np.asarray(ex.targets[0, c])[[0, 1, 2, 3, 4, 6, 7]], [10, 11, 12, 13, 14, 20, 21])
+    np.testing.assert_array_equal(ex.matp_weight[0, c], [0, 1, 0, 1, 1, 0, 0, 1])  # the fill is never counted
+    # row 1: SFT response of 2 at positions 3-4 (+1 fill), text doc of 3 (no fill), then padding
+    np.testing.assert_array_equal(ex.tokens[1, 8:14], [M, 41, M, 50, M, M])
+    np.testing.assert_array_equal(ex.meta.segment[1, c], [1, 1, 1, 2, 2, 2, 0, 0])
+    np.testing.assert_array_equal(ex.meta.position[1, 8:14], [3, 4, 5, 0, 1, 2])
+    np.testing.assert_array_equal(ex.meta.block[1, 8:14], [3, 3, 3, 0, 0, 0])
+    np.testing.assert_array_equal(ex.matp_weight[1, c], [1, 0, 0, 0, 1, 1, 0, 0])
+    # the clean half is untouched, and without the fill the same call gives the plain compact stream
+    plain = build_sbd_example(_batch([ROW0, ROW1]), jnp.asarray(MASKED), jnp.int32(3), M, "response", copy_len=8)
+    np.testing.assert_array_equal(ex.tokens[:, :8], plain.tokens[:, :8])
+    np.testing.assert_array_equal(plain.meta.segment[1, c], [1, 1, 2, 2, 2, 0, 0, 0])
+    # k = 2 under jit (traced k): doc of 5 -> 1 fill, doc of 2 -> none
+    f = jax.jit(lambda k: build_sbd_example(_batch([ROW0, ROW1]), jnp.asarray(MASKED), k, M, "response",
+                                            copy_len=8, block_fill=True).meta.segment)
+    np.testing.assert_array_equal(f(jnp.int32(2))[0, c], [1, 1, 1, 1, 1, 1, 2, 2])
+    np.testing.assert_array_equal(f(jnp.int32(5))[0, c], [1, 1, 1, 1, 1, 2, 2, 2])  # 5 % 5 == 0: no fill
+    with pytest.raises(ValueError, match="block_fill needs copy_len"):
+        build_sbd_example(_batch([ROW0]), jnp.asarray(MASKED[:1]), jnp.int32(3), M, "response", block_fill=True)

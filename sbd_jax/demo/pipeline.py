@@ -66,6 +66,11 @@ class DemoConfig:
     # SBD fine-tune: uncounted <m> after each answer so its last block is k wide, as at inference (data.py);
     # measured worse here (docs/demo_experiments.md), so off by default
     block_tail: int = 0
+    # SBD fine-tune: each answer's last copy block filled to k wide with uncounted <m> (sbd.block_fill), as every
+    # block is k wide at inference; without it short answers were cut by an early EOS (sort 76% vs 98% AR in one
+    # run). copy_reserve: copy slots kept free per problem for the fill (the same rows for both fine-tunes)
+    block_fill: bool = True
+    copy_reserve: int = 4
     # SBD fine-tune: extra loss-counted EOS after each answer (data.py), so positions after the end are learned;
     # eos_padding=4 measured worse here
     eos_padding: int = 0
@@ -146,9 +151,10 @@ def _train_config(cfg: DemoConfig, data_file: Path, tok_dir: Path, *, mode: str,
         data=DataConfig(path=str(data_file), mode=mode, tokenizer=str(tok_dir), seq_len=cfg.seq_len,
                         seed=cfg.seed, chat_template=False, block_tail=0 if ntp_only else cfg.block_tail,
                         eos_padding=0 if ntp_only else cfg.eos_padding, copy_len=cfg.copy_len if mode == "sft" else None,
-                        pack_lookahead=cfg.pack_lookahead),
+                        pack_lookahead=cfg.pack_lookahead, copy_reserve=cfg.copy_reserve if mode == "sft" else 0),
         sbd=SBDConfig(k_max=cfg.k_max, block_size=cfg.train_block_size, ntp_only=ntp_only,
-                      block_align=cfg.block_align if mode == "sft" else "document"),
+                      block_align=cfg.block_align if mode == "sft" else "document",
+                      block_fill=cfg.block_fill and mode == "sft" and not ntp_only),
         optim=OptimConfig(lr=lr, warmup_steps=max(1, steps // 20), schedule="cosine", weight_decay=0.01),
         checkpoint=CheckpointConfig(every=max(1, steps // 4), keep=2, async_save=False),
         mesh=MeshConfig(data=1), out_dir=str(out), steps=steps, batch_size=cfg.batch_size, seed=cfg.seed,

@@ -45,6 +45,9 @@ class SBDConfig:
     block_size: int | None = None  # fixed block size instead of the random draw
     ntp_only: bool = False  # the NTP baseline: same code path, only the clean half is run
     block_align: str = "document"  # "document" (paper) | "response" (SFT: blocks start at the response)
+    # fill each document's last copy block to k positions with uncounted <m>, as every block is k wide at
+    # inference (examples.build_sbd_example); needs data.copy_len, and data.copy_reserve leaves room for it
+    block_fill: bool = False
 
     def __post_init__(self):
         if self.k_max < 2:
@@ -89,6 +92,9 @@ class DataConfig:
     # for a later row while the next ones fill it; waiting documents go first in the next rows. 0: strictly
     # in order (a row closes at the first document that does not fit)
     pack_lookahead: int = 0
+    # copy-stream slots a row keeps free per document (for sbd.block_fill: ~k_max / 2, the fill's mean is
+    # about (k - 1) / 2); responses and text pieces are cut to copy_len - copy_reserve tokens
+    copy_reserve: int = 0
     shuffle: bool = True
     seed: int = 0  # document order (per epoch) is a pure function of (seed, epoch)
     min_doc_tokens: int = 2  # shorter pieces are dropped (NTP needs 2 tokens)
@@ -108,6 +114,8 @@ class DataConfig:
             raise ConfigError(f"data.block_tail must be >= 0, got {self.block_tail}")
         if self.pack_lookahead < 0:
             raise ConfigError(f"data.pack_lookahead must be >= 0, got {self.pack_lookahead}")
+        if not 0 <= self.copy_reserve < (self.copy_len or self.seq_len):
+            raise ConfigError(f"data.copy_reserve must be in [0, copy_len or seq_len), got {self.copy_reserve}")
         if self.copy_len is not None and not 1 <= self.copy_len <= self.seq_len:
             raise ConfigError(f"data.copy_len must be in [1, seq_len={self.seq_len}] (or null), got {self.copy_len}")
 
@@ -178,6 +186,9 @@ class TrainConfig:
             what = "sbd.block_size" if self.sbd.block_size is not None else "sbd.k_max"
             raise ConfigError(f"data.seq_len ({self.data.seq_len}) is shorter than {what} "
                               f"({self.sbd.largest_block}): a block cannot be longer than a row")
+        if self.sbd.block_fill and self.data.copy_len is None and not self.sbd.ntp_only:
+            raise ConfigError("sbd.block_fill needs data.copy_len (the compact copy stream, where the fill has "
+                              "room; with sbd.block_align='response'), and data.copy_reserve ~ k_max / 2")
         if self.data.copy_len is not None and not self.sbd.ntp_only:
             if self.sbd.block_align != "response":
                 raise ConfigError("data.copy_len (a copy stream without the prompts) needs sbd.block_align="

@@ -32,7 +32,13 @@ in a deterministic, resumable order.
   to C response tokens, a text piece to C tokens); the SBD example then lays out only those tokens in
   its copy stream (examples.py), not the prompts, which the copy stream never uses. For SFT data
   C ~ L x (response share) keeps the rows about as full as without it.
-- Iterator state {epoch, cursor, offset, rows} (JSON) is saved with each checkpoint; `restore`
+- `copy_reserve` R (for `sbd.block_fill`, examples.py): every placed document takes R copy slots beyond its
+  own copy tokens, so the fill of its last block (k - 1 at most, ~(k - 1)/2 on average) usually has room;
+  responses and text pieces are cut to C - R tokens.
+- `pack_lookahead` W: a document that does not fit the rest of a row is set aside (at most W at a time)
+  while the next ones fill the row; set-aside documents are placed first, oldest first, in the next rows
+  (the first always fits an empty row), so none is lost or repeated and none waits long.
+- Iterator state {epoch, cursor, offset, rows, pending} (JSON) is saved with each checkpoint; `restore`
   continues with exactly the rows an uninterrupted run would have produced.
 """
 from __future__ import annotations
@@ -273,7 +279,7 @@ class PackedIterator:
 
     def __init__(self, docs: Documents, seq_len: int, batch_size: int, *, seed: int = 0, shuffle: bool = True,
                  min_doc_tokens: int = 2, source: str = "the dataset", copy_len: int | None = None,
-                 lookahead: int = 0):
+                 lookahead: int = 0, copy_reserve: int = 0):
         self.docs, self.L, self.B = docs, int(seq_len), int(batch_size)
         self.lookahead = int(lookahead)  # pieces that may wait for a later row (0: strictly in order)
         if self.lookahead < 0:
@@ -281,6 +287,9 @@ class PackedIterator:
         self.C = self.L if copy_len is None else int(copy_len)  # copy-stream tokens (from response starts) per row
         if not 1 <= self.C <= self.L:
             raise DataError(f"copy_len must be in [1, seq_len={self.L}], got {copy_len}")
+        self.R = int(copy_reserve)  # copy slots kept free per document (sbd.block_fill)
+        if not 0 <= self.R < self.C:
+            raise DataError(f"copy_reserve must be in [0, copy_len={self.C}), got {copy_reserve}")
         self.seed, self.shuffle, self.min_tokens = int(seed), bool(shuffle), max(int(min_doc_tokens), 1)
         n_usable = self._count_usable()
         if n_usable == 0:
@@ -296,13 +305,16 @@ class PackedIterator:
     def state(self) -> dict:
         return {"epoch": self._epoch, "cursor": self._cursor, "offset": self._offset, "rows": self._rows,
                 "seed": self.seed, "seq_len": self.L, "copy_len": self.C, "lookahead": self.lookahead,
+                "copy_reserve": self.R,
                 "pending": [list(p) for p in self._pending]}
 
     def restore(self, state: dict) -> None:
         if (state.get("seq_len", self.L) != self.L or state.get("seed", self.seed) != self.seed
-                or state.get("copy_len", self.L) != self.C or state.get("lookahead", 0) != self.lookahead):
-            raise DataError(f"data iterator state {state} was saved with another seq_len/seed/copy_len/lookahead "
-                            f"(now seq_len={self.L}, seed={self.seed}, copy_len={self.C}, lookahead={self.lookahead})")
+                or state.get("copy_len", self.L) != self.C or state.get("lookahead", 0) != self.lookahead
+                or state.get("copy_reserve", 0) != self.R):
+            raise DataError(f"data iterator state {state} was saved with another seq_len/seed/copy_len/lookahead/"
+                            f"copy_reserve (now seq_len={self.L}, seed={self.seed}, copy_len={self.C}, "
+                            f"lookahead={self.lookahead}, copy_reserve={self.R})")
         self._epoch, self._cursor = int(state["epoch"]), int(state["cursor"])
         self._offset, self._rows = int(state["offset"]), int(state["rows"])
         self._pending = [(int(i), int(o)) for i, o in state.get("pending", [])]
@@ -318,7 +330,7 @@ class PackedIterator:
     def _count_usable(self) -> int:
         lens, n_prompt = self.docs.lengths(), self.docs.n_prompt
         text = n_prompt == 0
-        W = min(self.L, self.C)  # text piece width
+        W = min(self.L, self.C - self.R)  # text piece width
         full, rest = lens // W, lens % W
         n_text = full * (W >= self.min_tokens) + (rest >= self.min_tokens)
         end = lens - self.docs.n_tail
@@ -331,12 +343,12 @@ class PackedIterator:
         d, n_prompt = self.docs.doc(i), int(self.docs.n_prompt[i])
         end = len(d) - int(self.docs.n_tail[i])  # the uncounted tail starts here
         if n_prompt == 0:
-            W = min(self.L, self.C)
+            W = min(self.L, self.C - self.R)
             piece = d[offset:offset + W]
             nxt = offset + W if offset + W < len(d) else None
             counted = offset + np.arange(len(piece)) < end
             return (piece if len(piece) >= self.min_tokens else None), counted, nxt
-        piece = d[:min(self.L, n_prompt + self.C)]  # at most C counted (response) tokens
+        piece = d[:min(self.L, n_prompt + self.C - self.R)]  # at most C - R counted (response) tokens
         ok = n_prompt < min(len(piece), end) and len(piece) >= self.min_tokens
         idx = np.arange(len(piece))
         return (piece if ok else None), (idx >= n_prompt) & (idx < end), None
@@ -363,14 +375,14 @@ class PackedIterator:
         def place(i, piece, counted):
             nonlocal used, used_copy, seg
             n, n_copy = len(piece), len(piece) - int(self.docs.n_prompt[i])  # copy tokens: from the response on
-            if used + n > L or used_copy + n_copy > self.C:
+            if used + n > L or used_copy + n_copy + self.R > self.C:
                 return False
             seg += 1
             tokens[used:used + n] = piece
             segment[used:used + n] = seg
             position[used:used + n] = np.arange(n)
             loss_mask[used:used + n] = counted
-            used, used_copy = used + n, used_copy + n_copy
+            used, used_copy = used + n, used_copy + n_copy + self.R
             return True
 
         # pieces set aside by earlier rows go first, oldest first (the first one always fits an empty row)
@@ -434,4 +446,4 @@ def build_iterator(cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | C
     docs = tokenize_records(ds, cfg, tokenizer, mask_id)
     return PackedIterator(docs, cfg.seq_len, batch_size, seed=cfg.seed, shuffle=cfg.shuffle,
                           min_doc_tokens=cfg.min_doc_tokens, source=f"dataset {cfg.path!r}", copy_len=cfg.copy_len,
-                          lookahead=cfg.pack_lookahead)
+                          lookahead=cfg.pack_lookahead, copy_reserve=cfg.copy_reserve)

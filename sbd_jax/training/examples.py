@@ -96,17 +96,26 @@ def sample_masked(key, batch: PackedBatch):
 
 
 def build_sbd_example(batch: PackedBatch, masked_BL, k, mask_token_id: int,
-                      block_align: str = "document", copy_len: int | None = None) -> Example:
+                      block_align: str = "document", copy_len: int | None = None,
+                      block_fill: bool = False) -> Example:
     """Deterministic part: the doubled input for given masked positions and block size k (traced ok).
 
     `copy_len=C` (static; needs block_align="response"): the copy half keeps only the tokens that belong
     to it (from each document's response start on), in row order, packed into C slots (segment 0 after
     them): [x ; x_hat] becomes L + C tokens with the same attention, targets and weights on every kept
-    token. The packer guarantees they fit (data.py `copy_len`)."""
+    token. The packer guarantees they fit (data.py `copy_len`).
+
+    `block_fill` (needs `copy_len`): each document's last copy block is filled to k positions with uncounted
+    `<m>` (positions continuing after its end, the document's segment), as every block is k wide at inference
+    (a block holding the EOS has masks after it). Without it the last block is cut at the document's end,
+    and its width gives the answer's end away. The fill takes copy slots (k - 1 at most per document, about
+    k/2 on average; `data.copy_reserve` makes the packer leave room); what does not fit C is cut off."""
     if block_align not in ("document", "response"):
         raise ValueError(f"block_align must be 'document' or 'response', got {block_align!r}")
     if copy_len is not None and block_align != "response":
         raise ValueError("copy_len needs block_align='response' (otherwise prompts are part of the copy stream)")
+    if block_fill and copy_len is None:
+        raise ValueError("block_fill needs copy_len (the compact copy stream, where the fill has room)")
     seg = batch.segment.astype(jnp.int32)
     pos = batch.position.astype(jnp.int32)
     tok = batch.tokens.astype(jnp.int32)
@@ -115,7 +124,10 @@ def build_sbd_example(batch: PackedBatch, masked_BL, k, mask_token_id: int,
     x_hat = jnp.where(masked_BL, jnp.int32(mask_token_id), tok)
     matp_w = (masked_BL & (copy_seg > 0)).astype(jnp.float32)
     c_pos, c_start, c_tgt = pos, block_starts(pos, k, offset), tok
-    if copy_len is not None:
+    if block_fill:
+        copy_seg, x_hat, c_pos, c_start, c_tgt, matp_w = _filled_copy_stream(
+            copy_seg, x_hat, pos, tok, matp_w, k, copy_len, mask_token_id)
+    elif copy_len is not None:
         keep = copy_seg > 0
         idx = jnp.argsort(~keep, axis=1, stable=True)[:, :copy_len]  # kept tokens first, in row order
         valid = jnp.arange(copy_len)[None, :] < jnp.sum(keep, axis=1, keepdims=True)
@@ -130,6 +142,32 @@ def build_sbd_example(batch: PackedBatch, masked_BL, k, mask_token_id: int,
                    jnp.concatenate([jnp.zeros_like(ntp_w), matp_w], axis=1))
 
 
+def _filled_copy_stream(copy_seg, x_hat, pos, tok, matp_w, k, C: int, mask_token_id: int):
+    """The compact copy stream (C slots) with each document's last block filled to k wide (see
+    `build_sbd_example`). Inputs [B, L] (copy_seg > 0 marks the copy tokens, contiguous per document, documents
+    in increasing segment order); returns copy_seg, x_hat, position, block start, target, matp weight [B, C]."""
+    L = copy_seg.shape[1]
+
+    def row(cseg, xh, p, t, w):
+        keep = cseg > 0
+        n_S = jnp.zeros((L + 1,), jnp.int32).at[cseg].add(keep.astype(jnp.int32)).at[0].set(0)  # copy tokens
+        first_S = jnp.full((L + 1,), L, jnp.int32).at[cseg].min(jnp.where(keep, jnp.arange(L), L))
+        ext_S = n_S + jnp.where(n_S > 0, (k - n_S % k) % k, 0)  # tokens + fill
+        end_S = jnp.cumsum(ext_S)
+        slot = jnp.arange(C)
+        d = jnp.minimum(jnp.searchsorted(end_S, slot, side="right"), L)  # the document slot s falls in
+        valid = slot < end_S[-1]
+        within = slot - (end_S[d] - ext_S[d])
+        real = valid & (within < n_S[d])
+        src = jnp.clip(first_S[d] + within, 0, L - 1)
+        start_pos = p[jnp.minimum(first_S[d], L - 1)]  # the document's response start (its first copy token)
+        c_pos = jnp.where(valid, start_pos + within, 0)
+        return (jnp.where(valid, d, 0), jnp.where(real, xh[src], jnp.int32(mask_token_id)), c_pos,
+                block_starts(c_pos, k, start_pos), jnp.where(real, t[src], 0), jnp.where(real, w[src], 0.0))
+
+    return jax.vmap(row)(copy_seg, x_hat, pos, tok, matp_w)
+
+
 def build_ntp_example(batch: PackedBatch) -> Example:
     """The NTP baseline: only the clean half (L tokens), MATP weight 0 (same loss code path)."""
     seg = batch.segment.astype(jnp.int32)
@@ -140,7 +178,7 @@ def build_ntp_example(batch: PackedBatch) -> Example:
 
 def make_example(key, batch: PackedBatch, *, mask_token_id: int | None, k_max: int = 16,
                  block_size: int | None = None, ntp_only: bool = False,
-                 block_align: str = "document", copy_len: int | None = None):
+                 block_align: str = "document", copy_len: int | None = None, block_fill: bool = False):
     """PRNG-driven example for one step -> (Example, k int32 scalar). k is 0 for NTP-only."""
     if ntp_only:
         return build_ntp_example(batch), jnp.int32(0)
@@ -148,4 +186,5 @@ def make_example(key, batch: PackedBatch, *, mask_token_id: int | None, k_max: i
         raise ValueError("SBD training needs a mask token id (model.mask_token_id)")
     k_key, m_key = jax.random.split(key)
     k = sample_block_size(k_key, k_max, block_size)
-    return build_sbd_example(batch, sample_masked(m_key, batch), k, mask_token_id, block_align, copy_len), k
+    return build_sbd_example(batch, sample_masked(m_key, batch), k, mask_token_id, block_align, copy_len,
+                             block_fill), k

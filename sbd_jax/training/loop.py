@@ -188,6 +188,7 @@ def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
 
     opts = StepOptions(mask_token_id=model_cfg.mask_token_id, k_max=cfg.sbd.k_max, block_size=cfg.sbd.block_size,
                        ntp_only=cfg.sbd.ntp_only, block_align=cfg.sbd.block_align, copy_len=cfg.data.copy_len,
+                       block_fill=cfg.sbd.block_fill,
                        grad_accum=cfg.optim.grad_accum, loss_chunk=cfg.loss_chunk)
     tx, shardings, step_fn, init_fn = _compiled(model_cfg, opts, cfg.optim, cfg.steps, mesh, cfg.batch_size)
     if resume is not None:

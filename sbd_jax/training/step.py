@@ -43,6 +43,7 @@ class StepOptions:
     ntp_only: bool = False
     block_align: str = "document"
     copy_len: int | None = None  # static copy-stream length (None: L); see examples.build_sbd_example
+    block_fill: bool = False  # fill each document's last copy block to k with uncounted <m> (needs copy_len)
     grad_accum: int = 1
     loss_chunk: int = 0
 
@@ -91,7 +92,7 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
         rng, key = jax.random.split(state.rng)
         ex, k = make_example(key, batch, mask_token_id=opts.mask_token_id, k_max=opts.k_max,
                              block_size=opts.block_size, ntp_only=opts.ntp_only, block_align=opts.block_align,
-                             copy_len=opts.copy_len)
+                             copy_len=opts.copy_len, block_fill=opts.block_fill)
         L = batch.tokens.shape[1]
         totals = (jnp.sum(ex.ntp_weight), jnp.sum(ex.matp_weight))
         if A == 1:
