@@ -59,6 +59,10 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys):
     for r in rows:  # the batch-1 (latency) pass: timed, and the same tokens as in the batch
         assert r["latency_n"] == min(cfg.latency_n, cfg.n_test) and r["latency_tokens_per_s"] > 0
         assert r["latency_same_as_batch"] >= 0.9
+        # timing rounds: every decoder timed cfg.timing_rounds times; tokens/s from the median round
+        assert len(r["seconds_rounds"]) == len(r["latency_seconds_rounds"]) == cfg.timing_rounds == 2
+        assert r["seconds"] == pytest.approx(float(np.median(r["seconds_rounds"])))
+        assert r["latency_seconds"] == pytest.approx(float(np.median(r["latency_seconds_rounds"])))
     assert np.mean([r["tokens_per_forward"] for r in sbd]) > 1.0  # SBD makes more than one token per forward
     assert sbd[-1]["tokens_per_forward"] >= sbd[0]["tokens_per_forward"]  # larger gamma -> more per step
     out = tmp_path / "demo"
@@ -78,6 +82,8 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys):
         run(dataclasses.replace(cfg, finetune_steps=251), log=lambda *a: None)
     with pytest.raises(ConfigError, match=r"data was made with other settings \(n_test: 64 there, 65 now"):
         run(dataclasses.replace(cfg, n_test=65), log=lambda *a: None)
+    with pytest.raises(ConfigError, match="timing_rounds must be >= 1"):
+        DemoConfig.quick(timing_rounds=0)
     # the diagnostics script runs on the finished run's output
     from sbd_jax.demo import diagnose
     capsys.readouterr()
