@@ -68,6 +68,8 @@ def parse(argv=None):
     ap.add_argument("--copy-len", type=int, default=None,
                     help="adds a variant with a compact copy stream of C slots (data.copy_len; needs --prompt-share); "
                          "every variant's rows are packed under that budget, so all see the same rows")
+    ap.add_argument("--block-fill", action="store_true",
+                    help="adds the copy_len variant with sbd.block_fill (each document's last copy block filled to k)")
     ap.add_argument("--allow-cpu-pallas", action="store_true", help="Pallas on CPU is interpret mode: meaningless")
     ap.add_argument("--out", default=None, help="markdown file (default bench/results/train_<platform>.md)")
     return ap.parse_args(argv)
@@ -85,7 +87,7 @@ def batches(args, n):
     return [it.next_batch() for _ in range(n)]
 
 
-def build_variant(cfg, args, ntp_only: bool, data, copy_len: int | None = None):
+def build_variant(cfg, args, ntp_only: bool, data, copy_len: int | None = None, block_fill: bool = False):
     """A compiled step + its state; returns (run(i) -> seconds of step i, info)."""
     mesh = make_mesh(MeshConfig())
     tx, sched = make_optimizer(OptimConfig(warmup_steps=10), 1000)
@@ -94,7 +96,7 @@ def build_variant(cfg, args, ntp_only: bool, data, copy_len: int | None = None):
     box = {"state": create_state(params, tx, jax.random.PRNGKey(1), sh)}
     opts = StepOptions(mask_token_id=cfg.mask_token_id, k_max=args.k_max, ntp_only=ntp_only,
                        block_align="response" if args.prompt_share > 0 else "document", copy_len=copy_len,
-                       loss_chunk=args.loss_chunk)
+                       block_fill=block_fill, loss_chunk=args.loss_chunk)
     step = jit_train_step(make_train_step(cfg, opts, tx, sched, mesh), mesh, sh, args.batch)
     dev = [put_batch(b, mesh, args.batch) for b in data]
 
@@ -118,6 +120,9 @@ def measure(cfg, args, L: int) -> dict:
     variants = {"NTP-only": build_variant(cfg, args, True, data), "SBD dual": build_variant(cfg, args, False, data)}
     if args.copy_len:
         variants[f"SBD dual, copy_len {args.copy_len}"] = build_variant(cfg, args, False, data, args.copy_len)
+        if args.block_fill:
+            variants[f"SBD dual, copy_len {args.copy_len} + block_fill"] = build_variant(cfg, args, False, data,
+                                                                                      args.copy_len, True)
     times = {name: [] for name in variants}
     for i in range(args.steps):
         for name, (run, _) in variants.items():
@@ -132,6 +137,9 @@ def measure(cfg, args, L: int) -> dict:
 
 def main(argv=None):
     args = parse(argv)
+    if args.block_fill and not args.copy_len:
+        print("--block-fill needs --copy-len (the fill lives in the compact copy stream)")
+        return 2
     if args.copy_len and args.prompt_share <= 0:
         print("--copy-len needs --prompt-share > 0 (a compact copy stream drops the prompts)")
         return 2

@@ -51,8 +51,9 @@ class DemoConfig:
     # as 128 (responses are ~56% of the tokens) and cut the SBD step's input from 256 to 208 tokens; the
     # baseline's rows are packed under the same budget, so both fine-tunes see the same rows
     copy_len: int | None = 80
-    # look-ahead packing (data.pack_lookahead): rows 84% -> 93% full, 3.0 -> 3.4 problems per row (same step cost)
-    pack_lookahead: int = 16
+    # look-ahead packing (data.pack_lookahead=16: rows 84% -> 93% full, 3.0 -> 3.4 problems per row at the same
+    # step cost) measured no better here (docs/demo_experiments.md, session 7), so off by default
+    pack_lookahead: int = 0
     batch_size: int = 8  # more, smaller SBD updates for the same CPU time (docs/demo_experiments.md)
     pretrain_steps: int = 1200
     finetune_steps: int = 2800  # the SBD fine-tune's length decides the result (docs/demo_experiments.md)
@@ -67,10 +68,11 @@ class DemoConfig:
     # measured worse here (docs/demo_experiments.md), so off by default
     block_tail: int = 0
     # SBD fine-tune: each answer's last copy block filled to k wide with uncounted <m> (sbd.block_fill), as every
-    # block is k wide at inference; without it short answers were cut by an early EOS (sort 76% vs 98% AR in one
-    # run). copy_reserve: copy slots kept free per problem for the fill (the same rows for both fine-tunes)
+    # block is k wide at inference; without it short answers were cut by an early EOS in one run (sort 76% vs 98%
+    # decoded AR). copy_reserve: copy slots kept free per problem for the fill (it shapes both fine-tunes' rows);
+    # 0: ~10% of the problems lose part of their fill to the 80-slot copy stream, at no cost in problems per row
     block_fill: bool = True
-    copy_reserve: int = 4
+    copy_reserve: int = 0
     # SBD fine-tune: extra loss-counted EOS after each answer (data.py), so positions after the end are learned;
     # eos_padding=4 measured worse here
     eos_padding: int = 0
