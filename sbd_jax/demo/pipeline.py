@@ -68,10 +68,11 @@ class DemoConfig:
     # measured worse here (docs/demo_experiments.md), so off by default
     block_tail: int = 0
     # SBD fine-tune: each answer's last copy block filled to k wide with uncounted <m> (sbd.block_fill), as every
-    # block is k wide at inference; without it short answers were cut by an early EOS in one run (sort 76% vs 98%
-    # decoded AR). copy_reserve: copy slots kept free per problem for the fill (it shapes both fine-tunes' rows);
-    # 0: ~10% of the problems lose part of their fill to the 80-slot copy stream, at no cost in problems per row
-    block_fill: bool = True
+    # block is k wide at inference. It removed the early EOS of one run's short answers (sort 76% -> 87%), but on
+    # two other runs' pretraining and baseline it measured -0.4 and -3.8 points against no fill
+    # (docs/demo_experiments.md, session 7), so off by default. copy_reserve: copy slots kept free per problem
+    # for the fill (it shapes both fine-tunes' rows)
+    block_fill: bool = False
     copy_reserve: int = 0
     # SBD fine-tune: extra loss-counted EOS after each answer (data.py), so positions after the end are learned;
     # eos_padding=4 measured worse here
