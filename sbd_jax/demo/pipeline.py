@@ -304,8 +304,8 @@ def run_decoder(spec: DecoderSpec, params, mcfg: ModelConfig, tok, problems: lis
             "accuracy": float(np.mean(correct)), "n": len(problems),
             "tokens": int(lens.sum()), "nfe": int(nfe.sum()),
             "tokens_per_forward": float(lens.sum() / max(nfe.sum(), 1)),
-            "seconds": seconds, "tokens_per_s": gen_all / seconds,
-            "latency_n": n_lat, "latency_seconds": lat_seconds,
+            "seconds": seconds, "tokens_per_s": gen_all / seconds, "timed_tokens": gen_all,
+            "latency_n": n_lat, "latency_seconds": lat_seconds, "latency_timed_tokens": int(lens[:n_lat].sum()),
             "latency_tokens_per_s": float(lens[:n_lat].sum() / lat_seconds) if n_lat else float("nan"),
             "latency_same_as_batch": float(np.mean(same)) if n_lat else float("nan"),
             "per_family": per_family(correct, problems)}, retime
@@ -346,10 +346,9 @@ def stage_eval(cfg: DemoConfig, models: dict[str, Path], test_file: Path, tok_di
             batch_s.append(b)
             lat_s.append(lat)
     for r, (batch_s, lat_s) in zip(rows, times):
-        gen_tokens = r["tokens_per_s"] * r["seconds"]
-        lat_tokens = r["latency_tokens_per_s"] * r["latency_seconds"]
         r["seconds"], r["latency_seconds"] = float(np.median(batch_s)), float(np.median(lat_s))
-        r["tokens_per_s"], r["latency_tokens_per_s"] = gen_tokens / r["seconds"], lat_tokens / r["latency_seconds"]
+        r["tokens_per_s"] = r["timed_tokens"] / r["seconds"]
+        r["latency_tokens_per_s"] = r["latency_timed_tokens"] / r["latency_seconds"] if r["latency_n"] else float("nan")
         r["seconds_rounds"], r["latency_seconds_rounds"] = batch_s, lat_s
     base = rows[0]
     for r in rows:

@@ -124,16 +124,9 @@ def build_sbd_example(batch: PackedBatch, masked_BL, k, mask_token_id: int,
     x_hat = jnp.where(masked_BL, jnp.int32(mask_token_id), tok)
     matp_w = (masked_BL & (copy_seg > 0)).astype(jnp.float32)
     c_pos, c_start, c_tgt = pos, block_starts(pos, k, offset), tok
-    if block_fill:
-        copy_seg, x_hat, c_pos, c_start, c_tgt, matp_w = _filled_copy_stream(
-            copy_seg, x_hat, pos, tok, matp_w, k, copy_len, mask_token_id)
-    elif copy_len is not None:
-        keep = copy_seg > 0
-        idx = jnp.argsort(~keep, axis=1, stable=True)[:, :copy_len]  # kept tokens first, in row order
-        valid = jnp.arange(copy_len)[None, :] < jnp.sum(keep, axis=1, keepdims=True)
-        take = lambda a: jnp.take_along_axis(a, idx, axis=1)
-        copy_seg, matp_w = jnp.where(valid, take(copy_seg), 0), jnp.where(valid, take(matp_w), 0.0)
-        x_hat, c_pos, c_start, c_tgt = take(x_hat), take(c_pos), take(c_start), take(c_tgt)
+    if copy_len is not None:
+        copy_seg, x_hat, c_pos, c_start, c_tgt, matp_w = _compact_copy_stream(
+            copy_seg, x_hat, pos, tok, matp_w, k, copy_len, mask_token_id, block_fill)
     meta = concat_meta(clean_meta(seg, pos), copy_meta(copy_seg, c_pos, c_start))
     ntp_tgt, ntp_w = ntp_targets(batch)
     return Example(jnp.concatenate([tok, x_hat], axis=1), meta,
@@ -142,17 +135,19 @@ def build_sbd_example(batch: PackedBatch, masked_BL, k, mask_token_id: int,
                    jnp.concatenate([jnp.zeros_like(ntp_w), matp_w], axis=1))
 
 
-def _filled_copy_stream(copy_seg, x_hat, pos, tok, matp_w, k, C: int, mask_token_id: int):
-    """The compact copy stream (C slots) with each document's last block filled to k wide (see
-    `build_sbd_example`). Inputs [B, L] (copy_seg > 0 marks the copy tokens, contiguous per document, documents
-    in increasing segment order); returns copy_seg, x_hat, position, block start, target, matp weight [B, C]."""
+def _compact_copy_stream(copy_seg, x_hat, pos, tok, matp_w, k, C: int, mask_token_id: int, fill: bool):
+    """The compact copy stream: each document's copy tokens in row order in C slots (segment 0 after them;
+    what does not fit is cut off), with `fill` each document's last block filled to k wide with uncounted `<m>`
+    (see `build_sbd_example`). Inputs [B, L] (copy_seg > 0 marks the copy tokens, contiguous per document,
+    documents in increasing segment order); returns copy_seg, x_hat, position, block start, target, matp
+    weight [B, C]."""
     L = copy_seg.shape[1]
 
     def row(cseg, xh, p, t, w):
         keep = cseg > 0
         n_S = jnp.zeros((L + 1,), jnp.int32).at[cseg].add(keep.astype(jnp.int32)).at[0].set(0)  # copy tokens
         first_S = jnp.full((L + 1,), L, jnp.int32).at[cseg].min(jnp.where(keep, jnp.arange(L), L))
-        ext_S = n_S + jnp.where(n_S > 0, (k - n_S % k) % k, 0)  # tokens + fill
+        ext_S = n_S + jnp.where(fill & (n_S > 0), (k - n_S % k) % k, 0)  # slots: tokens (+ fill)
         end_S = jnp.cumsum(ext_S)
         slot = jnp.arange(C)
         d = jnp.minimum(jnp.searchsorted(end_S, slot, side="right"), L)  # the document slot s falls in
