@@ -21,9 +21,11 @@ environment as for train.py; process 0 writes the output (multi-host is untested
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,29 +79,30 @@ def main(argv=None) -> int:
 def run(args) -> int:
     import jax
 
+    from sbd_jax.decoding import DecodeError, DecodeSpec
+    from sbd_jax.decoding.spec import check_model
     from sbd_jax.decoding.prompts import Tokenizer, open_output, read_prompts, write_row
-    from sbd_jax.decoding.runner import DecodeOptions, check_options, decode_prompts
+    from sbd_jax.decoding.runner import DecodeOptions, check_prompts, decode_prompts
     from sbd_jax.io.hf import from_pretrained
     from sbd_jax.sharding import make_mesh, maybe_initialize_distributed, shard_params
 
     if args.resume and args.overwrite:
-        from sbd_jax.decoding import DecodeError
         raise DecodeError("--resume and --overwrite exclude each other")
-    eos = () if args.ignore_eos else (tuple(args.eos_id) if args.eos_id else None)
-    opts = DecodeOptions(mode=args.mode, block_size=args.block_size, gamma=args.gamma, rule=args.rule,
-                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, tempered_entropy=args.tempered_entropy, batch_size=args.batch_size,
-                         pad_multiple=args.pad_multiple, seed=args.seed, eos_ids=eos, compare_ar=args.compare_ar)
+    spec = DecodeSpec(mode=args.mode, block_size=args.block_size, rule=args.rule, max_new_tokens=args.max_new_tokens,
+                      top_k=args.top_k, top_p=args.top_p, tempered_entropy=args.tempered_entropy,
+                      eos_ids=() if args.ignore_eos else (tuple(args.eos_id) if args.eos_id else None))
+    opts = DecodeOptions(spec=spec, gamma=args.gamma, temperature=args.temperature, batch_size=args.batch_size,
+                         pad_multiple=args.pad_multiple, seed=args.seed, compare_ar=args.compare_ar)
     mesh_cfg = mesh_config(args)
     maybe_initialize_distributed()
     mesh = make_mesh(mesh_cfg)
     cfg, params = from_pretrained(args.model, dtype=args.dtype)
-    if opts.eos_ids is None:
-        opts = _with_generation_eos(opts, cfg, args.model)
-    check_options(cfg, opts)  # option errors before reading anything
+    if spec.eos_ids is None:
+        opts = dataclasses.replace(opts, spec=dataclasses.replace(spec, eos_ids=generation_eos(cfg, args.model)))
+    check_model(cfg, opts.spec)  # before reading any prompt
     tok = Tokenizer.find(args.model)
     prompts = read_prompts(args.input, tok, chat=args.chat, vocab_size=cfg.vocab_size)
-    check_options(cfg, opts, prompts)
+    check_prompts(cfg, opts, prompts)
     writer = jax.process_index() == 0
     done, out = open_output(args.output, resume=args.resume, overwrite=args.overwrite) if writer else (set(), None)
     pending = [p for p in prompts if p.id not in done]
@@ -123,7 +126,7 @@ def run(args) -> int:
         from tqdm import tqdm
         progress = tqdm(total=len(pending), unit="prompt", desc=f"decode ({args.mode})", file=sys.stderr)
     try:
-        summary = decode_prompts(params, cfg, pending, opts, mesh=mesh, on_row=on_row, progress=progress) \
+        summary = decode_prompts(params, cfg, pending, opts, mesh=mesh, on_row=on_row, progress=progress, checked=True) \
             if pending else None
     finally:
         if progress is not None:
@@ -156,16 +159,14 @@ def mesh_config(args):
     return from_dict(MeshConfig, d, where="mesh")
 
 
-def _with_generation_eos(opts, cfg, model_dir):
+def generation_eos(cfg, model_dir) -> tuple[int, ...]:
     """The model's EOS ids: config.json's, plus generation_config.json's when present."""
-    import dataclasses
-    from pathlib import Path
     ids = list(cfg.eos_ids)
     gc = Path(model_dir) / "generation_config.json"
     if gc.is_file():
         e = json.loads(gc.read_text()).get("eos_token_id")
         ids += [e] if isinstance(e, int) else list(e or [])
-    return dataclasses.replace(opts, eos_ids=tuple(dict.fromkeys(ids)))
+    return tuple(dict.fromkeys(ids))
 
 
 def format_summary(s: dict) -> str:

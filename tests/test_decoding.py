@@ -13,7 +13,7 @@ import pytest
 
 import sbd_jax
 from sbd_jax.decoding import DecodeError, PromptTooLongError, generate
-from sbd_jax.decoding.brute import brute_force_generate
+from brute import brute_force_generate
 from sbd_jax.models import causal_meta, init_cache, param_shapes
 
 CFG = sbd_jax.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -9,7 +9,7 @@ import pytest
 from test_decoding import CFG, make_params
 
 import sbd_jax
-from sbd_jax.decoding.brute import brute_force_generate
+from brute import brute_force_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

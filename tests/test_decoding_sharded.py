@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from test_decoding import BASE, CFG, LENGTHS, make_params, make_prompts
 
-from sbd_jax.decoding.brute import brute_force_generate
+from brute import brute_force_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -27,45 +27,40 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from .decoder import DecodeError, PromptTooLongError, check_request, generate_jit, prepare_generate
+from .decoder import generate_jit, prepare_generate
 from .prompts import Prompt
+from .spec import DecodeError, DecodeSpec, PromptTooLongError, check_model, check_rate
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
-    mode: str = "sbd"
-    block_size: int = 16
+    """A batch run: the decoder's `spec`, the values it decodes with, and how prompts are batched."""
+
+    spec: DecodeSpec = DecodeSpec(max_new_tokens=256, block_size=16)
     gamma: float = 0.35
-    rule: str = "eb"
-    max_new_tokens: int = 256
     temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    tempered_entropy: bool = False
     batch_size: int = 8
-    pad_multiple: int = 16
+    pad_multiple: int = 16  # prompt widths are rounded up to a multiple of this (fewer compilations)
     seed: int = 0
-    eos_ids: tuple[int, ...] | None = None  # None: the model's
-    compare_ar: bool = False
+    compare_ar: bool = False  # also decode every batch with AR and report the speedup
+
+    def __post_init__(self):
+        check_rate("gamma", self.gamma)
+        check_rate("temperature", self.temperature)
+        for name in ("batch_size", "pad_multiple"):
+            if getattr(self, name) < 1:
+                raise DecodeError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def check_options(cfg: ModelConfig, opts: DecodeOptions, prompts: list[Prompt] = ()) -> None:
-    """All request errors before any work: bad options, no mask token, prompts too long. The generation
-    options go through `check_request` (the one validation `generate` uses); this adds the CLI's own
-    options and names a too-long prompt by id and line."""
-    check_request(cfg, None, max_new_tokens=opts.max_new_tokens, block_size=opts.block_size, mode=opts.mode,
-                  rule=opts.rule, top_k=opts.top_k, top_p=opts.top_p, gamma=opts.gamma, temperature=opts.temperature)
-    if opts.batch_size < 1:
-        raise DecodeError(f"batch_size must be >= 1, got {opts.batch_size}")
-    if opts.pad_multiple < 1:
-        raise DecodeError(f"pad_multiple must be >= 1, got {opts.pad_multiple}")
-    limit = cfg.max_position_embeddings - opts.max_new_tokens
+def check_prompts(cfg: ModelConfig, opts: DecodeOptions, prompts: list[Prompt]) -> None:
+    """Every prompt fits the model's positions with max_new_tokens (a too-long prompt is named by id and line)."""
+    limit = cfg.max_position_embeddings - opts.spec.max_new_tokens
     for p in prompts:
         if len(p.ids) > limit:
             raise PromptTooLongError(
                 f"prompt {p.id!r} (line {p.line}) has {len(p.ids)} tokens; with max_new_tokens "
-                f"{opts.max_new_tokens} it needs {len(p.ids) + opts.max_new_tokens} positions, but the model has "
-                f"max_position_embeddings {cfg.max_position_embeddings}")
+                f"{opts.spec.max_new_tokens} it needs {len(p.ids) + opts.spec.max_new_tokens} positions, but the "
+                f"model has max_position_embeddings {cfg.max_position_embeddings}")
 
 
 def buckets(prompts: list[Prompt], batch_size: int) -> list[list[Prompt]]:
@@ -89,7 +84,7 @@ class BatchDecoder:
     def width(self, batch: list[Prompt]) -> int:
         m = self.opts.pad_multiple
         longest = max(len(p.ids) for p in batch)
-        return max(longest, min(-(-longest // m) * m, self.cfg.max_position_embeddings - self.opts.max_new_tokens))
+        return max(longest, min(-(-longest // m) * m, self.cfg.max_position_embeddings - self.opts.spec.max_new_tokens))
 
     def arrays(self, batch: list[Prompt]):
         B, P = self.opts.batch_size, self.width(batch)
@@ -111,10 +106,8 @@ class BatchDecoder:
         """-> (dict of numpy arrays for the real rows, seconds of decoding excluding compilation)."""
         o = self.opts
         ids, lens, keys = self.arrays(batch)
-        args, static = prepare_generate(
-            self.params, self.cfg, ids, lens, max_new_tokens=o.max_new_tokens, block_size=o.block_size,
-            gamma=o.gamma, rule=o.rule, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
-            tempered_entropy=o.tempered_entropy, eos_ids=o.eos_ids, key=keys, mode=mode, mesh=self.mesh)
+        args, static = prepare_generate(self.params, self.cfg, ids, lens, o.spec, gamma=o.gamma,
+                                        temperature=o.temperature, key=keys, mesh=self.mesh, check=False, mode=mode)
         sig = (mode, ids.shape)
         if sig not in self._compiled:
             t = time.perf_counter()
@@ -159,19 +152,22 @@ class Totals:
 
 
 def decode_prompts(params, cfg: ModelConfig, prompts: list[Prompt], opts: DecodeOptions, *, mesh=None,
-                   on_row: Callable[[Prompt, dict], None] = lambda p, r: None, progress=None) -> dict:
+                   on_row: Callable[[Prompt, dict], None] = lambda p, r: None, progress=None, checked: bool = False) -> dict:
     """Decode `prompts` (batched, bucketed); call `on_row(prompt, result)` for every finished row;
     return the summary. result: tokens (list, EOS included), n_tokens, nfe, tokens_per_forward,
-    stop ("eos" | "length") and, with compare_ar, "ar": the same for AR."""
-    check_options(cfg, opts, prompts)
+    stop ("eos" | "length") and, with compare_ar, "ar": the same for AR. `checked`: the caller has run
+    `check_model` and `check_prompts` (decode.py does, before reading and after reading the prompts)."""
+    if not checked:
+        check_model(cfg, opts.spec)
+        check_prompts(cfg, opts, prompts)
     dec = BatchDecoder(params, cfg, opts, mesh)
     main, ar = Totals(), Totals()
     same_as_ar = 0
     for batch in buckets(prompts, opts.batch_size):
-        res, secs = dec.run(batch, opts.mode)
+        res, secs = dec.run(batch, opts.spec.mode)
         main.add(res, secs)
         ares = None
-        if opts.compare_ar and opts.mode != "ar":
+        if opts.compare_ar and opts.spec.mode != "ar":
             ares, asecs = dec.run(batch, "ar")
             ar.add(ares, asecs)
         for i, p in enumerate(batch):
@@ -182,8 +178,8 @@ def decode_prompts(params, cfg: ModelConfig, prompts: list[Prompt], opts: Decode
             on_row(p, row)
             if progress is not None:
                 progress.update(1)
-    summary = dict(mode=opts.mode, **main.as_dict(), compile_seconds=round(dec.compile_s, 3))
-    if opts.compare_ar and opts.mode != "ar":
+    summary = dict(mode=opts.spec.mode, **main.as_dict(), compile_seconds=round(dec.compile_s, 3))
+    if opts.compare_ar and opts.spec.mode != "ar":
         summary["ar"] = ar.as_dict()
         summary["speedup_tokens_per_s"] = summary["tokens_per_s"] / summary["ar"]["tokens_per_s"]
         summary["same_tokens_as_ar"] = same_as_ar / max(main.rows, 1)

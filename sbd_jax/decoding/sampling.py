@@ -24,9 +24,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-RULES = ("eb", "threshold")
-
-
 def entropy(logits_BKV, temperature_B=None, *, tempered: bool = False):
     """Entropy (nats, float32) of softmax(logits) per position -> [B, K]. With `tempered`, rows with
     temperature > 0 use softmax(logits / T)."""
@@ -78,19 +75,9 @@ def accept_threshold(h_BK, masked_BK, gamma_B):
     return masked_BK & ((h < jnp.asarray(gamma_B, jnp.float32)[:, None]) | is_best)
 
 
-def rule_id(rule: str) -> int:
-    if rule not in RULES:
-        raise ValueError(f"unknown acceptance rule {rule!r} (expected one of {RULES})")
-    return RULES.index(rule)
-
-
-def accept(rule, h_BK, masked_BK, gamma_B):
-    """Apply `rule`: a name from RULES, or its index (may be traced: both rules are then computed,
-    they cost O(K log K) per row, and one is selected - one compiled decoder serves both)."""
-    if isinstance(rule, str):
-        return accept_eb(h_BK, masked_BK, gamma_B) if rule_id(rule) == 0 else accept_threshold(h_BK, masked_BK, gamma_B)
-    return jnp.where(jnp.asarray(rule) == 0, accept_eb(h_BK, masked_BK, gamma_B),
-                     accept_threshold(h_BK, masked_BK, gamma_B))
+def accept(rule: str, h_BK, masked_BK, gamma_B):
+    """Apply the acceptance rule named `rule` ("eb" or "threshold")."""
+    return (accept_eb if rule == "eb" else accept_threshold)(h_BK, masked_BK, gamma_B)
 
 
 def shape_logits(logits_BKV, temperature_B, *, top_k: int = 0, top_p: float = 1.0):

@@ -1,4 +1,4 @@
-"""Brute-force reference decoder: no KV cache, the whole sequence recomputed with the dense SBD mask
+"""Brute-force reference decoder (a test oracle): no KV cache, the whole sequence recomputed with the dense SBD mask
 at every step. Used by tests to pin the cached decoder (`generate`): identical tokens and NFE.
 
 Deliberately written differently from `generate`: a host-side Python loop with numpy bookkeeping and
@@ -19,11 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..attention import clean_meta, concat_meta, copy_meta
-from ..config import ModelConfig
-from ..models.transformer import forward
-from . import sampling
-from .decoder import GenerateOutput, check_request
+from sbd_jax.attention import clean_meta, concat_meta, copy_meta
+from sbd_jax.config import ModelConfig
+from sbd_jax.decoding import DecodeSpec, GenerateOutput, check_request, sampling
+from sbd_jax.models.transformer import forward
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -60,25 +59,21 @@ def _accept_row(rule: str, h: np.ndarray, masked: np.ndarray, gamma: float) -> n
     return acc
 
 
-def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, *, max_new_tokens: int,
-                         block_size: int = 4, gamma=0.35, rule: str = "eb", temperature=0.0, top_k: int = 0,
-                         top_p: float = 1.0, tempered_entropy: bool = False, eos_ids=None, key=None,
-                         mode: str = "sbd", pad_id: int | None = None) -> GenerateOutput:
+def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None,
+                         *, gamma=0.35, temperature=0.0, key=None, **options) -> GenerateOutput:
     """Same arguments and outputs as `generate` (cache None, iterations = batch model calls)."""
+    spec = DecodeSpec.make(spec, **options)
     prompt_ids = np.asarray(prompt_ids, np.int32)
     lengths = np.asarray(prompt_lengths, np.int32)
-    check_request(cfg, prompt_ids.shape, max_new_tokens=max_new_tokens, block_size=block_size, mode=mode,
-                  rule=rule, top_k=top_k, top_p=top_p, gamma=gamma, temperature=temperature,
-                  prompt_lengths=lengths)
+    check_request(cfg, spec, prompt_ids.shape, prompt_lengths=lengths, gamma=gamma, temperature=temperature)
     B, P = prompt_ids.shape
-    k = block_size if mode == "sbd" else 1
-    eos = set(cfg.eos_ids if eos_ids is None else ((eos_ids,) if isinstance(eos_ids, int) else eos_ids))
-    pad = pad_id if pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0)
+    mode, rule, max_new_tokens, k = spec.mode, spec.rule, spec.max_new_tokens, spec.window
+    eos, pad = set(spec.stop_ids(cfg)), spec.pad(cfg)
     W = P + max_new_tokens + k
     keys = sampling.row_keys(jax.random.key(0) if key is None else key, B)
     gam = np.broadcast_to(np.asarray(gamma, np.float32), (B,))
     temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
-    score = functools.partial(_score, tempered=bool(tempered_entropy), top_k=int(top_k), top_p=float(top_p))
+    score = functools.partial(_score, tempered=spec.tempered_entropy, top_k=spec.top_k, top_p=spec.top_p)
 
     seq = np.full((B, W), pad, np.int32)
     for b in range(B):

@@ -1,0 +1,104 @@
+"""Decoding options: `DecodeSpec`, one frozen, hashable record of everything that shapes the compiled
+decoder (a static argument of the jitted loop), validated once where it is built. The values that may
+change per call without recompiling (gamma, temperature, keys, prompts) are arguments of `generate`."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+MODES = ("sbd", "ar")
+RULES = ("eb", "threshold")
+
+
+class DecodeError(ValueError):
+    """A decoding request that cannot be served as asked (bad option, prompt too long, ...)."""
+
+
+class PromptTooLongError(DecodeError):
+    """Prompt + max_new_tokens do not fit the cache / the model's positions."""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """mode: "sbd" (Set Block Decoding) or "ar" (next-token decoding, the baseline).
+    max_new_tokens: cap on generated tokens per row.
+    block_size (SBD): positions per block; AR makes one token per step whatever it says.
+    rule (SBD): acceptance rule, "eb" (the paper's entropy bound) or "threshold" (sampling.py).
+    top_k (0 = off), top_p (1 = off): shape the sampling distribution (not the entropies).
+    tempered_entropy: entropies on the tempered distribution for rows with temperature > 0.
+    eos_ids: stop tokens (None = the model's `eos_token_id`; () = never stop early).
+    pad_id: fills the output beyond each row's length (None = the model's pad id, else 0).
+    finalize_cache: one extra uncounted call writes the K/V the loop left uncommitted, so the cache
+      equals one causal forward over prompt + output. return_cache: return the cache."""
+
+    max_new_tokens: int = 256
+    mode: str = "sbd"
+    block_size: int = 4
+    rule: str = "eb"
+    top_k: int = 0
+    top_p: float = 1.0
+    tempered_entropy: bool = False
+    eos_ids: tuple[int, ...] | None = None
+    pad_id: int | None = None
+    finalize_cache: bool = False
+    return_cache: bool = False
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise DecodeError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.rule not in RULES:
+            raise DecodeError(f"rule must be one of {RULES}, got {self.rule!r}")
+        for name, low in (("max_new_tokens", 1), ("block_size", 1), ("top_k", 0)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < low:
+                raise DecodeError(f"{name} must be >= {low} (an integer), got {v!r}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise DecodeError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        eos = self.eos_ids
+        if eos is not None:
+            eos = (eos,) if _is_int(eos) else tuple(eos)
+            if not all(_is_int(e) for e in eos):
+                raise DecodeError(f"eos_ids must be token ids (integers), got {self.eos_ids!r}")
+            object.__setattr__(self, "eos_ids", tuple(int(e) for e in eos))
+        if self.pad_id is not None and not _is_int(self.pad_id):
+            raise DecodeError(f"pad_id must be a token id (an integer), got {self.pad_id!r}")
+
+    @classmethod
+    def make(cls, spec: DecodeSpec | None = None, **options) -> DecodeSpec:
+        """`spec` with `options` replaced (or a new spec from `options`); an unknown option is a DecodeError."""
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise DecodeError(f"unknown decoding option(s) {unknown}; valid: {[f.name for f in dataclasses.fields(cls)]}")
+        return dataclasses.replace(spec, **options) if spec is not None else cls(**options)
+
+    @property
+    def window(self) -> int:
+        """Tokens decoded per block: block_size for SBD, 1 for AR."""
+        return self.block_size if self.mode == "sbd" else 1
+
+    def stop_ids(self, cfg) -> tuple[int, ...]:
+        return cfg.eos_ids if self.eos_ids is None else self.eos_ids
+
+    def pad(self, cfg) -> int:
+        return self.pad_id if self.pad_id is not None else (cfg.pad_token_id or 0)
+
+
+def check_model(cfg, spec: DecodeSpec) -> None:
+    """The model-dependent check of a request that holds for any prompt: SBD needs a mask token."""
+    if spec.mode == "sbd" and cfg.mask_token_id is None:
+        raise DecodeError("SBD decoding needs a mask token but the model config has no mask_token_id "
+                          "(fine-tune it with SBD first, or use AR mode)")
+
+
+def check_rate(name: str, value, rows: int | None = None) -> None:
+    """gamma / temperature: >= 0 and finite; a scalar or one value per row."""
+    arr = np.asarray(value, dtype=np.float64)
+    if np.any(arr < 0) or np.any(~np.isfinite(arr)):
+        raise DecodeError(f"{name} must be >= 0 (and finite), got {value!r}")
+    if rows is not None and (arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] != rows)):
+        raise DecodeError(f"{name} must be a scalar or one value per row ({rows}), got shape {arr.shape}")
