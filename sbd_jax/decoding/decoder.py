@@ -1,44 +1,29 @@
 """Jitted SBD / AR decoding over a static KV cache: one `lax.while_loop`, nothing returns to the host
-per step.
+per step (SBD.md "Inference"; the options are a `DecodeSpec`).
 
-Layout (choices documented here, see SBD.md "Inference"):
-  * Prompts arrive right-padded: `prompt_ids [B, P]`, `prompt_lengths [B]` (1 <= len_b <= P). Row b's
-    prompt occupies positions (= cache slots) [0, len_b); its generated token j sits at position
-    len_b + j. Rows never see each other (one sequence per row) and never see padding (segment 0).
-  * The KV cache holds S = P + max_new_tokens slots per row (`PromptTooLongError` if that exceeds
-    the model's max_position_embeddings). A token buffer `seq [B, P + max_new_tokens + block_size]` holds
-    every token by position (prompt, then decoded tokens); the output is read from it at the end.
-  * Blocks start right after each row's prompt (block starts len_b, len_b + block_size, ...; explicit block
-    ids in the metadata, SBD.md step 8). The last block is cut at max_new_tokens: its positions
-    beyond the cap are padding (segment 0), so the model sees a shorter block.
-  * NFE 1 (SBD) = [prompt as CLEAN causal tokens ; first block as COPY tokens]: the prompt prefill is
-    folded into the first unmasking step (SBD.md step 8).
-  * Each later iteration is one model call on one of two window shapes, chosen by `lax.cond` (only
-    one executes): if some live row has just finished a block, the 2k window
-    [finished block as CLEAN ; current block as COPY] writes the finished block's exact causal K/V
-    (paper Algorithm 3, no extra forward); otherwise the k window [current block as COPY].
-    Rows that did not just finish a block put padding in the clean half.
-  * A copy token carries its decoded token once accepted and the mask token while still masked.
-  * Rows that are done become padding in every later window: their state, their cache and their
-    NFE stop changing. The loop ends when every row is done.
-  * Stop (SBD.md step 7): a row stops when an EOS is decoded and every earlier position of its block
-    is decoded, or when max_new_tokens are decoded. Tokens after the EOS are dropped (the output is
-    padded with `pad_id` beyond `lengths`).
-  * Sharding: with `mesh`, the cache is constrained to `cache_sharding` (batch over data x fsdp, KV
-    heads over tensor, as wk/wv) and per-row state to `batch_sharding`; params come laid out by
-    `shard_params` (the training rules). Without `mesh`, XLA propagates the inputs' shardings.
-    The decoder traces under `mesh_context(mesh)`: with attention_impl="pallas" the attention kernels
-    run per shard inside `jax.shard_map` (sbd_jax/attention/sharded.py).
-  * Randomness: row b draws its step-n tokens from fold_in(key_b, n) (see sampling.py).
-  * SBD never samples the mask token (its logit is set to -inf for the draw, not for the entropy).
-    AR is left untouched (plain next-token decoding, the baseline, identical to `transformers`).
-  * NFE counts model calls that carry at least one token of the row (so a finished row stops
-    counting). AR: the prefill call yields the first token (NFE 1 for 1 token), then one clean
-    1-token call per token, both with next-token (NTP) logits.
-  * Finished-block K/V written by the window scheme covers everything except the row's last block
-    (SBD) or last token (AR). `finalize_cache=True` writes those with one extra clean call that is
-    NOT counted in NFE, after which the cache equals one causal forward over prompt + output
-    (useful to continue a conversation from the returned cache, and tested exactly).
+  * Prompts arrive right-padded: `prompt_ids [B, P]`, `prompt_lengths [B]`. Row b's prompt occupies
+    positions (= cache slots) [0, len_b); its generated token j sits at position len_b + j. Rows never
+    see each other or their padding (segment 0). The cache holds S = P + max_new_tokens slots; a
+    token buffer `seq [B, S + block_size]` holds every token by position (room for a whole last block).
+  * Blocks start right after each row's prompt (explicit block starts in the metadata, SBD.md step 8);
+    the last block's positions beyond max_new_tokens are padding.
+  * NFE 1 (SBD) = [prompt CLEAN ; first block COPY]: the prefill is folded into the first step. Each
+    later step is one call on one of two window shapes chosen by `lax.cond`: if a live row has just
+    finished a block, [finished block CLEAN ; current block COPY] writes the finished block's exact
+    causal K/V (paper Algorithm 3, no extra forward); otherwise [current block COPY]. A copy token
+    carries its token once accepted, the mask token while masked; SBD never samples the mask token.
+  * AR: the prefill call yields the first token, then one clean 1-token call per token (NTP logits).
+  * Stop (SBD.md step 7): an EOS decoded with every earlier position of its block decoded, or
+    max_new_tokens. Tokens after the EOS are dropped (the pad id fills the output beyond `lengths`).
+    Finished rows become padding: their state, cache and NFE stop changing; NFE counts the calls that
+    carry a token of the row. The loop ends when every row is done.
+  * Randomness: row b draws its step-n tokens from fold_in(key_b, n) (sampling.py).
+  * Sharding: with `mesh`, the cache is constrained to `cache_sharding` and per-row state to
+    `batch_sharding`; params come laid out by `shard_params`. The loop traces under
+    `mesh_context(mesh)`, so attention_impl="pallas" runs per shard (sbd_jax/attention/sharded.py).
+  * The window scheme leaves the last block's (AR: last token's) K/V uncommitted; `finalize_cache`
+    writes them with one uncounted call, after which the cache equals one causal forward over
+    prompt + output (tested exactly).
 """
 from __future__ import annotations
 

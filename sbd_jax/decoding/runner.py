@@ -120,6 +120,36 @@ class BatchDecoder:
         res = {f: _host(getattr(out, f))[:n] for f in ("tokens", "lengths", "nfe", "stopped_by_eos")}
         return res, secs
 
+    def decode(self, prompts: list[Prompt], on_row: Callable[[Prompt, dict], None] = lambda p, r: None,
+               progress=None) -> dict:
+        """Decode `prompts` in length buckets, call `on_row(prompt, result)` per finished row, return the
+        summary. result: tokens (list, EOS included), n_tokens, nfe, tokens_per_forward, stop ("eos" |
+        "length") and, with compare_ar, "ar": the same for AR. Compiled programs are kept for later calls."""
+        opts = self.opts
+        with_ar = opts.compare_ar and opts.spec.mode != "ar"
+        main, ar = Totals(), Totals()
+        same_as_ar = 0
+        for batch in buckets(prompts, opts.batch_size):
+            res, secs = self.run(batch, opts.spec.mode)
+            main.add(res, secs)
+            if with_ar:
+                ares, asecs = self.run(batch, "ar")
+                ar.add(ares, asecs)
+            for i, p in enumerate(batch):
+                row = _row(res, i)
+                if with_ar:
+                    row["ar"] = _row(ares, i)
+                    same_as_ar += row["ar"]["tokens"] == row["tokens"]
+                on_row(p, row)
+                if progress is not None:
+                    progress.update(1)
+        summary = dict(mode=opts.spec.mode, **main.as_dict(), compile_seconds=round(self.compile_s, 3))
+        if with_ar:
+            summary["ar"] = ar.as_dict()
+            summary["speedup_tokens_per_s"] = summary["tokens_per_s"] / summary["ar"]["tokens_per_s"]
+            summary["same_tokens_as_ar"] = same_as_ar / max(main.rows, 1)
+        return summary
+
 
 def _global(x: np.ndarray, sharding):
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
@@ -154,36 +184,12 @@ class Totals:
 def decode_prompts(params, cfg: ModelConfig, prompts: list[Prompt], opts: DecodeOptions, *, mesh=None,
                    on_row: Callable[[Prompt, dict], None] = lambda p, r: None, progress=None, checked: bool = False) -> dict:
     """Decode `prompts` (batched, bucketed); call `on_row(prompt, result)` for every finished row;
-    return the summary. result: tokens (list, EOS included), n_tokens, nfe, tokens_per_forward,
-    stop ("eos" | "length") and, with compare_ar, "ar": the same for AR. `checked`: the caller has run
-    `check_model` and `check_prompts` (decode.py does, before reading and after reading the prompts)."""
+    return the summary (see `BatchDecoder.decode`). `checked`: the caller has run `check_model` and
+    `check_prompts` (decode.py does, before and after reading the prompts)."""
     if not checked:
         check_model(cfg, opts.spec)
         check_prompts(cfg, opts, prompts)
-    dec = BatchDecoder(params, cfg, opts, mesh)
-    main, ar = Totals(), Totals()
-    same_as_ar = 0
-    for batch in buckets(prompts, opts.batch_size):
-        res, secs = dec.run(batch, opts.spec.mode)
-        main.add(res, secs)
-        ares = None
-        if opts.compare_ar and opts.spec.mode != "ar":
-            ares, asecs = dec.run(batch, "ar")
-            ar.add(ares, asecs)
-        for i, p in enumerate(batch):
-            row = _row(res, i)
-            if ares is not None:
-                row["ar"] = _row(ares, i)
-                same_as_ar += row["ar"]["tokens"] == row["tokens"]
-            on_row(p, row)
-            if progress is not None:
-                progress.update(1)
-    summary = dict(mode=opts.spec.mode, **main.as_dict(), compile_seconds=round(dec.compile_s, 3))
-    if opts.compare_ar and opts.spec.mode != "ar":
-        summary["ar"] = ar.as_dict()
-        summary["speedup_tokens_per_s"] = summary["tokens_per_s"] / summary["ar"]["tokens_per_s"]
-        summary["same_tokens_as_ar"] = same_as_ar / max(main.rows, 1)
-    return summary
+    return BatchDecoder(params, cfg, opts, mesh).decode(prompts, on_row, progress)
 
 
 def _row(res, i) -> dict:
