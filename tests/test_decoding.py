@@ -277,3 +277,20 @@ def test_clear_errors(params, prompts):
     with pytest.raises(DecodeError, match="gamma must be a scalar or one value per row"):
         generate(params, CFG, prompts, LENGTHS, gamma=[1.0, 2.0], **ok)
     assert issubclass(DecodeError, ValueError)
+
+
+def test_decode_spec_is_validated_where_built_and_hashable(params, prompts):
+    from sbd_jax.decoding import DecodeSpec
+    spec = DecodeSpec(max_new_tokens=MAX_NEW, block_size=K, eos_ids=[5, 6], pad_id=0)
+    assert spec.eos_ids == (5, 6) and hash(spec) == hash(DecodeSpec.make(max_new_tokens=MAX_NEW, block_size=K,
+                                                                         eos_ids=(5, 6), pad_id=0))
+    with pytest.raises(DecodeError, match="block_size must be >= 1"):
+        DecodeSpec(block_size=0)
+    with pytest.raises(DecodeError, match=r"unknown decoding option\(s\) \['blocksize'\]"):
+        generate(params, CFG, prompts, LENGTHS, spec, blocksize=2)
+    with pytest.raises(DecodeError, match="eos_ids must be token ids"):
+        DecodeSpec(eos_ids=("eos",))
+    # keywords replace the spec's fields: the same decoder as a spec that holds them
+    a = generate(params, CFG, prompts, LENGTHS, spec, gamma=2.0, eos_ids=(), finalize_cache=True, return_cache=True)
+    b = generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(), **BASE)
+    _assert_same(a, b, "spec + keywords vs keywords")
