@@ -1,6 +1,6 @@
 """Device meshes and logical-axis sharding rules, shared by training and decoding.
 
-Parameters carry logical axis names (`sbd_jax.models.transformer.PARAM_AXES`); `DEFAULT_RULES` maps
+Parameters carry logical axis names (`ParamSpec.axes` in sbd_jax/models/transformer.py); `DEFAULT_RULES` maps
 them onto the mesh axes ("data", "fsdp", "tensor"). A dimension whose size the mesh axis does not
 divide is replicated instead (so e.g. 8 KV heads on a tensor axis of 16 still works).
 
@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import ConfigError, ModelConfig
+from .models.transformer import param_specs
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -109,11 +110,8 @@ def logical_to_spec(axes: tuple, shape: tuple, mesh: Mesh, rules=None) -> P:
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh, rules=None) -> dict:
-    from .models.transformer import param_axes, param_shapes
-    shapes, axes = param_shapes(cfg), param_axes(cfg)
-    is_leaf = lambda x: isinstance(x, tuple)  # noqa: E731
-    return jax.tree.map(lambda ax, sh: NamedSharding(mesh, logical_to_spec(ax, sh, mesh, rules)),
-                        axes, shapes, is_leaf=is_leaf)
+    return jax.tree.map(lambda s: NamedSharding(mesh, logical_to_spec(s.logical_axes, s.shape(cfg), mesh, rules)),
+                        param_specs(cfg))
 
 
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, rules=None) -> dict:

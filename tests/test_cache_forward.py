@@ -72,6 +72,7 @@ def test_training_layout_equals_decoding_calls():
     clean_prefix) equal what the decoder computes for the same block state: the prompt (and the finished
     first block) as clean tokens in the cache, the current block as copy tokens with the same masks."""
     from sbd_jax.training.examples import PackedBatch, build_sbd_example
+    from sbd_jax.training.spec import ExampleSpec
     rng = np.random.default_rng(3)
     P, R, k, L = 5, 8, 4, 16  # prompt 5, response 8 = two blocks of 4, row of 16 (3 padding)
     x = rng.integers(0, 48, P + R).astype(np.int32)
@@ -81,7 +82,7 @@ def test_training_layout_equals_decoding_calls():
     masked[0, P:P + k] = True                      # first block fully masked (the decoder's first step)
     masked[0, P + k + 1] = masked[0, P + k + 3] = True  # second block partly decoded
     ex = build_sbd_example(PackedBatch(*(jnp.asarray(a) for a in row)), jnp.asarray(masked), jnp.int32(k),
-                           CFG.mask_token_id, "response")
+                           ExampleSpec(CFG.mask_token_id, block_align="response"))
     train, _ = sbd_jax.forward(PARAMS, CFG, ex.tokens, ex.meta, clean_prefix=L)
     train = np.asarray(train)[0, L:]
     M = CFG.mask_token_id
@@ -98,31 +99,3 @@ def test_training_layout_equals_decoding_calls():
                         copy_meta(np.ones((1, k)), np.arange(P + k, P + 2 * k)[None], np.full((1, k), P + k)))
     got2, _ = fwd(PARAMS, CFG, np.concatenate([x[None, P:P + k], b2], 1), meta2, cache)
     np.testing.assert_allclose(np.asarray(got2)[0, k:], train[P + k:P + 2 * k], atol=2e-5)
-
-
-def test_filled_training_block_equals_the_decoders_full_width_block():
-    """sbd.block_fill: an answer shorter than k (here 5 tokens, k = 8) trains in a block that is k wide with
-    masks after its end, exactly what the decoder's first call sees ([prompt CLEAN ; 8 masks COPY]); without
-    the fill the training block is cut at the answer's end and its logits differ."""
-    from sbd_jax.training.examples import PackedBatch, build_sbd_example
-    rng = np.random.default_rng(5)
-    P, R, k, L, C = 4, 5, 8, 12, 8
-    x = rng.integers(0, 48, P + R).astype(np.int32)
-    row = np.zeros((4, 1, L), np.int32)
-    row[0, 0, :P + R], row[1, 0, :P + R], row[2, 0, :P + R], row[3, 0, P:P + R] = x, 1, np.arange(P + R), 1
-    masked = np.zeros((1, L), bool)
-    masked[0, P:P + R] = True
-    batch = PackedBatch(*(jnp.asarray(a) for a in row))
-    M = CFG.mask_token_id
-    cache = init_cache(CFG, 1, 32)
-    meta = concat_meta(clean_meta(np.ones((1, P)), np.arange(P)[None]),
-                       copy_meta(np.ones((1, k)), np.arange(P, P + k)[None], np.full((1, k), P)))
-    dec, _ = fwd(PARAMS, CFG, np.concatenate([x[None, :P], np.full((1, k), M, np.int32)], 1), meta, cache)
-    dec = np.asarray(dec)[0, P:P + R]
-    for fill in (True, False):
-        ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(k), M, "response", copy_len=C, block_fill=fill)
-        train = np.asarray(sbd_jax.forward(PARAMS, CFG, ex.tokens, ex.meta, clean_prefix=L)[0])[0, L:L + R]
-        if fill:
-            np.testing.assert_allclose(train, dec, atol=2e-5)
-        else:
-            assert np.abs(train - dec).max() > 1e-2

@@ -2,7 +2,9 @@
 `from_pretrained` takes a local directory only."""
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -15,7 +17,7 @@ from safetensors.flax import save_file
 
 from ..config import ConfigError, ModelConfig
 from ..models import llama, qwen3
-from ..models.transformer import param_shapes
+from ..models.transformer import ParamSpec, axis_sizes, param_specs
 
 _ARCH = {"llama": llama, "qwen3": qwen3}
 
@@ -41,46 +43,23 @@ def load_hf_config(model_dir: str | os.PathLike, *, allow_unknown_keys: bool = F
     return _ARCH[mt].config_from_hf(d, allow_unknown_keys=allow_unknown_keys, **overrides)
 
 
-def _hf_names(cfg: ModelConfig, i: int) -> dict[str, str]:
-    p = f"model.layers.{i}."
-    names = {
-        "attn_norm": p + "input_layernorm.weight", "mlp_norm": p + "post_attention_layernorm.weight",
-        "wq": p + "self_attn.q_proj.weight", "wk": p + "self_attn.k_proj.weight",
-        "wv": p + "self_attn.v_proj.weight", "wo": p + "self_attn.o_proj.weight",
-        "w_gate": p + "mlp.gate_proj.weight", "w_up": p + "mlp.up_proj.weight",
-        "w_down": p + "mlp.down_proj.weight",
-    }
-    if cfg.attention_bias:
-        names.update(bq=p + "self_attn.q_proj.bias", bk=p + "self_attn.k_proj.bias",
-                     bv=p + "self_attn.v_proj.bias", bo=p + "self_attn.o_proj.bias")
-    if cfg.qk_norm:
-        names.update(q_norm=p + "self_attn.q_norm.weight", k_norm=p + "self_attn.k_norm.weight")
-    return names
+def _hf_names(s: ParamSpec, cfg: ModelConfig) -> list[str]:
+    return [f"model.layers.{i}.{s.hf}" for i in range(cfg.num_hidden_layers)] if s.stacked else [s.hf]
 
 
-def _to_ours(name: str, w, shape):
-    """HF tensor (torch Linear layout [out, in]) -> our per-layer layout `shape` (without L)."""
-    if name in ("wq", "wk", "wv"):  # [H*Dh, D] -> [D, H, Dh]
-        return w.T.reshape(shape)
-    if name == "wo":  # [D, H*Dh] -> [H, Dh, D]
-        return w.T.reshape(shape)
-    if name in ("w_gate", "w_up", "w_down"):
-        return w.T
-    if name in ("bq", "bk", "bv"):
-        return w.reshape(shape)
-    return w
+def _hf_shape(s: ParamSpec, cfg: ModelConfig) -> tuple[int, ...]:
+    """HF's shape for one layer of `s`: dims joined by `*` are one, a Linear weight is [out, in]."""
+    sizes = axis_sizes(cfg)
+    groups = tuple(math.prod(sizes[a] for a in g.split("*")) for g in s.axes.split())
+    return groups[::-1] if s.hf_t else groups
 
 
-def _to_hf(name: str, w):
-    if name in ("wq", "wk", "wv"):  # [D, H, Dh] -> [H*Dh, D]
-        return w.reshape(w.shape[0], -1).T
-    if name == "wo":  # [H, Dh, D] -> [D, H*Dh]
-        return w.reshape(-1, w.shape[-1]).T
-    if name in ("w_gate", "w_up", "w_down"):
-        return w.T
-    if name in ("bq", "bk", "bv"):
-        return w.reshape(-1)
-    return w
+def _to_hf(s: ParamSpec, cfg: ModelConfig, w):
+    return w.reshape(_hf_shape(s, cfg)[::-1]).T if s.hf_t else w.reshape(_hf_shape(s, cfg))
+
+
+def _to_ours(s: ParamSpec, cfg: ModelConfig, w):
+    return (w.T if s.hf_t else w).reshape(s.shape(cfg)[1:] if s.stacked else s.shape(cfg))
 
 
 def _weight_files(model_dir: Path) -> dict[str, Path]:
@@ -120,7 +99,6 @@ def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = N
         overrides["dtype"] = dtype
     cfg = load_hf_config(model_dir, allow_unknown_keys=allow_unknown_keys, **overrides)
     files = _weight_files(model_dir)
-    shapes = param_shapes(cfg)
     pdt = jnp.dtype(cfg.param_dtype)
     handles: dict[Path, object] = {}
 
@@ -139,34 +117,20 @@ def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = N
                                   f"for this config (vocab/hidden/head sizes disagree with config.json?)")
         return jnp.asarray(t).astype(pdt)
 
-    V, D = cfg.vocab_size, cfg.hidden_size
-    params: dict = {"embed": get("model.embed_tokens.weight", (V, D)),
-                    "final_norm": get("model.norm.weight", (D,))}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = get("lm_head.weight", (V, D)).T
-    layers = {}
-    for name, full_shape in shapes["layers"].items():
-        per_layer = full_shape[1:]
-        stack = []
-        for i in range(cfg.num_hidden_layers):
-            hf_name = _hf_names(cfg, i)[name]
-            hf_shape = _to_hf(name, np.zeros(per_layer, np.int8)).shape
-            stack.append(_to_ours(name, get(hf_name, hf_shape), per_layer))
-        layers[name] = jnp.stack(stack)
-    params["layers"] = layers
-    return cfg, params
+    def load(s: ParamSpec):
+        ws = [_to_ours(s, cfg, get(name, _hf_shape(s, cfg))) for name in _hf_names(s, cfg)]
+        return jnp.stack(ws) if s.stacked else ws[0]
+    return cfg, jax.tree.map(load, param_specs(cfg))
 
 
 def hf_state_dict(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     """Our params -> HF tensor names and layouts (host arrays)."""
-    params = jax.device_get(params)
-    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = np.asarray(params["lm_head"]).T
-    for name, stacked in params["layers"].items():
-        for i in range(cfg.num_hidden_layers):
-            out[_hf_names(cfg, i)[name]] = _to_hf(name, np.asarray(stacked[i]))
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+    params, out = jax.device_get(params), {}
+    for s in jax.tree.leaves(param_specs(cfg)):
+        w = np.asarray(functools.reduce(lambda tree, key: tree[key], s.name.split("/"), params))
+        for name, layer_w in zip(_hf_names(s, cfg), w if s.stacked else [w]):
+            out[name] = np.ascontiguousarray(_to_hf(s, cfg, layer_w))
+    return out
 
 
 def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | os.PathLike, *,

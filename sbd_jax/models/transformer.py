@@ -1,23 +1,16 @@
 """The Llama-3.x / Qwen3 decoder as pure functions of an explicit parameter pytree.
 
-Parameters (a plain nested dict; layers stacked on a leading axis L and run with `lax.scan`):
-  embed            [V, D]
-  layers/attn_norm [L, D]       layers/mlp_norm [L, D]
-  layers/wq        [L, D, H, Dh] layers/wk, wv [L, D, K, Dh]   layers/wo [L, H, Dh, D]
-  layers/bq [L,H,Dh] bk,bv [L,K,Dh] bo [L,D]          (only with attention_bias)
-  layers/q_norm, k_norm [L, Dh]                        (only Qwen3, qk_norm)
-  layers/w_gate, w_up [L, D, F] layers/w_down [L, F, D]
-  final_norm       [D]
-  lm_head          [D, V]       (absent when tie_word_embeddings)
-
-`forward` is the single entry point used by training, decoding, the demo and the tests.
-Attention follows `cfg.attention_impl`; with "pallas" under an active mesh (`jax.set_mesh`, or
-`sbd_jax.sharding.mesh_context` as the training step and the decoder set it) the kernels run per
-shard inside `jax.shard_map` (sbd_jax/attention/sharded.py).
+The parameters are a plain nested dict described by one table, `PARAM_SPECS`; per-layer weights sit under
+"layers", stacked on a leading axis and run with `lax.scan`. `forward` is the single entry point used by
+training, decoding, the demo and the tests. Attention follows `cfg.attention_impl`; with "pallas" under an
+active mesh (`jax.set_mesh`, or `sbd_jax.sharding.mesh_context` as the training step and the decoder set it)
+the kernels run per shard inside `jax.shard_map` (sbd_jax/attention/sharded.py).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from operator import attrgetter
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,72 +20,99 @@ from ..attention.mask import CLEAN
 from ..config import ModelConfig
 from .layers import apply_rope, rms_norm, rope_inv_freq, swiglu
 
-# logical axis names per parameter (used by sbd_jax.sharding to lay parameters out on a mesh)
-PARAM_AXES = {
-    "embed": ("vocab", "embed"),
-    "final_norm": ("norm",),
-    "lm_head": ("embed", "vocab"),
-    "layers": {
-        "attn_norm": ("layers", "norm"),
-        "mlp_norm": ("layers", "norm"),
-        "wq": ("layers", "embed", "heads", "head_dim"),
-        "wk": ("layers", "embed", "kv_heads", "head_dim"),
-        "wv": ("layers", "embed", "kv_heads", "head_dim"),
-        "wo": ("layers", "heads", "head_dim", "embed"),
-        "bq": ("layers", "heads", "head_dim"),
-        "bk": ("layers", "kv_heads", "head_dim"),
-        "bv": ("layers", "kv_heads", "head_dim"),
-        "bo": ("layers", "norm"),
-        "q_norm": ("layers", "head_dim"),
-        "k_norm": ("layers", "head_dim"),
-        "w_gate": ("layers", "embed", "mlp"),
-        "w_up": ("layers", "embed", "mlp"),
-        "w_down": ("layers", "mlp", "embed"),
-    },
-}
+
+def axis_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """Size of each logical axis (the names sbd_jax.sharding maps onto mesh axes)."""
+    return {"vocab": cfg.vocab_size, "embed": cfg.hidden_size, "norm": cfg.hidden_size,
+            "mlp": cfg.intermediate_size, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.resolved_head_dim, "layers": cfg.num_hidden_layers}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One weight. `name`: its key in the tree ("layers/<key>": one per layer, stacked on a leading "layers"
+    axis). `axes`: the dims of one layer's weight by logical axis, which also sets their sizes (`axis_sizes`).
+    `init`: "normal" (the std given to `init_params`), "ones" or "zeros", as HF initialises. `hf`: the HF
+    tensor name (after `model.layers.{i}.` when per layer); HF stores the dims joined by `*` as one, and a
+    torch Linear weight (`hf_t`) transposed, [out, in]. `when`: the configs that have the weight (None: all)."""
+
+    name: str
+    axes: str
+    init: str
+    hf: str
+    hf_t: bool = False
+    when: Callable[[ModelConfig], bool] | None = None
+
+    @property
+    def stacked(self) -> bool:
+        return self.name.startswith("layers/")
+
+    @property
+    def decay(self) -> bool:
+        """Weight decay applies to matrices and embeddings, not to norms (init ones) or biases (zeros)."""
+        return self.init == "normal"
+
+    @property
+    def logical_axes(self) -> tuple[str, ...]:
+        return ("layers",) * self.stacked + tuple(self.axes.replace("*", " ").split())
+
+    def shape(self, cfg: ModelConfig) -> tuple[int, ...]:
+        return tuple(axis_sizes(cfg)[a] for a in self.logical_axes)
+
+
+_BIAS, _QK_NORM = attrgetter("attention_bias"), attrgetter("qk_norm")
+PARAM_SPECS = (
+    ParamSpec("embed", "vocab embed", "normal", "model.embed_tokens.weight"),
+    ParamSpec("final_norm", "norm", "ones", "model.norm.weight"),
+    ParamSpec("lm_head", "embed vocab", "normal", "lm_head.weight", hf_t=True,
+              when=lambda cfg: not cfg.tie_word_embeddings),
+    ParamSpec("layers/attn_norm", "norm", "ones", "input_layernorm.weight"),
+    ParamSpec("layers/mlp_norm", "norm", "ones", "post_attention_layernorm.weight"),
+    ParamSpec("layers/wq", "embed heads*head_dim", "normal", "self_attn.q_proj.weight", hf_t=True),
+    ParamSpec("layers/wk", "embed kv_heads*head_dim", "normal", "self_attn.k_proj.weight", hf_t=True),
+    ParamSpec("layers/wv", "embed kv_heads*head_dim", "normal", "self_attn.v_proj.weight", hf_t=True),
+    ParamSpec("layers/wo", "heads*head_dim embed", "normal", "self_attn.o_proj.weight", hf_t=True),
+    ParamSpec("layers/bq", "heads*head_dim", "zeros", "self_attn.q_proj.bias", when=_BIAS),
+    ParamSpec("layers/bk", "kv_heads*head_dim", "zeros", "self_attn.k_proj.bias", when=_BIAS),
+    ParamSpec("layers/bv", "kv_heads*head_dim", "zeros", "self_attn.v_proj.bias", when=_BIAS),
+    ParamSpec("layers/bo", "norm", "zeros", "self_attn.o_proj.bias", when=_BIAS),
+    ParamSpec("layers/q_norm", "head_dim", "ones", "self_attn.q_norm.weight", when=_QK_NORM),
+    ParamSpec("layers/k_norm", "head_dim", "ones", "self_attn.k_norm.weight", when=_QK_NORM),
+    ParamSpec("layers/w_gate", "embed mlp", "normal", "mlp.gate_proj.weight", hf_t=True),
+    ParamSpec("layers/w_up", "embed mlp", "normal", "mlp.up_proj.weight", hf_t=True),
+    ParamSpec("layers/w_down", "mlp embed", "normal", "mlp.down_proj.weight", hf_t=True),
+)
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """The ParamSpecs of `cfg`'s weights, laid out as its parameter tree (they are its leaves)."""
+    tree: dict = {"layers": {}}
+    for s in PARAM_SPECS:
+        if s.when is None or s.when(cfg):
+            (tree["layers"] if s.stacked else tree)[s.name.removeprefix("layers/")] = s
+    return tree
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
-    """Shapes of every parameter for `cfg` (the layout contract for init, checkpoints and HF I/O)."""
-    L, D, F = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
-    H, K, Dh, V = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim, cfg.vocab_size
-    layers = {
-        "attn_norm": (L, D), "mlp_norm": (L, D),
-        "wq": (L, D, H, Dh), "wk": (L, D, K, Dh), "wv": (L, D, K, Dh), "wo": (L, H, Dh, D),
-        "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D),
-    }
-    if cfg.attention_bias:
-        layers.update(bq=(L, H, Dh), bk=(L, K, Dh), bv=(L, K, Dh), bo=(L, D))
-    if cfg.qk_norm:
-        layers.update(q_norm=(L, Dh), k_norm=(L, Dh))
-    shapes = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (D, V)
-    return shapes
+    """Shapes of every parameter for `cfg` (tuples are leaves): the layout of init, checkpoints and HF I/O."""
+    return jax.tree.map(lambda s: s.shape(cfg), param_specs(cfg))
 
 
 def param_axes(cfg: ModelConfig) -> dict:
     """Logical axes with the same tree structure as `param_shapes(cfg)` (tuples are leaves)."""
-    return {k: ({kk: PARAM_AXES["layers"][kk] for kk in v} if k == "layers" else PARAM_AXES[k])
-            for k, v in param_shapes(cfg).items()}
+    return jax.tree.map(lambda s: s.logical_axes, param_specs(cfg))
 
 
 def init_params(cfg: ModelConfig, key, *, std: float = 0.02) -> dict:
-    """Random init as HF does (normal(0, std) matrices, ones for norms, zeros for biases)."""
-    shapes = param_shapes(cfg)
-    flat, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(key, len(flat))
+    """Random init of every parameter by its spec's `init`."""
+    specs, treedef = jax.tree.flatten(param_specs(cfg))
     dtype = jnp.dtype(cfg.param_dtype)
-    leaves = []
-    for (path, shape), k in zip(flat, keys):
-        name = path[-1].key
-        if name.endswith("norm"):
-            leaves.append(jnp.ones(shape, dtype))
-        elif name in ("bq", "bk", "bv", "bo"):
-            leaves.append(jnp.zeros(shape, dtype))
-        else:
-            leaves.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
-    return jax.tree.unflatten(treedef, leaves)
+
+    def init(s: ParamSpec, k):
+        if s.init == "normal":
+            return (std * jax.random.normal(k, s.shape(cfg), jnp.float32)).astype(dtype)
+        return (jnp.ones if s.init == "ones" else jnp.zeros)(s.shape(cfg), dtype)
+    return jax.tree.unflatten(treedef, [init(s, k) for s, k in zip(specs, jax.random.split(key, len(specs)))])
 
 
 class KVCache(NamedTuple):
@@ -114,58 +134,54 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
-def cache_meta(cache: KVCache) -> TokenMeta:
-    """Metadata of the cache slots as keys: clean tokens of segment 1 at position = slot."""
-    return causal_meta(cache.lengths, cache.max_len)
-
-
+@jax.named_scope("layer")
 def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, write_slot_BT,
            kv_meta: tuple[TokenMeta, TokenMeta, TokenMeta] | None, clean_prefix: int | None = None):
     dt = jnp.dtype(cfg.dtype)
     p = jax.tree.map(lambda a: a.astype(dt), lp)
-    x = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dhk->bthk", x, p["wq"])
-    k = jnp.einsum("btd,dhk->bthk", x, p["wk"])
-    v = jnp.einsum("btd,dhk->bthk", x, p["wv"])
-    if cfg.attention_bias:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, meta.position, inv_freq)
-    k = apply_rope(k, meta.position, inv_freq)
-    if cache_kv is None:
-        new_cache_kv = None
-        if clean_prefix:
-            # [x ; x_hat] layout: the clean half only ever attends itself (L x L); the copy half attends all
-            P = clean_prefix
-            head = meta.take((slice(None), slice(None, P)))
-            tail = meta.take((slice(None), slice(P, None)))
-            o = jnp.concatenate([
-                attention(q[:, :P], k[:, :P], v[:, :P], head, head, impl=cfg.attention_impl),
-                attention(q[:, P:], k, v, tail, meta, impl=cfg.attention_impl)], axis=1)
+    with jax.named_scope("attention"):
+        x = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
+        q = jnp.einsum("btd,dhk->bthk", x, p["wq"])
+        k = jnp.einsum("btd,dhk->bthk", x, p["wk"])
+        v = jnp.einsum("btd,dhk->bthk", x, p["wv"])
+        if cfg.attention_bias:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        if cfg.qk_norm:
+            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+        q = apply_rope(q, meta.position, inv_freq)
+        k = apply_rope(k, meta.position, inv_freq)
+        if cache_kv is None:
+            new_cache_kv = None
+            if clean_prefix:
+                # [x ; x_hat] layout: the clean half only ever attends itself (P x P); the copy half attends all
+                P = clean_prefix
+                head = meta.take((slice(None), slice(None, P)))
+                tail = meta.take((slice(None), slice(P, None)))
+                o = jnp.concatenate([
+                    attention(q[:, :P], k[:, :P], v[:, :P], head, head, impl=cfg.attention_impl),
+                    attention(q[:, P:], k, v, tail, meta, impl=cfg.attention_impl)], axis=1)
+            else:
+                o = attention(q, k, v, meta, meta, impl=cfg.attention_impl)
         else:
-            o = attention(q, k, v, meta, meta, impl=cfg.attention_impl)
-    else:
-        # the whole stacked cache [L, B, S, K, Dh] is carried through the layer scan and updated in
-        # place at layer `li` (as scan xs/ys it was rebuilt, i.e. copied whole, at every call)
-        ks, vs, li = cache_kv
-        B = ks.shape[1]
-        rows = jnp.arange(B)[:, None]
-        ks = ks.at[li, rows, write_slot_BT].set(k.astype(ks.dtype), mode="drop")
-        vs = vs.at[li, rows, write_slot_BT].set(v.astype(vs.dtype), mode="drop")
-        new_cache_kv = (ks, vs)
-        ck = jax.lax.dynamic_index_in_dim(ks, li, 0, keepdims=False)
-        cv = jax.lax.dynamic_index_in_dim(vs, li, 0, keepdims=False)
-        # keys = committed cache (clean) + this window's copy tokens (its clean tokens are in the cache)
-        cache_kv_meta, window_kv_meta, full_meta = kv_meta
-        # "pallas" reads the cache in place (no concatenated copy per layer; per shard under a
-        # mesh, see sbd_jax/attention/sharded.py); "xla" concatenates
-        o = attention_parts(q, [(ck.astype(dt), cv.astype(dt), cache_kv_meta), (k, v, window_kv_meta)], meta,
-                            impl=cfg.attention_impl, kv_meta=full_meta)
-    h_BTD = h_BTD + jnp.einsum("bthk,hkd->btd", o, p["wo"]) + (p["bo"] if cfg.attention_bias else 0)
-    x = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
-    h_BTD = h_BTD + swiglu(x, p["w_gate"], p["w_up"], p["w_down"])
+            # the whole stacked cache [L, B, S, K, Dh] is carried through the layer scan and written in place
+            # at layer `li` (scanned as xs/ys it would be copied whole at every call)
+            ks, vs, li = cache_kv
+            rows = jnp.arange(ks.shape[1])[:, None]
+            ks = ks.at[li, rows, write_slot_BT].set(k.astype(ks.dtype), mode="drop")
+            vs = vs.at[li, rows, write_slot_BT].set(v.astype(vs.dtype), mode="drop")
+            new_cache_kv = (ks, vs)
+            ck = jax.lax.dynamic_index_in_dim(ks, li, 0, keepdims=False)
+            cv = jax.lax.dynamic_index_in_dim(vs, li, 0, keepdims=False)
+            # keys = committed cache (clean) + this window's copy tokens (its clean tokens are in the cache);
+            # "pallas" reads the cache in place (per shard under a mesh), "xla" concatenates
+            cache_kv_meta, window_kv_meta, full_meta = kv_meta
+            o = attention_parts(q, [(ck.astype(dt), cv.astype(dt), cache_kv_meta), (k, v, window_kv_meta)],
+                                meta, impl=cfg.attention_impl, kv_meta=full_meta)
+        h_BTD = h_BTD + jnp.einsum("bthk,hkd->btd", o, p["wo"]) + (p["bo"] if cfg.attention_bias else 0)
+    with jax.named_scope("mlp"):
+        x = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
+        h_BTD = h_BTD + swiglu(x, p["w_gate"], p["w_up"], p["w_down"])
     return h_BTD, new_cache_kv
 
 
@@ -198,18 +214,15 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
 
     if cache is None:
         def body(h, lp):
-            h, _ = _layer(cfg, inv_freq, h, lp, meta, None, None, None, clean_prefix)
-            return h, None
+            return _layer(cfg, inv_freq, h, lp, meta, None, None, None, clean_prefix)[0], None
         h, _ = jax.lax.scan(body, h, params["layers"], unroll=cfg.scan_unroll)
         new_cache = None
     else:
-        S = cache.max_len
         writes = (meta.stream == CLEAN) & (meta.segment > 0)
-        write_slot = jnp.where(writes, meta.position, S)  # out of range -> dropped
+        write_slot = jnp.where(writes, meta.position, cache.max_len)  # out of range -> dropped
         new_len = jnp.maximum(cache.lengths, jnp.max(jnp.where(writes, meta.position + 1, 0), axis=1))
-        committed = cache._replace(lengths=new_len)
         window_keys = meta._replace(segment=jnp.where(meta.stream == CLEAN, 0, meta.segment))
-        cmeta = cache_meta(committed)
+        cmeta = causal_meta(new_len, cache.max_len)  # the cache slots as keys: clean, position = slot
         kv_meta = (cmeta, window_keys, concat_meta(cmeta, window_keys))  # built once, not per layer
 
         def body(carry, xs):
@@ -227,11 +240,12 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
     return lm_head(params, cfg, h), new_cache
 
 
+@jax.named_scope("lm_head")
 def lm_head(params: dict, cfg: ModelConfig, h_BTD):
+    """Logits [B, T, V] in float32 (the tied head reuses the embedding)."""
     dt = jnp.dtype(cfg.dtype)
     if cfg.tie_word_embeddings:
-        w_VD = params["embed"].astype(dt)
-        return jnp.einsum("btd,vd->btv", h_BTD, w_VD, preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,vd->btv", h_BTD, params["embed"].astype(dt), preferred_element_type=jnp.float32)
     return jnp.einsum("btd,dv->btv", h_BTD, params["lm_head"].astype(dt), preferred_element_type=jnp.float32)
 
 

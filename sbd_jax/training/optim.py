@@ -1,14 +1,15 @@
-"""optax AdamW with linear warmup + cosine/linear/constant decay and global-norm clipping.
-Weight decay skips norms and biases. Gradient accumulation is done in the train step (a scan over
-microbatches with exact global-token means, see step.py), not by the optimizer."""
+"""optax AdamW with linear warmup + cosine/linear/constant decay and global-norm clipping. Weight decay
+follows the parameter table (`ParamSpec.decay`: not norms or biases). Gradient accumulation is done in the
+train step (a scan over microbatches with exact global-token means, see step.py), not by the optimizer."""
 from __future__ import annotations
 
 import jax
 import optax
 
+from ..models.transformer import PARAM_SPECS
 from .config import OptimConfig
 
-_NO_DECAY = ("bq", "bk", "bv", "bo")
+_NO_DECAY = frozenset(s.name.split("/")[-1] for s in PARAM_SPECS if not s.decay)
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -30,10 +31,7 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 def decay_mask(params):
     """True for parameters that get weight decay (matrices and embeddings; not norms or biases)."""
-    def keep(path, _):
-        name = str(getattr(path[-1], "key", path[-1]))
-        return not (name.endswith("norm") or name in _NO_DECAY)
-    return jax.tree.map_with_path(keep, params)
+    return jax.tree.map_with_path(lambda path, _: str(getattr(path[-1], "key", path[-1])) not in _NO_DECAY, params)
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int):
