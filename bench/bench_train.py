@@ -68,8 +68,6 @@ def parse(argv=None):
     ap.add_argument("--copy-len", type=int, default=None,
                     help="adds a variant with a compact copy stream of C slots (data.copy_len; needs --prompt-share); "
                          "every variant's rows are packed under that budget, so all see the same rows")
-    ap.add_argument("--block-fill", action="store_true",
-                    help="adds the copy_len variant with sbd.block_fill (each document's last copy block filled to k)")
     ap.add_argument("--allow-cpu-pallas", action="store_true", help="Pallas on CPU is interpret mode: meaningless")
     ap.add_argument("--out", default=None, help="markdown file (default bench/results/train_<platform>.md)")
     return ap.parse_args(argv)
@@ -87,16 +85,16 @@ def batches(args, n):
     return [it.next_batch() for _ in range(n)]
 
 
-def build_variant(cfg, args, ntp_only: bool, data, copy_len: int | None = None, block_fill: bool = False):
+def build_variant(cfg, args, ntp_only: bool, data, copy_len: int | None = None):
     """A compiled step + its state; returns (run(i) -> seconds of step i, info)."""
     mesh = make_mesh(MeshConfig())
     tx, sched = make_optimizer(OptimConfig(warmup_steps=10), 1000)
     sh = state_shardings(cfg, tx, mesh)
     params = jax.jit(lambda k: init_params(cfg, k))(jax.random.PRNGKey(0))
     box = {"state": create_state(params, tx, jax.random.PRNGKey(1), sh)}
-    opts = StepOptions(mask_token_id=cfg.mask_token_id, k_max=args.k_max, ntp_only=ntp_only,
+    opts = StepOptions(cfg.mask_token_id, k_max=args.k_max, ntp_only=ntp_only,
                        block_align="response" if args.prompt_share > 0 else "document", copy_len=copy_len,
-                       block_fill=block_fill, loss_chunk=args.loss_chunk)
+                       loss_chunk=args.loss_chunk)
     step = jit_train_step(make_train_step(cfg, opts, tx, sched, mesh), mesh, sh, args.batch)
     dev = [put_batch(b, mesh, args.batch) for b in data]
 
@@ -120,9 +118,6 @@ def measure(cfg, args, L: int) -> dict:
     variants = {"NTP-only": build_variant(cfg, args, True, data), "SBD dual": build_variant(cfg, args, False, data)}
     if args.copy_len:
         variants[f"SBD dual, copy_len {args.copy_len}"] = build_variant(cfg, args, False, data, args.copy_len)
-        if args.block_fill:
-            variants[f"SBD dual, copy_len {args.copy_len} + block_fill"] = build_variant(cfg, args, False, data,
-                                                                                      args.copy_len, True)
     times = {name: [] for name in variants}
     for i in range(args.steps):
         for name, (run, _) in variants.items():
@@ -137,9 +132,6 @@ def measure(cfg, args, L: int) -> dict:
 
 def main(argv=None):
     args = parse(argv)
-    if args.block_fill and not args.copy_len:
-        print("--block-fill needs --copy-len (the fill lives in the compact copy stream)")
-        return 2
     if args.copy_len and args.prompt_share <= 0:
         print("--copy-len needs --prompt-share > 0 (a compact copy stream drops the prompts)")
         return 2
@@ -163,7 +155,8 @@ def main(argv=None):
          f"host: {platform.machine()}, jax {jax.__version__}  "),
         (f"Model: Llama-style, {n_params / 1e6:.1f}M params (hidden {args.hidden}, {args.layers} layers, "
          f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}), params float32, compute {args.dtype}, "
-         f"attention `{args.attention}`, layer scan unroll {args.scan_unroll}; batch {args.batch} rows of L tokens; k ~ U[2, {args.k_max}]; "
+         f"attention `{args.attention}`, layer scan unroll {args.scan_unroll}; batch {args.batch} rows of L tokens; "
+         f"k ~ U[2, {args.k_max}]; "
          f"AdamW + clipping; median of {args.steps} interleaved steps after {args.warmup} warmup.  "),
         (f"Data: prompt/response pairs, prompt share {args.prompt_share:g}, response-aligned blocks"
          + (f", rows packed under copy_len {args.copy_len}" if args.copy_len else "") + ".  "

@@ -142,17 +142,7 @@ def test_copy_len_config_errors_name_the_problem():
         load_train_config(yaml, ["data.copy_len=80"])
     with pytest.raises(ConfigError, match=r"data.copy_len must be in \[1, seq_len=128\]"):
         load_train_config(yaml, ["data.copy_len=129", "sbd.block_align=response"])
-    with pytest.raises(ConfigError, match=r"data.copy_len \(8\) is shorter than the largest training block \(16\)"):
+    with pytest.raises(ConfigError, match=r"data.copy_len \(8\) is shorter than sbd.k_max \(16\)"):
         load_train_config(yaml, ["data.copy_len=8", "sbd.block_align=response"])
     # the NTP baseline ignores the copy stream: the budget only shapes its rows
     assert load_train_config(yaml, ["data.copy_len=8", "sbd.ntp_only=true"]).data.copy_len == 8
-    # block_fill needs the compact copy stream; the reserve must leave copy slots
-    with pytest.raises(ConfigError, match="sbd.block_fill needs data.copy_len"):
-        load_train_config(yaml, ["sbd.block_fill=true"])
-    cfg = load_train_config(yaml, ["data.copy_len=80", "sbd.block_align=response", "sbd.block_fill=true",
-                                   "data.copy_reserve=8"])
-    assert cfg.sbd.block_fill and cfg.data.copy_reserve == 8
-    with pytest.raises(ConfigError, match=r"data.copy_reserve must be in \[0, copy_len or seq_len\)"):
-        load_train_config(yaml, ["data.copy_len=80", "sbd.block_align=response", "data.copy_reserve=80"])
-    with pytest.raises(ConfigError, match="data.pack_lookahead must be >= 0"):
-        load_train_config(yaml, ["data.pack_lookahead=-1"])

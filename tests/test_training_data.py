@@ -10,14 +10,10 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from tokenizers.processors import TemplateProcessing
 
+from sbd_jax.config import ConfigError
+from sbd_jax.io.tokenizer import Tokenizer, TokenizerError
 from sbd_jax.training.config import DataConfig
-from sbd_jax.training.data import (
-    DataError,
-    Documents,
-    PackedIterator,
-    build_iterator,
-    load_tokenizer,
-)
+from sbd_jax.training.data import DataError, Documents, PackedIterator, build_iterator
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "away", "big", "red", "sun", "hello", "world",
          "answer", "is", "yes", "no"]
@@ -107,8 +103,8 @@ def test_packing_with_a_copy_stream_budget():
     assert it.state()["copy_len"] == 5
     with pytest.raises(DataError, match="copy_len"):
         PackedIterator(docs, 12, 1, shuffle=False).restore(it.state())
-    with pytest.raises(DataError, match="copy_len must be in"):
-        PackedIterator(docs, 12, 1, copy_len=13)
+    with pytest.raises(ConfigError, match="copy_len must be in"):
+        DataConfig(seq_len=12, copy_len=13)
     # C = L: the same rows as without a budget
     plain, same = PackedIterator(docs, 12, 2, seed=4), PackedIterator(docs, 12, 2, seed=4, copy_len=12)
     for _ in range(6):
@@ -149,79 +145,6 @@ def test_order_deterministic_from_seed_and_resumable():
             np.testing.assert_array_equal(x, y)
     with pytest.raises(DataError, match="seq_len"):
         PackedIterator(docs, 10, 2, seed=1).restore(state)
-
-
-def test_lookahead_packing_fills_gaps_and_keeps_every_document():
-    """pack_lookahead W: a document that does not fit the rest of a row waits (at most W at a time) while
-    the next ones fill the row; waiting documents go first, oldest first, in the next rows."""
-    A, B, C, D, E = [1] * 4, [2] * 5, [3] * 2, [4] * 6, [5] * 3
-    docs = Documents.from_lists([A, B, C, D, E])
-    it = PackedIterator(docs, seq_len=6, batch_size=1, shuffle=False, lookahead=2)
-    tok = [it.next_batch().tokens[0].tolist() for _ in range(4)]
-    assert tok[0] == [1, 1, 1, 1, 3, 3]  # B waits, C fills the row
-    assert tok[1] == [2, 2, 2, 2, 2, 0]  # the waiting B goes first; D and E wait (the queue holds 2)
-    assert tok[2] == [4, 4, 4, 4, 4, 4]  # D: the oldest waiting document
-    assert tok[3] == [5, 5, 5, 3, 3, 0]  # E; the next epoch's A and B wait, its C fits
-    # in-order packing of the same documents leaves more padding
-    plain = PackedIterator(docs, seq_len=6, batch_size=1, shuffle=False)
-    assert plain.next_batch().tokens[0].tolist() == [1, 1, 1, 1, 0, 0]
-    with pytest.raises(DataError, match="pack_lookahead"):
-        PackedIterator(docs, 6, 1, lookahead=-1)
-
-
-def test_lookahead_packing_covers_each_epoch_and_resumes():
-    rng = np.random.default_rng(1)
-    lists = [[int(i) + 5] * int(rng.integers(2, 15)) for i in range(50)]  # doc i is filled with i + 5
-    docs = Documents.from_lists(lists)
-    it, plain = (PackedIterator(docs, 16, 4, seed=2, lookahead=lookahead) for lookahead in (8, 0))
-    counts, fill, plain_fill = np.zeros(50, int), [], []
-    for _ in range(40):  # several epochs
-        b = it.next_batch()
-        _check_rows(b, 16)
-        fill.append((b.segment > 0).mean())
-        plain_fill.append((plain.next_batch().segment > 0).mean())
-        for t, s in zip(b.tokens, b.segment):
-            for k in range(1, s.max() + 1):
-                d = t[s == k]
-                assert d.tolist() == lists[d[0] - 5]  # whole documents, never cut or mixed
-                counts[d[0] - 5] += 1
-    # every document the order has reached is either placed or waiting: none lost, none doubled
-    passed = np.full(50, it._epoch)
-    passed[it._perm[:it._cursor]] += 1
-    waiting = np.bincount([i for i, _ in it._pending], minlength=50)
-    np.testing.assert_array_equal(counts + waiting, passed)
-    assert waiting.sum() <= 8
-    assert np.mean(fill) > np.mean(plain_fill) + 0.05
-    state = json.loads(json.dumps(it.state()))  # JSON round trip, as in a checkpoint
-    assert state["pending"]  # the queue is part of the state
-    expected = [it.next_batch() for _ in range(6)]
-    resumed = PackedIterator(docs, 16, 4, seed=2, lookahead=8)
-    resumed.restore(state)
-    for e in expected:
-        for x, y in zip(e, resumed.next_batch()):
-            np.testing.assert_array_equal(x, y)
-    with pytest.raises(DataError, match="lookahead"):
-        PackedIterator(docs, 16, 4, seed=2, lookahead=4).restore(state)
-
-
-def test_copy_reserve_keeps_copy_slots_free_per_document():
-    """copy_reserve R (for sbd.block_fill): each placed document takes its copy tokens + R of the C copy slots;
-    responses are cut to C - R tokens."""
-    A = [1, 2, 3, 4, 5]          # prompt 3, response 2
-    B = [6, 7, 8]                # prompt 1, response 2
-    F = [20, 21, 22, 23, 24, 25, 26, 27]  # prompt 1, response 7 -> cut to C - R = 4
-    docs = Documents.from_lists([A, B, F], n_prompt=[3, 1, 1])
-    plain = PackedIterator(docs, seq_len=12, batch_size=1, shuffle=False, copy_len=6)
-    assert plain.next_batch().tokens[0].tolist()[:8] == [1, 2, 3, 4, 5, 6, 7, 8]  # 2 + 2 copy tokens <= 6
-    it = PackedIterator(docs, seq_len=12, batch_size=1, shuffle=False, copy_len=6, copy_reserve=2)
-    tok = [it.next_batch().tokens[0].tolist() for _ in range(3)]
-    assert tok[0] == [1, 2, 3, 4, 5] + [0] * 7  # (2 + 2) + (2 + 2) > 6: B starts the next row
-    assert tok[1] == [6, 7, 8] + [0] * 9  # F's (4 + 2) does not fit after (2 + 2)
-    assert tok[2] == [20, 21, 22, 23, 24] + [0] * 7  # response cut to C - R = 4 tokens
-    with pytest.raises(DataError, match="copy_reserve must be in"):
-        PackedIterator(docs, 12, 1, copy_len=6, copy_reserve=6)
-    with pytest.raises(DataError, match="copy_reserve"):
-        PackedIterator(docs, 12, 1, shuffle=False, copy_len=6).restore(it.state())
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -275,33 +198,6 @@ def test_prompt_response_with_chat_template(tmp_path, tok_dir):
     b2 = build_iterator(cfg2, 1).next_batch()
     assert b2.tokens[0][b2.segment[0] == 1].tolist() == [1] + ids("hello world yes </s>")
     np.testing.assert_array_equal(b2.loss_mask[0][b2.segment[0] == 1], [0, 0, 0, 1, 1])
-    # eos_padding: extra loss-counted EOS tokens after the end (SBD blocks are never cut at the end)
-    cfg3 = DataConfig(path=str(tmp_path / "sft.jsonl"), tokenizer=str(tok_dir), seq_len=32, shuffle=False,
-                      chat_template=False, eos_padding=3, cache_dir=str(tmp_path / "c"))
-    b3 = build_iterator(cfg3, 1).next_batch()
-    assert b3.tokens[0][b3.segment[0] == 1].tolist() == [1] + ids("hello world yes </s> </s> </s> </s>")
-    np.testing.assert_array_equal(b3.loss_mask[0][b3.segment[0] == 1], [0, 0, 0, 1, 1, 1, 1, 1])
-    with pytest.raises(Exception, match="eos_padding must be >= 0"):
-        DataConfig(eos_padding=-1)
-    # block_tail: uncounted <m> tokens after the end (the last SBD block is always k wide, masks after EOS)
-    cfg4 = DataConfig(path=str(tmp_path / "sft.jsonl"), tokenizer=str(tok_dir), seq_len=32, shuffle=False,
-                      chat_template=False, block_tail=3, cache_dir=str(tmp_path / "c"))
-    b4 = build_iterator(cfg4, 1, mask_id=99).next_batch()
-    assert b4.tokens[0][b4.segment[0] == 1].tolist() == [1] + ids("hello world yes </s>") + [99, 99, 99]
-    np.testing.assert_array_equal(b4.loss_mask[0][b4.segment[0] == 1], [0, 0, 0, 1, 1, 0, 0, 0])
-    with pytest.raises(DataError, match="block_tail needs the model's mask token"):
-        build_iterator(cfg4, 1)
-    with pytest.raises(Exception, match="block_tail must be >= 0"):
-        DataConfig(block_tail=-1)
-    # text documents cut into pieces: only the piece holding the tail loses those tokens
-    (tmp_path / "long_text.jsonl").write_text(json.dumps({"text": " ".join(["the"] * 10)}) + "\n")
-    cfg5 = DataConfig(path=str(tmp_path / "long_text.jsonl"), tokenizer=str(tok_dir), seq_len=8, shuffle=False,
-                      block_tail=4, cache_dir=str(tmp_path / "c5"))
-    it5 = build_iterator(cfg5, 1, mask_id=99)
-    rows = [it5.next_batch() for _ in range(2)]  # 1 BOS + 10 words + EOS + 4 tail = 16 tokens = 2 pieces
-    np.testing.assert_array_equal(rows[0].loss_mask[0], [1] * 8)
-    np.testing.assert_array_equal(rows[1].loss_mask[0], [1, 1, 1, 1, 0, 0, 0, 0])
-    assert rows[1].tokens[0, 4:].tolist() == [99] * 4
 
 
 def test_callable_tokenizer(tmp_path):
@@ -313,10 +209,10 @@ def test_callable_tokenizer(tmp_path):
 
 
 def test_load_tokenizer_reads_config(tok_dir):
-    tk = load_tokenizer(tok_dir)
+    tk = Tokenizer.load(tok_dir)
     assert tk.eos_id == 2 and tk.chat_template == TEMPLATE and tk.encode("hello world") == [1] + ids("hello world")
-    with pytest.raises(DataError, match="does not exist"):
-        load_tokenizer(tok_dir / "nope.json")
+    with pytest.raises(TokenizerError, match="does not exist"):
+        Tokenizer.load(tok_dir / "nope.json")
 
 
 def test_errors_name_the_problem(tmp_path, tok_dir):

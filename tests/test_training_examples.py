@@ -14,8 +14,10 @@ from sbd_jax.training.examples import (
     sample_block_size,
     sample_masked,
 )
+from sbd_jax.training.spec import ExampleSpec
 
 M = 99  # mask token id
+DOC, RESP = ExampleSpec(M), ExampleSpec(M, block_align="response")
 
 
 def _batch(rows):
@@ -30,7 +32,7 @@ MASKED = np.array([[0, 1, 0, 1, 1, 0, 1, 0],
 
 
 def test_hand_built_document_aligned():
-    ex = build_sbd_example(_batch([ROW0, ROW1]), jnp.asarray(MASKED), jnp.int32(3), M, "document")
+    ex = build_sbd_example(_batch([ROW0, ROW1]), jnp.asarray(MASKED), jnp.int32(3), DOC)
     # row 0 with k = 3
     exp_tokens0 = [10, 11, 12, 13, 14, 20, 21, 0] + [10, M, 12, M, M, 20, M, 0]
     np.testing.assert_array_equal(ex.tokens[0], exp_tokens0)
@@ -50,7 +52,7 @@ def test_hand_built_document_aligned():
 
 
 def test_hand_built_response_aligned_and_k2():
-    ex = build_sbd_example(_batch([ROW0, ROW1]), jnp.asarray(MASKED), jnp.int32(2), M, "response")
+    ex = build_sbd_example(_batch([ROW0, ROW1]), jnp.asarray(MASKED), jnp.int32(2), RESP)
     # text documents: response start = 0, so k=2 blocks from the document start
     np.testing.assert_array_equal(ex.meta.block[0, 8:], [0, 0, 2, 2, 4, 0, 0, 0])
     np.testing.assert_array_equal(ex.meta.segment[0, 8:], [1, 1, 1, 1, 1, 2, 2, 0])
@@ -66,7 +68,7 @@ def test_hand_built_response_aligned_and_k2():
 def test_ntp_only_example_is_the_clean_half():
     b = _batch([ROW0, ROW1])
     ntp = build_ntp_example(b)
-    sbd = build_sbd_example(b, jnp.asarray(MASKED), jnp.int32(4), M)
+    sbd = build_sbd_example(b, jnp.asarray(MASKED), jnp.int32(4), DOC)
     assert ntp.tokens.shape == (2, 8)
     for a, s in zip(ntp.meta, sbd.meta):
         np.testing.assert_array_equal(a, s[:, :8])
@@ -107,7 +109,7 @@ def test_block_size_uniform_in_2_kmax_and_fixed():
 
 def test_make_example_varies_k_without_recompiling():
     b = _sft_batch(B=4, L=32, split=20)
-    f = jax.jit(lambda key, batch: make_example(key, batch, mask_token_id=M, k_max=16))
+    f = jax.jit(lambda key, batch: make_example(key, batch, ExampleSpec(M, k_max=16)))
     seen = set()
     for i in range(12):
         ex, k = f(jax.random.PRNGKey(i), b)
@@ -123,56 +125,33 @@ def test_make_example_varies_k_without_recompiling():
 
 def test_make_example_requires_mask_token():
     with pytest.raises(ValueError, match="mask token"):
-        make_example(jax.random.PRNGKey(0), _sft_batch(B=1, L=8, n_prompt=2, split=6), mask_token_id=None)
+        make_example(jax.random.PRNGKey(0), _sft_batch(B=1, L=8, n_prompt=2, split=6), ExampleSpec())
 
 
-def test_block_tail_makes_the_last_block_full_width_with_masks():
-    """An SFT pair (prompt 2, response 3 = 2 tokens + EOS 7) followed by a 3-token `<m>` tail (data.block_tail,
-    loss mask 0): with k = 4 and response alignment the response's block [2, 6) is 4 copy positions wide,
-    the tail positions carry `<m>`, belong to the document, attend inside the block and are never counted."""
-    row = ([30, 31, 40, 41, 7, M, M, M], [1] * 8, list(range(8)), [0, 0, 1, 1, 1, 0, 0, 0])
-    masked = jnp.asarray(np.array([[0, 0, 1, 0, 1, 0, 0, 0]], bool))
-    ex = build_sbd_example(_batch([row]), masked, jnp.int32(4), M, "response")
-    np.testing.assert_array_equal(ex.tokens[0, 8:], [30, 31, M, 41, M, M, M, M])
-    np.testing.assert_array_equal(ex.meta.segment[0, 8:], [0, 0, 1, 1, 1, 1, 1, 1])
-    np.testing.assert_array_equal(ex.meta.block[0, 8:], [2, 2, 2, 2, 2, 2, 6, 6])
-    np.testing.assert_array_equal(ex.matp_weight[0, 8:], [0, 0, 1, 0, 1, 0, 0, 0])
-    np.testing.assert_array_equal(ex.ntp_weight[0, :8], [0, 1, 1, 1, 0, 0, 0, 0])  # EOS predicts nothing
-    # the masked EOS (copy position 4) sees all 4 positions of its block, as at inference
-    from sbd_jax.attention.mask import dense_mask
-    allowed = np.asarray(dense_mask(ex.meta, ex.meta))[0]  # [query, key]
-    assert allowed[8 + 4, 8 + 2:8 + 6].all() and not allowed[8 + 4, 8 + 6:].any()
-    # and the clean prompt, but no clean response token of its own block
-    assert allowed[8 + 4, :2].all() and not allowed[8 + 4, 2:8].any()
-
-
-def test_block_fill_fills_each_documents_last_block_to_k():
-    """sbd.block_fill (compact copy stream): after each document's copy tokens, uncounted `<m>` up to the end of
-    its last k-block (positions continue, same segment, same block); what does not fit copy_len is cut off."""
-    ex = build_sbd_example(_batch([ROW0, ROW1]), jnp.asarray(MASKED), jnp.int32(3), M, "response",
-                           copy_len=8, block_fill=True)
+def test_compact_copy_stream_hand_built():
+    """copy_len C: each row's copy tokens (from every document's response start on) in row order in C slots,
+    segment 0 after them; what does not fit C is cut off. The clean half is the same as without it."""
+    b, masked = _batch([ROW0, ROW1]), jnp.asarray(MASKED)
+    ex = build_sbd_example(b, masked, jnp.int32(3), ExampleSpec(M, block_align="response", copy_len=8))
+    full = build_sbd_example(b, masked, jnp.int32(3), RESP)
+    np.testing.assert_array_equal(ex.tokens[:, :8], full.tokens[:, :8])
     c = slice(8, 16)
-    # row 0: text doc of 5 (+1 fill), text doc of 2 (+1 fill: the 9th slot, cut off)
-    np.testing.assert_array_equal(ex.tokens[0, c], [10, M, 12, M, M, M, 20, M])
-    np.testing.assert_array_equal(ex.meta.segment[0, c], [1, 1, 1, 1, 1, 1, 2, 2])
-    np.testing.assert_array_equal(ex.meta.position[0, c], [0, 1, 2, 3, 4, 5, 0, 1])
-    np.testing.assert_array_equal(ex.meta.block[0, c], [0, 0, 0, 3, 3, 3, 0, 0])
-    np.testing.assert_array_equal(np.asarray(ex.targets[0, c])[[0, 1, 2, 3, 4, 6, 7]], [10, 11, 12, 13, 14, 20, 21])
-    np.testing.assert_array_equal(ex.matp_weight[0, c], [0, 1, 0, 1, 1, 0, 0, 1])  # the fill is never counted
-    # row 1: SFT response of 2 at positions 3-4 (+1 fill), text doc of 3 (no fill), then padding
-    np.testing.assert_array_equal(ex.tokens[1, 8:14], [M, 41, M, 50, M, M])
-    np.testing.assert_array_equal(ex.meta.segment[1, c], [1, 1, 1, 2, 2, 2, 0, 0])
-    np.testing.assert_array_equal(ex.meta.position[1, 8:14], [3, 4, 5, 0, 1, 2])
-    np.testing.assert_array_equal(ex.meta.block[1, 8:14], [3, 3, 3, 0, 0, 0])
-    np.testing.assert_array_equal(ex.matp_weight[1, c], [1, 0, 0, 0, 1, 1, 0, 0])
-    # the clean half is untouched, and without the fill the same call gives the plain compact stream
-    plain = build_sbd_example(_batch([ROW0, ROW1]), jnp.asarray(MASKED), jnp.int32(3), M, "response", copy_len=8)
-    np.testing.assert_array_equal(ex.tokens[:, :8], plain.tokens[:, :8])
-    np.testing.assert_array_equal(plain.meta.segment[1, c], [1, 1, 2, 2, 2, 0, 0, 0])
-    # k = 2 under jit (traced k): doc of 5 -> 1 fill, doc of 2 -> none
-    f = jax.jit(lambda k: build_sbd_example(_batch([ROW0, ROW1]), jnp.asarray(MASKED), k, M, "response",
-                                            copy_len=8, block_fill=True).meta.segment)
-    np.testing.assert_array_equal(f(jnp.int32(2))[0, c], [1, 1, 1, 1, 1, 1, 2, 2])
-    np.testing.assert_array_equal(f(jnp.int32(5))[0, c], [1, 1, 1, 1, 1, 2, 2, 2])  # 5 % 5 == 0: no fill
-    with pytest.raises(ValueError, match="block_fill needs copy_len"):
-        build_sbd_example(_batch([ROW0]), jnp.asarray(MASKED[:1]), jnp.int32(3), M, "response", block_fill=True)
+    # row 0: two text documents (5 + 2 copy tokens), then one padding slot
+    np.testing.assert_array_equal(ex.tokens[0, c], [10, M, 12, M, M, 20, M, M])
+    np.testing.assert_array_equal(ex.meta.segment[0, c], [1, 1, 1, 1, 1, 2, 2, 0])
+    np.testing.assert_array_equal(ex.meta.position[0, c], [0, 1, 2, 3, 4, 0, 1, 0])
+    np.testing.assert_array_equal(ex.meta.block[0, 8:15], [0, 0, 0, 3, 3, 0, 0])
+    np.testing.assert_array_equal(ex.targets[0, 8:15], [10, 11, 12, 13, 14, 20, 21])
+    np.testing.assert_array_equal(ex.matp_weight[0, c], [0, 1, 0, 1, 1, 0, 1, 0])
+    # row 1: the SFT response (positions 3-4, prompt dropped), the text document of 3, then padding
+    np.testing.assert_array_equal(ex.tokens[1, 8:13], [M, 41, 50, M, M])
+    np.testing.assert_array_equal(ex.meta.segment[1, c], [1, 1, 2, 2, 2, 0, 0, 0])
+    np.testing.assert_array_equal(ex.meta.position[1, 8:13], [3, 4, 0, 1, 2])
+    np.testing.assert_array_equal(ex.meta.block[1, 8:13], [3, 3, 0, 0, 0])
+    np.testing.assert_array_equal(ex.matp_weight[1, c], [1, 0, 0, 1, 1, 0, 0, 0])
+    # C = 6 cuts row 0's seventh copy token off; under jit with a traced k
+    f = jax.jit(lambda k: build_sbd_example(b, masked, k, ExampleSpec(M, block_align="response", copy_len=6)))
+    cut = f(jnp.int32(2))
+    assert cut.tokens.shape == (2, 14)
+    np.testing.assert_array_equal(cut.meta.segment[0, 8:], [1, 1, 1, 1, 1, 2])
+    np.testing.assert_array_equal(cut.meta.block[0, 8:], [0, 0, 2, 2, 4, 0])

@@ -17,6 +17,7 @@ from sbd_jax.training.examples import (
     sample_masked,
 )
 from sbd_jax.training.loss import sbd_loss
+from sbd_jax.training.spec import ExampleSpec
 
 M = 5
 CFG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -139,7 +140,7 @@ def setup():
 @pytest.mark.parametrize("k", [3, 4])
 def test_loss_matches_slow_reference(setup, k):
     params, batch, masked = setup
-    ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(k), M)
+    ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(k), ExampleSpec(M))
     loss, m = _loss(params, ex)
     r_ntp, r_matp, n_ntp, n_matp = reference_losses(params, CFG, *(np.asarray(a) for a in batch), masked, k)
     assert n_matp > 4 and int(m["matp_tokens"]) == n_matp and int(m["ntp_tokens"]) == n_ntp
@@ -151,7 +152,7 @@ def test_loss_matches_slow_reference(setup, k):
 def test_reference_is_sensitive_to_k_and_positions(setup):
     """Guard: the comparison above would fail with another block size (the mask matters)."""
     params, batch, masked = setup
-    ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), M)
+    ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), ExampleSpec(M))
     _, m = _loss(params, ex)
     _, r_matp3, _, _ = reference_losses(params, CFG, *(np.asarray(a) for a in batch), masked, 3)
     assert abs(float(m["matp_loss"]) - r_matp3) > 1e-3
@@ -161,7 +162,7 @@ def test_reference_is_sensitive_to_k_and_positions(setup):
 def grads(setup):
     """One compiled function: per-term gradients (unchunked) and the chunked loss's value and gradient."""
     params, batch, masked = setup
-    ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), M)
+    ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), ExampleSpec(M))
 
     def terms(p):
         _, m = sbd_loss(p, CFG, ex)
@@ -198,7 +199,7 @@ def test_chunked_loss_equals_full(grads):
 def test_ntp_only_equals_ntp_term_of_dual_loss(setup):
     """Clean queries never see the copy, so the dual loss's NTP term is exactly the NTP baseline's loss."""
     params, batch, masked = setup
-    ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), M)
+    ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), ExampleSpec(M))
     _, m_dual = _loss(params, ex)
     loss_ntp, m_ntp = _loss(params, build_ntp_example(batch))
     np.testing.assert_allclose(float(loss_ntp), float(m_dual["ntp_loss"]), rtol=1e-6)
@@ -219,14 +220,15 @@ def test_compact_copy_stream_equals_the_full_layout(setup):
     L = batch.tokens.shape[1]
     # copy-stream tokens per row: row 0 its 18 text tokens (2 pads dropped), row 1 20 - its 5-token prompt
     assert np.asarray(full_copy_seg(batch) > 0).sum(1).tolist() == [18, 15]
-    full = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), M, "response")
+    resp = ExampleSpec(M, block_align="response")
+    full = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), resp)
 
     def value_and_grad(ex, prefix):
         return jax.value_and_grad(lambda p: combine(loss_sums(p, CFG, ex, clean_prefix=prefix)))(params)
 
     f_val, f_grad = jax.jit(lambda: value_and_grad(full, None))()
     for C in (18, 20):
-        ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), M, "response", copy_len=C)
+        ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), dataclasses.replace(resp, copy_len=C))
         assert ex.tokens.shape == (2, L + C)
         assert float(ex.matp_weight.sum()) == float(full.matp_weight.sum()) > 4
         np.testing.assert_array_equal(np.sort(np.asarray(ex.targets[:, L:])[np.asarray(ex.matp_weight[:, L:]) > 0]),
@@ -236,15 +238,15 @@ def test_compact_copy_stream_equals_the_full_layout(setup):
             np.testing.assert_allclose(float(val), float(f_val), rtol=1e-6)
             for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(f_grad)):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
-    with pytest.raises(ValueError, match="copy_len needs block_align='response'"):
-        build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), M, "document", copy_len=18)
+    with pytest.raises(ValueError, match="copy_len .* needs sbd.block_align='response'"):
+        ExampleSpec(M, block_align="document", copy_len=18)
 
 
 def test_unrolled_layer_scan_equals_rolled(setup):
     """`scan_unroll` (layers per scan iteration of the training forward) changes speed only: the same loss
     and gradients as the rolled loop."""
     params, batch, masked = setup
-    ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), M)
+    ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), ExampleSpec(M))
     unrolled = dataclasses.replace(CFG, scan_unroll=CFG.num_hidden_layers)
     (v0, m0), g0 = jax.jit(jax.value_and_grad(lambda p: sbd_loss(p, CFG, ex), has_aux=True))(params)
     (v1, m1), g1 = jax.jit(jax.value_and_grad(lambda p: sbd_loss(p, unrolled, ex), has_aux=True))(params)

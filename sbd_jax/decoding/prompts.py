@@ -1,4 +1,4 @@
-"""Prompt files, tokenizer / chat template, and the streamed, resumable output file of decode.py.
+"""Prompt files and the streamed, resumable output file of decode.py.
 
 Input: JSON lines, one object per prompt:
   {"id": ..., "prompt": "text"}              text, tokenized with the model dir's tokenizer.json
@@ -14,12 +14,11 @@ returns the ids already written, which are then skipped.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..io.tokenizer import Tokenizer, TokenizerError
 from .decoder import DecodeError
-from ..io.chat import ChatTemplateError, render_chat_template
 
 
 class PromptFileError(DecodeError):
@@ -31,50 +30,6 @@ class Prompt:
     id: object
     line: int
     ids: tuple[int, ...]
-
-
-class Tokenizer:
-    """`tokenizer.json` (HF `tokenizers`) + the chat template of `tokenizer_config.json` (Jinja)."""
-
-    def __init__(self, model_dir: str | os.PathLike):
-        from tokenizers import Tokenizer as HFTokenizer
-        d = Path(model_dir)
-        self.tok = HFTokenizer.from_file(str(d / "tokenizer.json"))
-        conf = {}
-        if (d / "tokenizer_config.json").is_file():
-            conf = json.loads((d / "tokenizer_config.json").read_text())
-        tmpl = conf.get("chat_template")
-        if isinstance(tmpl, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in tmpl}
-            tmpl = named.get("default") or next(iter(named.values()), None)
-        if tmpl is None and (d / "chat_template.jinja").is_file():
-            tmpl = (d / "chat_template.jinja").read_text()
-        self.chat_template = tmpl
-        self.special = {k: _token_text(conf.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-
-    @staticmethod
-    def find(model_dir) -> Tokenizer | None:
-        return Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def decode(self, ids) -> str:
-        return self.tok.decode(list(map(int, ids)), skip_special_tokens=True)
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not self.chat_template:
-            raise DecodeError("the prompt asks for a chat template but the tokenizer has none "
-                              "(no chat_template in tokenizer_config.json or chat_template.jinja)")
-        try:
-            text = render_chat_template(self.chat_template, messages, add_generation_prompt=True, **self.special)
-        except ChatTemplateError as e:
-            raise DecodeError(f"chat template failed: {e}") from None
-        return self.encode(text, add_special_tokens=False)  # the template writes its own BOS
-
-
-def _token_text(t):
-    return t.get("content") if isinstance(t, dict) else t
 
 
 def read_prompts(path, tokenizer: Tokenizer | None, *, chat: bool = False, vocab_size: int | None = None
@@ -137,9 +92,7 @@ def _row_ids(row: dict, tokenizer: Tokenizer | None, chat: bool, where: str) -> 
         if chat or row.get("chat") is True:
             return tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}])
         return tokenizer.encode(row["prompt"])
-    except PromptFileError:
-        raise
-    except DecodeError as e:
+    except TokenizerError as e:
         raise PromptFileError(f"{where}: {e}") from None
 
 

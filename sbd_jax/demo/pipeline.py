@@ -51,9 +51,6 @@ class DemoConfig:
     # as 128 (responses are ~56% of the tokens) and cut the SBD step's input from 256 to 208 tokens; the
     # baseline's rows are packed under the same budget, so both fine-tunes see the same rows
     copy_len: int | None = 80
-    # look-ahead packing (data.pack_lookahead=16: rows 84% -> 93% full, 3.0 -> 3.4 problems per row at the same
-    # step cost) measured no better here (docs/demo_experiments.md, session 7), so off by default
-    pack_lookahead: int = 0
     batch_size: int = 8  # more, smaller SBD updates for the same CPU time (docs/demo_experiments.md)
     pretrain_steps: int = 1200
     finetune_steps: int = 2800  # the SBD fine-tune's length decides the result (docs/demo_experiments.md)
@@ -64,19 +61,6 @@ class DemoConfig:
     # SFT blocks start at the response, as blocks start after the prompt at inference (measured against
     # "document" alignment in README: no clear difference at this scale, slightly better at low gamma)
     block_align: str = "response"
-    # SBD fine-tune: uncounted <m> after each answer so its last block is k wide, as at inference (data.py);
-    # measured worse here (docs/demo_experiments.md), so off by default
-    block_tail: int = 0
-    # SBD fine-tune: each answer's last copy block filled to k wide with uncounted <m> (sbd.block_fill), as every
-    # block is k wide at inference. It removed the early EOS of one run's short answers (sort 76% -> 87%), but on
-    # two other runs' pretraining and baseline it measured -0.4 and -3.8 points against no fill
-    # (docs/demo_experiments.md, session 7), so off by default. copy_reserve: copy slots kept free per problem
-    # for the fill (it shapes both fine-tunes' rows)
-    block_fill: bool = False
-    copy_reserve: int = 0
-    # SBD fine-tune: extra loss-counted EOS after each answer (data.py), so positions after the end are learned;
-    # eos_padding=4 measured worse here
-    eos_padding: int = 0
     # evaluation
     block_size: int = 16
     gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0)  # EB rule (the paper's): low 0.1, middle 0.35, high 0.6
@@ -154,15 +138,12 @@ def model_config(cfg: DemoConfig, tok_dir: Path) -> ModelConfig:
 def _train_config(cfg: DemoConfig, data_file: Path, tok_dir: Path, *, mode: str, steps: int, lr: float,
                   ntp_only: bool, init_from: str | None, model: ModelConfig | None, out: Path) -> TrainConfig:
     return TrainConfig(
-        # the layer loop unrolled (ModelConfig.scan_unroll): SBD steps 175 -> 151 ms here; NTP steps unchanged
+        # the layer loop unrolled (ModelConfig.scan_unroll): faster SBD steps, NTP steps unchanged (BENCHMARKS.md)
         model=ModelSource(init_from=init_from, config=model, scan_unroll=cfg.num_layers),
         data=DataConfig(path=str(data_file), mode=mode, tokenizer=str(tok_dir), seq_len=cfg.seq_len,
-                        seed=cfg.seed, chat_template=False, block_tail=0 if ntp_only else cfg.block_tail,
-                        eos_padding=0 if ntp_only else cfg.eos_padding, copy_len=cfg.copy_len if mode == "sft" else None,
-                        pack_lookahead=cfg.pack_lookahead, copy_reserve=cfg.copy_reserve if mode == "sft" else 0),
+                        seed=cfg.seed, chat_template=False, copy_len=cfg.copy_len if mode == "sft" else None),
         sbd=SBDConfig(k_max=cfg.k_max, block_size=cfg.train_block_size, ntp_only=ntp_only,
-                      block_align=cfg.block_align if mode == "sft" else "document",
-                      block_fill=cfg.block_fill and mode == "sft" and not ntp_only),
+                      block_align=cfg.block_align if mode == "sft" else "document"),
         optim=OptimConfig(lr=lr, warmup_steps=max(1, steps // 20), schedule="cosine", weight_decay=0.01),
         checkpoint=CheckpointConfig(every=max(1, steps // 4), keep=2, async_save=False),
         mesh=MeshConfig(data=1), out_dir=str(out), steps=steps, batch_size=cfg.batch_size, seed=cfg.seed,

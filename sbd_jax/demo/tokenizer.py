@@ -1,15 +1,12 @@
-"""The demo's tokenizer, trained locally with the `tokenizers` library on the pretraining texts (no download):
-a BPE over printable ASCII whose pre-tokenizer keeps numbers of up to three digits together, as the
-Llama-3 and Qwen tokenizers do (`\\d{1,3}`), and words with their leading space (" gets"). Every printable
-character is in the alphabet, so any text round-trips; the specials are <pad>, <bos>, <eos>, the SBD mask
-token <m> and <unk>. Saved as a standard `tokenizer.json`, so `decode.py` and `transformers` load it from
-the model directory.
-
-Why not characters: a character tokenizer spells "12" as two tokens, so where the next step of a worked
-solution starts depends on how many digits an unfinished result has; with numbers as tokens every step
-of "4+9=13;13+4=17" has the same token layout, as it would under a real LLM tokenizer."""
+"""The demo's tokenizer, a BPE trained locally on the pretraining texts (no download) and saved as a standard
+tokenizer.json (`sbd_jax.io.tokenizer`, decode.py and `transformers` load it). Every printable ASCII character
+is in the alphabet, so any text round-trips; the specials are <pad>, <bos>, <eos>, the SBD mask <m> and <unk>.
+As in the Llama-3 and Qwen tokenizers, numbers of up to three digits stay one token and words keep their
+leading space: with numbers as tokens every step of "4+9=13;13+4=17" has the same token layout, while
+characters would make where a step starts depend on how many digits an unfinished result has."""
 from __future__ import annotations
 
+import json
 import string
 from collections.abc import Iterable
 from pathlib import Path
@@ -42,7 +39,6 @@ def special_ids(tok: Tokenizer) -> dict[str, int]:
 
 def save(tok: Tokenizer, directory: str | Path) -> Path:
     """tokenizer.json + tokenizer_config.json (names the special tokens, as transformers expects)."""
-    import json
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tok.save(str(d / "tokenizer.json"))

@@ -16,11 +16,12 @@ from .examples import (
     make_example,
 )
 from .loss import sbd_loss
-from .step import StepOptions, TrainState, jit_train_step, make_train_step
+from .spec import ExampleSpec, StepOptions
+from .step import TrainState, jit_train_step, make_train_step
 
-__all__ = ["CheckpointConfig", "DataConfig", "Example", "ModelSource", "OptimConfig", "PackedBatch", "SBDConfig",
-           "StepOptions", "TrainConfig", "TrainState", "build_ntp_example", "build_sbd_example", "jit_train_step",
-           "load_train_config", "make_example", "make_train_step", "sbd_loss", "train"]
+__all__ = ["CheckpointConfig", "DataConfig", "Example", "ExampleSpec", "ModelSource", "OptimConfig", "PackedBatch",
+           "SBDConfig", "StepOptions", "TrainConfig", "TrainState", "build_ntp_example", "build_sbd_example",
+           "jit_train_step", "load_train_config", "make_example", "make_train_step", "sbd_loss", "train"]
 
 
 def train(*args, **kwargs):

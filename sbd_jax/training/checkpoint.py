@@ -61,9 +61,6 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
         return dict(out["data"])
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
-
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()

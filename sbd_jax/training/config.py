@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..config import ConfigError, ModelConfig, load_config
 from ..sharding import MeshConfig
+from .spec import StepOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,27 +40,12 @@ class ModelSource:
 
 @dataclasses.dataclass(frozen=True)
 class SBDConfig:
-    """How training examples are built (SBD.md, training section)."""
+    """How training examples are built (SBD.md, training section); checked as part of `ExampleSpec`."""
 
     k_max: int = 16  # block size drawn uniformly from [2, k_max] at every step (the paper: [2, 16])
     block_size: int | None = None  # fixed block size instead of the random draw
     ntp_only: bool = False  # the NTP baseline: same code path, only the clean half is run
     block_align: str = "document"  # "document" (paper) | "response" (SFT: blocks start at the response)
-    # fill each document's last copy block to k positions with uncounted <m>, as every block is k wide at
-    # inference (examples.build_sbd_example); needs data.copy_len, and data.copy_reserve leaves room for it
-    block_fill: bool = False
-
-    def __post_init__(self):
-        if self.k_max < 2:
-            raise ConfigError(f"sbd.k_max must be >= 2 (blocks of 2..k_max), got {self.k_max}")
-        if self.block_size is not None and self.block_size < 1:
-            raise ConfigError(f"sbd.block_size must be >= 1, got {self.block_size}")
-        if self.block_align not in ("document", "response"):
-            raise ConfigError(f"sbd.block_align must be 'document' or 'response', got {self.block_align!r}")
-
-    @property
-    def largest_block(self) -> int:
-        return self.block_size if self.block_size is not None else self.k_max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,25 +62,12 @@ class DataConfig:
     tokenizer: str | None = None  # tokenizer.json, or a directory with tokenizer.json (+ tokenizer_config.json)
     chat_template: bool = True  # SFT: wrap prompt/response with the tokenizer's chat template when it has one
     add_eos: bool = True  # append EOS to every document (not with a chat template: it ends the turn itself)
-    # extra EOS tokens after each document's end, loss-counted (SBD choice, see data.py): k_max - 1
-    # means an SBD block is never cut at a document's end, as at inference (hurt the demo: data.py)
-    eos_padding: int = 0
-    # uncounted `<m>` positions after each document's end (SBD choice, see data.py): with k_max - 1 the copy
-    # stream's last block is always k wide, as at inference, so the block's width does not give the end away
-    block_tail: int = 0
     seq_len: int = 512  # L: the packed row length (the SBD input is 2L)
     # C: static length of the SBD copy stream (None: C = L, the paper's [x ; x_hat]). With C < L the copy
     # stream holds only each document's tokens from its response start on (not the prompts), packed to the
     # front: the input is L + C tokens instead of 2L, and a row takes no more documents than fit C such
     # tokens (data.py); needs sbd.block_align=response
     copy_len: int | None = None
-    # look-ahead packing: a document that does not fit the rest of a row waits (up to this many at a time)
-    # for a later row while the next ones fill it; waiting documents go first in the next rows. 0: strictly
-    # in order (a row closes at the first document that does not fit)
-    pack_lookahead: int = 0
-    # copy-stream slots a row keeps free per document (for sbd.block_fill: ~k_max / 2, the fill's mean is
-    # about (k - 1) / 2); responses and text pieces are cut to copy_len - copy_reserve tokens
-    copy_reserve: int = 0
     shuffle: bool = True
     seed: int = 0  # document order (per epoch) is a pure function of (seed, epoch)
     min_doc_tokens: int = 2  # shorter pieces are dropped (NTP needs 2 tokens)
@@ -108,14 +81,6 @@ class DataConfig:
             raise ConfigError(f"data.mode must be auto/text/sft, got {self.mode!r}")
         if self.seq_len < 2:
             raise ConfigError(f"data.seq_len must be >= 2, got {self.seq_len}")
-        if self.eos_padding < 0:
-            raise ConfigError(f"data.eos_padding must be >= 0, got {self.eos_padding}")
-        if self.block_tail < 0:
-            raise ConfigError(f"data.block_tail must be >= 0, got {self.block_tail}")
-        if self.pack_lookahead < 0:
-            raise ConfigError(f"data.pack_lookahead must be >= 0, got {self.pack_lookahead}")
-        if not 0 <= self.copy_reserve < (self.copy_len or self.seq_len):
-            raise ConfigError(f"data.copy_reserve must be in [0, copy_len or seq_len), got {self.copy_reserve}")
         if self.copy_len is not None and not 1 <= self.copy_len <= self.seq_len:
             raise ConfigError(f"data.copy_len must be in [1, seq_len={self.seq_len}] (or null), got {self.copy_len}")
 
@@ -182,24 +147,21 @@ class TrainConfig:
         if self.batch_size % self.optim.grad_accum:
             raise ConfigError(f"batch_size ({self.batch_size}) must be a multiple of optim.grad_accum "
                               f"({self.optim.grad_accum})")
-        if not self.sbd.ntp_only and self.data.seq_len < self.sbd.largest_block:
-            what = "sbd.block_size" if self.sbd.block_size is not None else "sbd.k_max"
-            raise ConfigError(f"data.seq_len ({self.data.seq_len}) is shorter than {what} "
-                              f"({self.sbd.largest_block}): a block cannot be longer than a row")
-        if self.sbd.block_fill and self.data.copy_len is None and not self.sbd.ntp_only:
-            raise ConfigError("sbd.block_fill needs data.copy_len (the compact copy stream, where the fill has "
-                              "room; with sbd.block_align='response'), and data.copy_reserve ~ k_max / 2")
-        if self.data.copy_len is not None and not self.sbd.ntp_only:
-            if self.sbd.block_align != "response":
-                raise ConfigError("data.copy_len (a copy stream without the prompts) needs sbd.block_align="
-                                  "'response': with document-aligned blocks the prompts are part of the copy stream")
-            if self.data.copy_len < self.sbd.largest_block:
-                raise ConfigError(f"data.copy_len ({self.data.copy_len}) is shorter than the largest training block "
-                                  f"({self.sbd.largest_block})")
         if self.loss_chunk < 0:
             raise ConfigError(f"loss_chunk must be >= 0, got {self.loss_chunk}")
         if self.log_every < 1:
             raise ConfigError(f"log_every must be >= 1, got {self.log_every}")
+        spec = self.step_options()  # validates the example options
+        block = "sbd.k_max" if spec.block_size is None else "sbd.block_size"
+        for key, n in (("data.seq_len", self.data.seq_len), ("data.copy_len", self.data.copy_len)):
+            if not spec.ntp_only and n is not None and n < spec.largest_block:
+                raise ConfigError(f"{key} ({n}) is shorter than {block} ({spec.largest_block}): a block "
+                                  "cannot be longer than a row or the copy stream")
+
+    def step_options(self, mask_token_id: int | None = None) -> StepOptions:
+        """The train step's options: the `sbd` section, data.copy_len, grad_accum and loss_chunk."""
+        return StepOptions(mask_token_id, **dataclasses.asdict(self.sbd), copy_len=self.data.copy_len,
+                           grad_accum=self.optim.grad_accum, loss_chunk=self.loss_chunk)
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:

@@ -1,30 +1,20 @@
-"""SBD training examples (SBD.md, training section): packed rows -> the doubled input `[x ; x_hat]`
-with its mask metadata, targets and per-term loss weights. Pure JAX, jittable, driven by a PRNG key.
+"""SBD training examples (SBD.md, training section): packed rows -> the doubled input `[x ; x_hat]` with
+its mask metadata, targets and per-term loss weights. Pure JAX, jittable, driven by a PRNG key.
 
-Input: a `PackedBatch` of B rows of L tokens (see `data.py`), possibly several documents per row:
-  tokens [B,L], segment [B,L] (0 = padding, 1.. = document), position [B,L] (restarts at 0 in every
-  document), loss_mask [B,L] (1 = token counted by the losses: every token of a text document, the
-  response tokens of an SFT document; 0 = prompt or padding).
+Input: a `PackedBatch` of B rows of L tokens (data.py), several documents per row: tokens, segment (0 =
+padding, 1.. = document), position (restarts at 0 in every document), loss_mask (1 = counted by the
+losses: every token of a text document, the response of an SFT document).
 
-Output (`Example`, T = 2L for SBD (L + copy_len with a compact copy stream), T = L for the NTP-only baseline):
-  tokens [B,T]   clean half x, then x_hat (x with `<m>` at masked positions)
-  meta           `TokenMeta` [B,T] built with the builders of `sbd_jax.attention.mask` (the one mask
-                 definition): clean half = `clean_meta`, copy half = `copy_meta` with duplicated
-                 positions and block starts `block_starts(position, k, offset)`.
-  targets [B,T]  clean i -> x_{i+1}; copy i -> x_i
-  ntp_weight     1 where the clean token's next token is in the same document and counted
-  matp_weight    1 where the copy token is masked (only counted tokens are ever masked)
+Output (`Example`; T = 2L, L + copy_len with a compact copy stream, L for the NTP baseline): tokens (x,
+then x_hat = x with `<m>` at masked positions), meta (`sbd_jax.attention.mask`: `clean_meta`, then
+`copy_meta` with duplicated positions and block starts), targets (clean i -> x_{i+1}, copy i -> x_i),
+ntp_weight (the next token is in the same document and counted), matp_weight (the copy token is masked).
 
-Choices (SBD.md marks these as ours):
-  - eta ~ U[0,1) is drawn per *document* (a packed row holds several sequences; each document is a
-    sequence in the paper's sense), then each counted token is masked with probability eta.
-  - One block size k per step, drawn uniformly from [2, k_max] (or fixed). k is a traced int32, so
-    every k runs the same compiled step.
-  - Blocks are aligned to the document start (paper) or, for SFT with `block_align="response"`, to
-    the response start (the first counted token); then the prompt's copy tokens are dropped from the
-    copy stream (segment 0): they are never masked, carry no loss, and would otherwise form a block
-    that does not exist at inference.
-  - The prompt stays clean: only loss-counted tokens can be masked.
+Choices (SBD.md marks these as ours): eta ~ U[0,1) per *document*, each counted token masked with
+probability eta (the prompt stays clean); one block size k per step, uniform on [2, k_max] or fixed, a
+traced int32 (every k runs the same compiled step); blocks aligned to the document start (paper) or, with
+`block_align="response"`, to the response start, and then the prompt's copy tokens leave the copy stream
+(segment 0): never masked, no loss, and no such block exists at inference.
 """
 from __future__ import annotations
 
@@ -34,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from ..attention.mask import TokenMeta, block_starts, clean_meta, concat_meta, copy_meta
+from .spec import ExampleSpec
 
 
 class PackedBatch(NamedTuple):
@@ -95,38 +86,26 @@ def sample_masked(key, batch: PackedBatch):
     return (u_BL < eta_BL) & (batch.loss_mask > 0) & (batch.segment > 0)
 
 
-def build_sbd_example(batch: PackedBatch, masked_BL, k, mask_token_id: int,
-                      block_align: str = "document", copy_len: int | None = None,
-                      block_fill: bool = False) -> Example:
+def build_sbd_example(batch: PackedBatch, masked_BL, k, spec: ExampleSpec) -> Example:
     """Deterministic part: the doubled input for given masked positions and block size k (traced ok).
 
-    `copy_len=C` (static; needs block_align="response"): the copy half keeps only the tokens that belong
+    With `spec.copy_len=C` (static; response-aligned blocks) the copy half keeps only the tokens that belong
     to it (from each document's response start on), in row order, packed into C slots (segment 0 after
     them): [x ; x_hat] becomes L + C tokens with the same attention, targets and weights on every kept
-    token. The packer guarantees they fit (data.py `copy_len`).
-
-    `block_fill` (needs `copy_len`): each document's last copy block is filled to k positions with uncounted
-    `<m>` (positions continuing after its end, the document's segment), as every block is k wide at inference
-    (a block holding the EOS has masks after it). Without it the last block is cut at the document's end,
-    and its width gives the answer's end away. The fill takes copy slots (k - 1 at most per document, about
-    k/2 on average; `data.copy_reserve` makes the packer leave room); what does not fit C is cut off."""
-    if block_align not in ("document", "response"):
-        raise ValueError(f"block_align must be 'document' or 'response', got {block_align!r}")
-    if copy_len is not None and block_align != "response":
-        raise ValueError("copy_len needs block_align='response' (otherwise prompts are part of the copy stream)")
-    if block_fill and copy_len is None:
-        raise ValueError("block_fill needs copy_len (the compact copy stream, where the fill has room)")
+    token. The packer guarantees they fit (data.py `copy_len`)."""
+    if spec.mask_token_id is None:
+        raise ValueError("SBD training needs a mask token id (model.mask_token_id)")
+    M = jnp.int32(spec.mask_token_id)
     seg = batch.segment.astype(jnp.int32)
     pos = batch.position.astype(jnp.int32)
     tok = batch.tokens.astype(jnp.int32)
-    offset = response_start(batch) if block_align == "response" else jnp.zeros_like(pos)
+    offset = response_start(batch) if spec.block_align == "response" else jnp.zeros_like(pos)
     copy_seg = jnp.where(pos >= offset, seg, 0)
-    x_hat = jnp.where(masked_BL, jnp.int32(mask_token_id), tok)
     matp_w = (masked_BL & (copy_seg > 0)).astype(jnp.float32)
-    c_pos, c_start, c_tgt = pos, block_starts(pos, k, offset), tok
-    if copy_len is not None:
-        copy_seg, x_hat, c_pos, c_start, c_tgt, matp_w = _compact_copy_stream(
-            copy_seg, x_hat, pos, tok, matp_w, k, copy_len, mask_token_id, block_fill)
+    copy = (copy_seg, jnp.where(masked_BL, M, tok), pos, block_starts(pos, k, offset), tok, matp_w)
+    if spec.copy_len is not None:
+        copy = _compact_copy_stream(copy, spec.copy_len, M)
+    copy_seg, x_hat, c_pos, c_start, c_tgt, matp_w = copy
     meta = concat_meta(clean_meta(seg, pos), copy_meta(copy_seg, c_pos, c_start))
     ntp_tgt, ntp_w = ntp_targets(batch)
     return Example(jnp.concatenate([tok, x_hat], axis=1), meta,
@@ -135,32 +114,15 @@ def build_sbd_example(batch: PackedBatch, masked_BL, k, mask_token_id: int,
                    jnp.concatenate([jnp.zeros_like(ntp_w), matp_w], axis=1))
 
 
-def _compact_copy_stream(copy_seg, x_hat, pos, tok, matp_w, k, C: int, mask_token_id: int, fill: bool):
-    """The compact copy stream: each document's copy tokens in row order in C slots (segment 0 after them;
-    what does not fit is cut off), with `fill` each document's last block filled to k wide with uncounted `<m>`
-    (see `build_sbd_example`). Inputs [B, L] (copy_seg > 0 marks the copy tokens, contiguous per document,
-    documents in increasing segment order); returns copy_seg, x_hat, position, block start, target, matp
-    weight [B, C]."""
-    L = copy_seg.shape[1]
-
-    def row(cseg, xh, p, t, w):
-        keep = cseg > 0
-        n_S = jnp.zeros((L + 1,), jnp.int32).at[cseg].add(keep.astype(jnp.int32)).at[0].set(0)  # copy tokens
-        first_S = jnp.full((L + 1,), L, jnp.int32).at[cseg].min(jnp.where(keep, jnp.arange(L), L))
-        ext_S = n_S + jnp.where(fill & (n_S > 0), (k - n_S % k) % k, 0)  # slots: tokens (+ fill)
-        end_S = jnp.cumsum(ext_S)
-        slot = jnp.arange(C)
-        d = jnp.minimum(jnp.searchsorted(end_S, slot, side="right"), L)  # the document slot s falls in
-        valid = slot < end_S[-1]
-        within = slot - (end_S[d] - ext_S[d])
-        real = valid & (within < n_S[d])
-        src = jnp.clip(first_S[d] + within, 0, L - 1)
-        start_pos = p[jnp.minimum(first_S[d], L - 1)]  # the document's response start (its first copy token)
-        c_pos = jnp.where(valid, start_pos + within, 0)
-        return (jnp.where(valid, d, 0), jnp.where(real, xh[src], jnp.int32(mask_token_id)), c_pos,
-                block_starts(c_pos, k, start_pos), jnp.where(real, t[src], 0), jnp.where(real, w[src], 0.0))
-
-    return jax.vmap(row)(copy_seg, x_hat, pos, tok, matp_w)
+def _compact_copy_stream(copy, C: int, mask_token_id):
+    """The copy tokens of each row (copy segment > 0) gathered in row order into C slots, what does not fit
+    cut off; the slots after them are padding (segment 0, `<m>`, weight 0). `copy`: (segment, x_hat,
+    position, block start, target, matp weight), each [B, L] -> the same [B, C]."""
+    keep = copy[0] > 0
+    src = jax.vmap(lambda r: jnp.nonzero(r, size=C, fill_value=0)[0])(keep)
+    valid = jnp.arange(C) < jnp.sum(keep, axis=1, keepdims=True)
+    pads = (0, mask_token_id, 0, 0, 0, 0.0)
+    return tuple(jnp.where(valid, jnp.take_along_axis(a, src, axis=1), pad) for a, pad in zip(copy, pads))
 
 
 def build_ntp_example(batch: PackedBatch) -> Example:
@@ -171,15 +133,10 @@ def build_ntp_example(batch: PackedBatch) -> Example:
                    jnp.zeros_like(ntp_w))
 
 
-def make_example(key, batch: PackedBatch, *, mask_token_id: int | None, k_max: int = 16,
-                 block_size: int | None = None, ntp_only: bool = False,
-                 block_align: str = "document", copy_len: int | None = None, block_fill: bool = False):
+def make_example(key, batch: PackedBatch, spec: ExampleSpec):
     """PRNG-driven example for one step -> (Example, k int32 scalar). k is 0 for NTP-only."""
-    if ntp_only:
+    if spec.ntp_only:
         return build_ntp_example(batch), jnp.int32(0)
-    if mask_token_id is None:
-        raise ValueError("SBD training needs a mask token id (model.mask_token_id)")
     k_key, m_key = jax.random.split(key)
-    k = sample_block_size(k_key, k_max, block_size)
-    return build_sbd_example(batch, sample_masked(m_key, batch), k, mask_token_id, block_align, copy_len,
-                             block_fill), k
+    k = sample_block_size(k_key, spec.k_max, spec.block_size)
+    return build_sbd_example(batch, sample_masked(m_key, batch), k, spec), k

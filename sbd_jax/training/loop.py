@@ -37,10 +37,10 @@ from .step import (
     StepOptions,
     TrainState,
     abstract_state,
-    init_state,
     jit_train_step,
     make_train_step,
     put_batch,
+    state_initializer,
     state_shardings,
 )
 
@@ -53,7 +53,7 @@ class TrainResult:
     out_dir: Path
     hf_dir: Path | None  # the HF export (None if not exported, e.g. stopped early)
     resumed_from: int | None  # checkpoint step this call started from
-    step_compilations: int = -1  # programs compiled for the train step so far (1: every k shared one)
+    step_compilations: int  # programs compiled for the train step so far (1: every k shared one)
 
     @property
     def params(self) -> dict:
@@ -84,12 +84,10 @@ def add_mask_row(cfg: ModelConfig, params: dict | None) -> tuple[ModelConfig, di
     return cfg, params
 
 
-def prepare_model(src: ModelSource, seed: int, *, need_mask: bool, load_weights: bool = True, mesh=None):
-    """ModelSource -> (ModelConfig, params or None). Params are sharded on `mesh` when given."""
-    overrides = {k: v for k, v in (("param_dtype", src.param_dtype), ("dtype", src.dtype),
-                                   ("attention_impl", src.attention_impl), ("mask_token_id", src.mask_token_id),
-                                   ("scan_unroll", src.scan_unroll))
-                 if v is not None}
+def prepare_model(src: ModelSource, seed: int, mesh, *, load_weights: bool = True):
+    """ModelSource -> (ModelConfig, params sharded on `mesh`, or None without `load_weights`)."""
+    overrides = {k: getattr(src, k) for k in ("param_dtype", "dtype", "attention_impl", "mask_token_id", "scan_unroll")
+                 if getattr(src, k) is not None}
     params = None
     if src.init_from:
         if load_weights:
@@ -101,19 +99,13 @@ def prepare_model(src: ModelSource, seed: int, *, need_mask: bool, load_weights:
             cfg = dataclasses.replace(src.config, **overrides)
         except ConfigError as e:
             raise ConfigError(f"model: {e}") from None
-        if load_weights and not src.add_mask_token and mesh is not None:
+        if load_weights and not src.add_mask_token:
             params = _init_fn(cfg, src.init_std, mesh)(jax.random.PRNGKey(seed))
         elif load_weights:
             params = init_params(cfg, jax.random.PRNGKey(seed), std=src.init_std)
     if src.add_mask_token:
         cfg, params = add_mask_row(cfg, params)
-    if need_mask and cfg.mask_token_id is None:
-        raise ConfigError("the model has no mask token id: set model.mask_token_id to an unused id already in the "
-                          "vocabulary (e.g. a reserved special token), or model.add_mask_token=true to grow the "
-                          "vocabulary by one row (or train the NTP baseline with sbd.ntp_only=true)")
-    if params is not None and mesh is not None:
-        params = shard_params(params, cfg, mesh)
-    return cfg, params
+    return cfg, None if params is None else shard_params(params, cfg, mesh)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,8 +119,7 @@ def _compiled(model_cfg: ModelConfig, opts: StepOptions, optim_cfg, total_steps:
     tx, schedule = make_optimizer(optim_cfg, total_steps)
     shardings = state_shardings(model_cfg, tx, mesh)
     step_fn = jit_train_step(make_train_step(model_cfg, opts, tx, schedule, mesh), mesh, shardings, batch_size)
-    init_fn = jax.jit(lambda p, r: init_state(p, tx, r), out_shardings=shardings, donate_argnums=(0,))
-    return tx, shardings, step_fn, init_fn
+    return tx, shardings, step_fn, state_initializer(tx, shardings)
 
 
 @functools.lru_cache(maxsize=4)
@@ -140,8 +131,9 @@ def _check_batch(batch: PackedBatch, cfg: TrainConfig) -> None:
     shape = np.shape(batch.tokens)
     if len(shape) != 2 or shape[0] != cfg.batch_size:
         raise DataError(f"the data iterator yields batches of shape {shape}, expected [batch_size={cfg.batch_size}, L]")
-    if not cfg.sbd.ntp_only and shape[1] < cfg.sbd.largest_block:
-        raise ConfigError(f"rows of {shape[1]} tokens are shorter than the largest block ({cfg.sbd.largest_block})")
+    spec = cfg.step_options()
+    if not spec.ntp_only and shape[1] < spec.largest_block:
+        raise ConfigError(f"rows of {shape[1]} tokens are shorter than the largest block ({spec.largest_block})")
 
 
 def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConfig, dict] | None = None,
@@ -172,24 +164,18 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
 def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
     """Model, data iterator, compiled step and the initial (or restored) state."""
     resume = ckpt.latest_step()
-    need_mask = not cfg.sbd.ntp_only
     if model is not None:
-        model_cfg, params = model
-        if need_mask and model_cfg.mask_token_id is None:
-            raise ConfigError("the given model config has no mask_token_id (needed for SBD training)")
-        params = None if resume is not None else shard_params(params, model_cfg, mesh)
+        model_cfg, params = model[0], None if resume is not None else shard_params(model[1], model[0], mesh)
     else:
-        model_cfg, params = prepare_model(cfg.model, cfg.seed, need_mask=need_mask, load_weights=resume is None,
-                                          mesh=mesh)
+        model_cfg, params = prepare_model(cfg.model, cfg.seed, mesh, load_weights=resume is None)
+    if not cfg.sbd.ntp_only and model_cfg.mask_token_id is None:
+        raise ConfigError("the model has no mask token id: set model.mask_token_id to an unused id already in the "
+                          "vocabulary (e.g. a reserved special token), or model.add_mask_token=true to grow the "
+                          "vocabulary by one row (or train the NTP baseline with sbd.ntp_only=true)")
     if data is None:
         data = build_iterator(cfg.data, cfg.batch_size, tokenizer=tokenizer,
-                              eos_id=model_cfg.eos_ids[0] if model_cfg.eos_ids else None,
-                              mask_id=model_cfg.mask_token_id)
-
-    opts = StepOptions(mask_token_id=model_cfg.mask_token_id, k_max=cfg.sbd.k_max, block_size=cfg.sbd.block_size,
-                       ntp_only=cfg.sbd.ntp_only, block_align=cfg.sbd.block_align, copy_len=cfg.data.copy_len,
-                       block_fill=cfg.sbd.block_fill,
-                       grad_accum=cfg.optim.grad_accum, loss_chunk=cfg.loss_chunk)
+                              eos_id=model_cfg.eos_ids[0] if model_cfg.eos_ids else None)
+    opts = cfg.step_options(model_cfg.mask_token_id)
     tx, shardings, step_fn, init_fn = _compiled(model_cfg, opts, cfg.optim, cfg.steps, mesh, cfg.batch_size)
     if resume is not None:
         try:
@@ -264,5 +250,4 @@ def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, s
         if pbar is not None:
             pbar.close()
         ckpt.close()  # waits for in-flight saves: a Ctrl-C leaves the last started checkpoint complete
-    compiles = getattr(step_fn, "_cache_size", lambda: -1)()
-    return TrainResult(model_cfg, state, history, out_dir, hf_dir, resume, compiles)
+    return TrainResult(model_cfg, state, history, out_dir, hf_dir, resume, step_fn._cache_size())

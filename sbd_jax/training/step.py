@@ -1,18 +1,15 @@
-"""The train step: build the step's examples from a packed batch (PRNG from the state), dual loss,
-gradient accumulation over microbatches, AdamW update. `jit_train_step` compiles it for a device
-mesh with parameters sharded by the logical-axis rules, the batch over (data, fsdp), and the state
-donated. The step traces under `mesh_context(mesh)`, so with attention_impl="pallas" the attention
-kernels run per shard inside `jax.shard_map` (sbd_jax/attention/sharded.py).
+"""The train step: the step's examples from a packed batch (PRNG from the state), dual loss, gradient
+accumulation, AdamW. `jit_train_step` compiles it for a device mesh (parameters sharded by the
+logical-axis rules, the batch over (data, fsdp), the state donated); it traces under `mesh_context(mesh)`,
+so attention_impl="pallas" runs per shard (sbd_jax/attention/sharded.py).
 
-Gradient accumulation: the whole batch's examples are built first (cheap integer work), so the
-token counts of the global batch are known; each microbatch then contributes
-ntp_sum / N_ntp + matp_sum / N_matp with the *global* counts, and the accumulated gradient equals
-the gradient of the full-batch loss (up to float summation order). Microbatch j takes rows j::A, so
-a batch sharded in contiguous row blocks splits into microbatches without moving data.
+Gradient accumulation: the whole batch's examples are built first (cheap integer work), so each
+microbatch contributes ntp_sum / N_ntp + matp_sum / N_matp with the *global* token counts: the summed
+gradient is the full batch's (up to summation order). Microbatch j takes rows j::A, so a batch sharded
+in contiguous row blocks splits without moving data.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -23,9 +20,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..config import ModelConfig
+from ..models.transformer import param_shapes
 from ..sharding import batch_sharding, mesh_context, param_shardings
 from .examples import Example, PackedBatch, make_example
 from .loss import LossSums, combine, loss_sums, metrics_from_sums
+from .spec import StepOptions
 
 
 class TrainState(NamedTuple):
@@ -35,28 +34,18 @@ class TrainState(NamedTuple):
     rng: jnp.ndarray  # uint32[2] raw PRNG key, split once per step
 
 
-@dataclasses.dataclass(frozen=True)
-class StepOptions:
-    mask_token_id: int | None
-    k_max: int = 16
-    block_size: int | None = None
-    ntp_only: bool = False
-    block_align: str = "document"
-    copy_len: int | None = None  # static copy-stream length (None: L); see examples.build_sbd_example
-    block_fill: bool = False  # fill each document's last copy block to k with uncounted <m> (needs copy_len)
-    grad_accum: int = 1
-    loss_chunk: int = 0
-
-
 def init_state(params, tx: optax.GradientTransformation, rng) -> TrainState:
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), jnp.asarray(rng, jnp.uint32))
 
 
+def state_initializer(tx: optax.GradientTransformation, shardings: TrainState):
+    """jitted (params, rng) -> the initial state laid out by `shardings` (every leaf committed to the mesh,
+    so the jitted step sees the same input types at every call). `params` is donated (no second copy)."""
+    return jax.jit(lambda p, r: init_state(p, tx, r), out_shardings=shardings, donate_argnums=(0,))
+
+
 def create_state(params, tx: optax.GradientTransformation, rng, shardings: TrainState) -> TrainState:
-    """The initial state laid out by `shardings` (every leaf committed to the mesh, so the jitted
-    step sees the same input types at every call). `params` is donated (no second copy)."""
-    return jax.jit(lambda p, r: init_state(p, tx, r), out_shardings=shardings,
-                   donate_argnums=(0,))(params, jnp.asarray(rng, jnp.uint32))
+    return state_initializer(tx, shardings)(params, jnp.asarray(rng, jnp.uint32))
 
 
 def _micro(x, A: int, mesh: Mesh | None, spec_axes):
@@ -90,9 +79,7 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
 
     def _step(state: TrainState, batch: PackedBatch):
         rng, key = jax.random.split(state.rng)
-        ex, k = make_example(key, batch, mask_token_id=opts.mask_token_id, k_max=opts.k_max,
-                             block_size=opts.block_size, ntp_only=opts.ntp_only, block_align=opts.block_align,
-                             copy_len=opts.copy_len, block_fill=opts.block_fill)
+        ex, k = make_example(key, batch, opts)
         L = batch.tokens.shape[1]
         totals = (jnp.sum(ex.ntp_weight), jnp.sum(ex.matp_weight))
         if A == 1:
@@ -122,15 +109,17 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
     return step
 
 
+def _abstract_params(model_cfg: ModelConfig):
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(model_cfg.param_dtype)),
+                        param_shapes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
+
+
 def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules=None):
     """NamedShardings for a TrainState: params by the logical-axis rules, optimizer moments like
     their parameters, scalars (step, counts, rng) replicated."""
     psh = param_shardings(model_cfg, mesh, rules)
     repl = NamedSharding(mesh, P())
-    from ..models.transformer import param_shapes
-    abstract_params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(model_cfg.param_dtype)),
-                                   param_shapes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    abstract_opt = jax.eval_shape(tx.init, _abstract_params(model_cfg))
     osh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, psh,
                                 transform_non_params=lambda _: repl,
                                 is_leaf=lambda x: isinstance(x, NamedSharding))
@@ -139,10 +128,7 @@ def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, me
 
 def abstract_state(model_cfg: ModelConfig, tx, shardings: TrainState | None = None) -> TrainState:
     """ShapeDtypeStructs of the TrainState (with shardings when given): the restore target."""
-    from ..models.transformer import param_shapes
-    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(model_cfg.param_dtype)),
-                          param_shapes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
-    st = jax.eval_shape(lambda p: init_state(p, tx, jnp.zeros((2,), jnp.uint32)), params)
+    st = jax.eval_shape(lambda p: init_state(p, tx, jnp.zeros((2,), jnp.uint32)), _abstract_params(model_cfg))
     if shardings is None:
         return st
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), st, shardings)
