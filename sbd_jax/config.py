@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 import typing
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
@@ -60,7 +61,7 @@ class ModelConfig:
     attention_impl: str = "xla"  # "xla" | "pallas"
     # layers per iteration of the `lax.scan` over layers in the cache-free forward (training): 1 = a rolled
     # loop (compiles once per layer shape, what big models want); num_hidden_layers = fully unrolled, which
-    # spares the loop's stacked residual buffers (demo shapes, 2-core CPU: SBD step 172 -> 143 ms, BENCHMARKS.md)
+    # spares the loop's stacked residual buffers (faster at small shapes, see BENCHMARKS.md)
     scan_unroll: int = 1
 
     def __post_init__(self):
@@ -74,9 +75,9 @@ class ModelConfig:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ConfigError("hidden_size must be divisible by num_attention_heads when head_dim is not given")
         if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError("hidden_size must be divisible by num_attention_heads when head_dim is not given")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
@@ -95,17 +96,13 @@ class ModelConfig:
 
     @property
     def resolved_head_dim(self) -> int:
-        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+        return self.head_dim  # set in __post_init__ when not given
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
         if self.eos_token_id is None:
             return ()
         return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
-
-
-# ----------------------------------------------------------------------------------------------
-# generic dict <-> dataclass machinery
 
 
 def _coerce(tp: Any, value: Any, where: str) -> Any:
@@ -122,7 +119,7 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where} must be a mapping, got {value!r}")
         return from_dict(tp, value, where=where)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         errors = []
         for a in args:
             if a is type(None):
@@ -143,18 +140,14 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{where} must be a boolean, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if tp in (int, float):
+        kind = "an integer" if tp is int else "a number"
+        if tp is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
+            raise ConfigError(f"{where} must be {kind}, got {value!r}")
         try:
-            return int(value)
+            return tp(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{where} must be an integer, got {value!r}") from None
-    if tp is float:
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where} must be a number, got {value!r}") from None
+            raise ConfigError(f"{where} must be {kind}, got {value!r}") from None
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string, got {value!r}")
@@ -181,13 +174,6 @@ def to_dict(obj: Any) -> dict:
     return dataclasses.asdict(obj)
 
 
-def _parse_override_value(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply `a.b=value` overrides (values parsed as YAML) to a nested dict, returning a new dict."""
     out = json.loads(json.dumps(data))
@@ -201,22 +187,20 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {p!r} is not a section")
-        node[parts[-1]] = _parse_override_value(text)
+        try:
+            node[parts[-1]] = yaml.safe_load(text)
+        except yaml.YAMLError:
+            node[parts[-1]] = text
     return out
-
-
-def load_yaml(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    with path.open() as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping at top level")
-    return data
 
 
 def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
     """YAML file (optional) + `key=value` overrides -> frozen dataclass `cls`."""
-    data = load_yaml(path) if path else {}
+    data = {}
+    if path:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at top level")
     return from_dict(cls, apply_overrides(data, list(overrides)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 
 import jax
@@ -22,18 +23,10 @@ from .models.transformer import param_specs
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
-DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),
-    "vocab": "tensor",
-    "embed": "fsdp",
-    "heads": "tensor",
-    "kv_heads": "tensor",
-    "mlp": "tensor",
-    "head_dim": None,
-    "layers": None,
-    "norm": None,
-    "cache_len": None,
-}
+# logical axis -> mesh axis (or axes, used together); axes not named here are replicated
+DEFAULT_RULES: dict[str, str | tuple[str, ...]] = {
+    "batch": ("data", "fsdp"), "vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
+    "mlp": "tensor"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +54,9 @@ def maybe_initialize_distributed() -> bool:
         return False
     kwargs = {}
     if "JAX_COORDINATOR_ADDRESS" in env:
-        kwargs["coordinator_address"] = env["JAX_COORDINATOR_ADDRESS"]
-        if "JAX_NUM_PROCESSES" in env:
-            kwargs["num_processes"] = int(env["JAX_NUM_PROCESSES"])
-        if "JAX_PROCESS_ID" in env:
-            kwargs["process_id"] = int(env["JAX_PROCESS_ID"])
+        kwargs = {"coordinator_address": env["JAX_COORDINATOR_ADDRESS"],
+                  **{k: int(env[v]) for k, v in (("num_processes", "JAX_NUM_PROCESSES"),
+                                                 ("process_id", "JAX_PROCESS_ID")) if v in env}}
     jax.distributed.initialize(**kwargs)
     return True
 
@@ -91,17 +82,14 @@ def make_mesh(cfg: MeshConfig | None = None, devices=None) -> Mesh:
 
 
 def logical_to_spec(axes: tuple, shape: tuple, mesh: Mesh, rules=None) -> P:
+    """PartitionSpec of an array with these logical axes (None: replicated) and shape, by `rules`."""
     rules = DEFAULT_RULES if rules is None else rules
     spec, used = [], set()
     for name, dim in zip(axes, shape):
-        target = rules.get(name) if name is not None else None
-        if target is None:
-            spec.append(None)
-            continue
-        names = (target,) if isinstance(target, str) else tuple(target)
-        names = tuple(a for a in names if a not in used and mesh.shape[a] > 1)
-        size = int(np.prod([mesh.shape[a] for a in names])) if names else 1
-        if not names or dim % size:
+        target = rules.get(name) or ()
+        names = tuple(a for a in ((target,) if isinstance(target, str) else target)
+                      if a not in used and mesh.shape[a] > 1)
+        if not names or dim % math.prod(mesh.shape[a] for a in names):
             spec.append(None)
             continue
         used.update(names)
@@ -119,19 +107,15 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, rules=None) -> dict
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2, batch_size: int | None = None) -> NamedSharding:
-    """Leading (batch) dim over data x fsdp; replicated if the batch does not divide."""
-    axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
-    n = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-    if not axes or (batch_size is not None and batch_size % n):
-        return NamedSharding(mesh, P(*([None] * ndim)))
-    return NamedSharding(mesh, P(axes if len(axes) > 1 else axes[0], *([None] * (ndim - 1))))
+    """Leading (batch) dim by the "batch" rule (data x fsdp); replicated if the batch does not divide."""
+    batch = logical_to_spec(("batch",), (mesh.size if batch_size is None else batch_size,), mesh)
+    return NamedSharding(mesh, P(*batch, *([None] * (ndim - 1))))
 
 
 def cache_sharding(cfg: ModelConfig, mesh: Mesh, batch_size: int) -> NamedSharding:
     """KV cache [L, B, S, K, Dh]: batch over data/fsdp, KV heads over tensor (matching wk/wv)."""
-    b = batch_sharding(mesh, 1, batch_size).spec[0]
-    kv = logical_to_spec(("kv_heads",), (cfg.num_key_value_heads,), mesh)[0]
-    return NamedSharding(mesh, P(None, b, None, kv, None))
+    axes, dims = (None, "batch", None, "kv_heads", None), (0, batch_size, 0, cfg.num_key_value_heads, 0)
+    return NamedSharding(mesh, logical_to_spec(axes, dims, mesh))
 
 
 def mesh_context(mesh: Mesh | None):

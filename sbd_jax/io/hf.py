@@ -16,11 +16,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
 from ..config import ConfigError, ModelConfig
-from ..models import llama, qwen3
+from ..models.hf_config import KNOWN_KEYS, config_from_hf, config_to_hf
 from ..models.transformer import ParamSpec, axis_sizes, param_specs
-
-_ARCH = {"llama": llama, "qwen3": qwen3}
-
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded as asked (missing/truncated file, bad shape...)."""
@@ -38,9 +35,9 @@ def load_hf_config(model_dir: str | os.PathLike, *, allow_unknown_keys: bool = F
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{str(path)!r} is not valid JSON: {e}") from None
     mt = d.get("model_type")
-    if mt not in _ARCH:
-        raise ConfigError(f"model_type {mt!r} in {str(path)!r} is not supported (supported: {sorted(_ARCH)})")
-    return _ARCH[mt].config_from_hf(d, allow_unknown_keys=allow_unknown_keys, **overrides)
+    if mt not in KNOWN_KEYS:
+        raise ConfigError(f"model_type {mt!r} in {str(path)!r} is not supported (supported: {sorted(KNOWN_KEYS)})")
+    return config_from_hf(d, allow_unknown_keys=allow_unknown_keys, **overrides)
 
 
 def _hf_names(s: ParamSpec, cfg: ModelConfig) -> list[str]:
@@ -75,29 +72,21 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     single = model_dir / "model.safetensors"
     if not single.is_file():
         raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {str(model_dir)!r}")
-    return {name: single for name in _list_tensors(single)}
-
-
-def _list_tensors(path: Path) -> list[str]:
     try:
-        with safe_open(str(path), framework="flax") as f:
-            return list(f.keys())
+        with safe_open(str(single), framework="flax") as f:
+            return {name: single for name in f.keys()}
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"cannot read safetensors file {str(path)!r} (truncated or corrupt?): {e}") from None
+        raise CheckpointError(f"cannot read safetensors file {str(single)!r} (truncated or corrupt?): {e}") from None
 
 
 def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = None, dtype: str | None = None,
                     allow_unknown_keys: bool = False, **config_overrides) -> tuple[ModelConfig, dict]:
     """Load a local HF-layout Llama-3.x/Qwen3 checkpoint -> (ModelConfig, params pytree).
 
-    `param_dtype`/`dtype` default to the checkpoint's storage dtype / float32 compute."""
+    `param_dtype` (storage) and `dtype` (compute) default to float32, whatever the checkpoint stores."""
     model_dir = Path(model_dir)
-    overrides = dict(config_overrides)
-    if param_dtype:
-        overrides["param_dtype"] = param_dtype
-    if dtype:
-        overrides["dtype"] = dtype
-    cfg = load_hf_config(model_dir, allow_unknown_keys=allow_unknown_keys, **overrides)
+    dtypes = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v}
+    cfg = load_hf_config(model_dir, allow_unknown_keys=allow_unknown_keys, **{**config_overrides, **dtypes})
     files = _weight_files(model_dir)
     pdt = jnp.dtype(cfg.param_dtype)
     handles: dict[Path, object] = {}
@@ -145,29 +134,23 @@ def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | os.PathLike, 
     shards: list[dict] = [{}]
     size = 0
     for name, t in tensors.items():
-        nbytes = t.size * t.dtype.itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = t
-        size += nbytes
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        _atomic(out_dir / "model.safetensors", lambda p: save_file(shards[0], p, metadata=meta))
-        stale = out_dir / "model.safetensors.index.json"
-        if stale.exists():
-            stale.unlink()
+        size += t.nbytes
+    n = len(shards)
+    files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for fname, shard in zip(files, shards):
+        _atomic(out_dir / fname, lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}))
+    index_path = out_dir / "model.safetensors.index.json"
+    if n == 1:
+        index_path.unlink(missing_ok=True)  # a stale index would shadow the single file
     else:
-        weight_map = {}
-        n = len(shards)
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            _atomic(out_dir / fname, lambda p, s=shard: save_file(s, p, metadata=meta))
-            weight_map.update({k: fname for k in shard})
-        index = {"metadata": {"total_size": int(sum(t.size * t.dtype.itemsize for t in tensors.values()))},
-                 "weight_map": weight_map}
-        _atomic(out_dir / "model.safetensors.index.json", lambda p: Path(p).write_text(json.dumps(index, indent=2)))
-    hf_cfg = _ARCH[cfg.model_type].config_to_hf(cfg)
+        index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
+                 "weight_map": {k: fname for fname, shard in zip(files, shards) for k in shard}}
+        _atomic(index_path, lambda p: Path(p).write_text(json.dumps(index, indent=2)))
+    hf_cfg = config_to_hf(cfg)
     hf_cfg["torch_dtype"] = str(dtype.name)
     _atomic(out_dir / "config.json", lambda p: Path(p).write_text(json.dumps(hf_cfg, indent=2) + "\n"))
     return out_dir

@@ -1,32 +1,28 @@
-"""Llama-3.x: HF `config.json` <-> ModelConfig. The math lives in transformer.py (shared with Qwen3)."""
+"""HF `config.json` <-> ModelConfig for Llama-3.x and Qwen3 (Llama plus per-head RMSNorm on q and k,
+`qk_norm`). The math of both lives in transformer.py."""
 from __future__ import annotations
-
-from typing import Any
 
 from ..config import ConfigError, ModelConfig, RopeScaling
 
-# keys of a HF Llama config.json (transformers 4.x and 5.x) that we read or that cannot change the math
-KNOWN_KEYS = {
-    "architectures", "attention_bias", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id",
-    "head_dim", "hidden_act", "hidden_size", "initializer_range", "intermediate_size",
-    "max_position_embeddings", "mlp_bias", "model_type", "num_attention_heads", "num_hidden_layers",
-    "num_key_value_heads", "pretraining_tp", "rms_norm_eps", "rope_scaling", "rope_theta", "rope_parameters",
-    "tie_word_embeddings", "torch_dtype", "dtype", "transformers_version", "use_cache", "vocab_size",
-    "mask_token_id", "_name_or_path", "output_attentions", "output_hidden_states", "return_dict",
-    "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class", "id2label", "label2id",
-    "problem_type", "add_cross_attention", "tie_encoder_decoder", "torchscript", "task_specific_params",
-}
+# keys of a HF config.json (transformers 4.x and 5.x) that we read or that cannot change the math
+_LLAMA_KEYS = frozenset("""
+    architectures attention_bias attention_dropout bos_token_id eos_token_id pad_token_id head_dim hidden_act
+    hidden_size initializer_range intermediate_size max_position_embeddings mlp_bias model_type
+    num_attention_heads num_hidden_layers num_key_value_heads pretraining_tp rms_norm_eps rope_scaling rope_theta
+    rope_parameters tie_word_embeddings torch_dtype dtype transformers_version use_cache vocab_size mask_token_id
+    _name_or_path output_attentions output_hidden_states return_dict chunk_size_feed_forward is_encoder_decoder
+    tokenizer_class id2label label2id problem_type add_cross_attention tie_encoder_decoder torchscript
+    task_specific_params""".split())
+KNOWN_KEYS = {"llama": _LLAMA_KEYS,
+              "qwen3": _LLAMA_KEYS | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def _rope(d: dict) -> tuple[float, RopeScaling | None]:
     """Read RoPE settings from 4.x (`rope_theta` + `rope_scaling`) or 5.x (`rope_parameters`) keys."""
     params = d.get("rope_parameters")
-    if params is not None:
-        theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-        scaling = params
-    else:
-        theta = d.get("rope_theta", 10000.0)
-        scaling = d.get("rope_scaling")
+    theta = (params or {}).get("rope_theta", d.get("rope_theta", 10000.0))
+    scaling = d.get("rope_scaling") if params is None else params
     if not scaling:
         return float(theta), None
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -40,15 +36,19 @@ def _rope(d: dict) -> tuple[float, RopeScaling | None]:
         original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
 
 
-def check_keys(d: dict, known: set[str], *, allow_unknown_keys: bool = False) -> None:
-    unknown = sorted(set(d) - known)
+def config_from_hf(d: dict, *, allow_unknown_keys: bool = False, **overrides) -> ModelConfig:
+    """A HF config.json of model_type "llama" or "qwen3" (see KNOWN_KEYS) -> ModelConfig (+ `overrides`)."""
+    mt = d["model_type"]
+    unknown = sorted(set(d) - KNOWN_KEYS[mt])
     if unknown and not allow_unknown_keys:
         raise ConfigError(
             f"config.json has key(s) sbd_jax does not know: {unknown}. They might change the model's "
             "math; if you are sure they do not, pass allow_unknown_keys=True.")
-
-
-def common_fields(d: dict) -> dict[str, Any]:
+    if mt == "qwen3" and d.get("use_sliding_window"):
+        raise ConfigError("Qwen3 with use_sliding_window=true is not supported")
+    layer_types = d.get("layer_types")
+    if mt == "qwen3" and layer_types and any(t != "full_attention" for t in layer_types):
+        raise ConfigError(f"Qwen3 layer_types other than full_attention are not supported: {set(layer_types)}")
     if d.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
     if d.get("mlp_bias"):
@@ -59,28 +59,27 @@ def common_fields(d: dict) -> dict[str, Any]:
     for req in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if req not in d:
             raise ConfigError(f"config.json lacks the required key {req!r}")
+    head_dim = d.get("head_dim")
+    if head_dim is None and mt == "qwen3":
+        head_dim = 128  # Qwen3Config default
     eos = d.get("eos_token_id")
-    return dict(
+    return ModelConfig(**{**dict(
+        model_type=mt, qk_norm=mt == "qwen3",
         vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
         num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
         num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-        head_dim=d.get("head_dim"), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+        head_dim=head_dim, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta,
         rope_scaling=scaling, max_position_embeddings=d.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         attention_bias=bool(d.get("attention_bias", False)), mask_token_id=d.get("mask_token_id"),
         bos_token_id=d.get("bos_token_id"), eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-        pad_token_id=d.get("pad_token_id"))
-
-
-def config_from_hf(d: dict, *, allow_unknown_keys: bool = False, **overrides) -> ModelConfig:
-    check_keys(d, KNOWN_KEYS, allow_unknown_keys=allow_unknown_keys)
-    return ModelConfig(model_type="llama", qk_norm=False, **{**common_fields(d), **overrides})
+        pad_token_id=d.get("pad_token_id")), **overrides})
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     """HF config.json (4.x-style rope keys, which both transformers 4.x and 5.x read)."""
     d = {
-        "architectures": ["LlamaForCausalLM" if cfg.model_type == "llama" else "Qwen3ForCausalLM"],
+        "architectures": [_ARCHITECTURES[cfg.model_type]],
         "model_type": cfg.model_type, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
@@ -97,4 +96,6 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
         "high_freq_factor": rs.high_freq_factor,
         "original_max_position_embeddings": rs.original_max_position_embeddings}
+    if cfg.model_type == "qwen3":
+        d.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_hidden_layers)
     return d
