@@ -171,13 +171,12 @@ def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, wri
             ks = ks.at[li, rows, write_slot_BT].set(k.astype(ks.dtype), mode="drop")
             vs = vs.at[li, rows, write_slot_BT].set(v.astype(vs.dtype), mode="drop")
             new_cache_kv = (ks, vs)
-            ck = jax.lax.dynamic_index_in_dim(ks, li, 0, keepdims=False)
-            cv = jax.lax.dynamic_index_in_dim(vs, li, 0, keepdims=False)
+            ck, cv = (jax.lax.dynamic_index_in_dim(c, li, 0, keepdims=False).astype(dt) for c in (ks, vs))
             # keys = committed cache (clean) + this window's copy tokens (its clean tokens are in the cache);
             # "pallas" reads the cache in place (per shard under a mesh), "xla" concatenates
             cache_kv_meta, window_kv_meta, full_meta = kv_meta
-            o = attention_parts(q, [(ck.astype(dt), cv.astype(dt), cache_kv_meta), (k, v, window_kv_meta)],
-                                meta, impl=cfg.attention_impl, kv_meta=full_meta)
+            o = attention_parts(q, [(ck, cv, cache_kv_meta), (k, v, window_kv_meta)], meta, impl=cfg.attention_impl,
+                                kv_meta=full_meta)
         h_BTD = h_BTD + jnp.einsum("bthk,hkd->btd", o, p["wo"]) + (p["bo"] if cfg.attention_bias else 0)
     with jax.named_scope("mlp"):
         x = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
