@@ -69,6 +69,13 @@ class HFRef:
         return json.loads(op.read_text())
 
 
+@pytest.fixture(params=["triton", "tpu"])
+def backend(request) -> str:
+    """The Pallas kernel family under test: "triton" (the Triton-style kernels: interpret mode on CPU,
+    compiled on a GPU) or "tpu" (the Mosaic-TPU kernels in TPU interpret mode)."""
+    return request.param
+
+
 @pytest.fixture
 def hf_ref(tmp_path) -> HFRef:
     return HFRef(tmp_path)

@@ -4,22 +4,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sbd_jax.attention import (TokenMeta, block_starts, clean_meta, concat_meta, copy_meta, dense_mask,
-                               reference_attention)
+from sbd_jax.attention import TokenMeta, clean_meta, concat_meta, copy_meta, dense_mask, reference_attention
+from sbd_jax.attention.layouts import training_meta
 
 
 def doubled_layout(doc_lengths, pad, k):
     """Metadata of one packed training row [x ; x_hat] built with the library's builders."""
-    seg, pos = [], []
-    for d, n in enumerate(doc_lengths, start=1):
-        seg += [d] * n
-        pos += list(range(n))
-    seg += [0] * pad
-    pos += [0] * pad
-    seg, pos = np.array([seg]), np.array([pos])
-    clean = clean_meta(seg, pos)
-    copy = copy_meta(seg, pos, block_starts(pos, k))
-    return concat_meta(clean, copy)
+    return training_meta([doc_lengths], sum(doc_lengths) + pad, k)
 
 
 def brute_mask(doc_lengths, pad, k):

@@ -23,12 +23,9 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
-from sbd_jax.attention import block_starts, clean_meta, concat_meta, copy_meta
-from sbd_jax.attention.pallas import (
-    DEFAULT_BLOCKS,
-    pallas_attention,
-    pallas_attention_parts,
-)
+from sbd_jax.attention import clean_meta, concat_meta
+from sbd_jax.attention.layouts import decode_meta, training_meta
+from sbd_jax.attention.pallas import DEFAULT_BLOCKS, PallasOptions, pallas_attention, pallas_attention_parts
 
 H100 = AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -41,24 +38,49 @@ def lower_for_h100(fn, *args):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def lower_for_tpu(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+
+LOWER = {"triton": lower_for_h100, "tpu": lower_for_tpu}
+
+
 def llama8b_qkv(B, Tq, Tk):
     q = jax.ShapeDtypeStruct((B, Tq, 32, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((B, Tk, 8, 128), jnp.bfloat16)
     return q, kv
 
 
-def test_training_kernels_lower_to_triton():
-    L = 200  # 2L = 400: not a multiple of the 64 tile
-    pos = np.broadcast_to(np.arange(L), (2, L))
-    seg = np.ones((2, L), np.int32)
-    meta = concat_meta(clean_meta(seg, pos), copy_meta(seg, pos, block_starts(pos, 16)))
+def lower_training(backend):
+    """Forward and backward of the training kernels on 2 rows of 2L = 400 tokens (not a multiple of
+    the 64 Triton tile nor of the 256 / 512 TPU tiles)."""
+    L = 200
+    meta = training_meta([[L], [L]], L, 16)
     q, kv = llama8b_qkv(2, 2 * L, 2 * L)
 
     def loss(q, k, v, meta):
-        o = pallas_attention(q, k, v, meta, meta, kernel="train", backend="triton")
+        o = pallas_attention(q, k, v, meta, meta, kernel="train", backend=backend)
         return jnp.sum(o.astype(jnp.float32))
 
-    text = lower_for_h100(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, meta)
+    return LOWER[backend](jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, meta)
+
+
+PARTS_B, PARTS_S, PARTS_T = 4, 8192, 32  # batch, cache slots, window (2k, k = 16)
+
+
+def lower_decode_parts(backend):
+    """`pallas_attention_parts` over (cache, window): a half-full cache, the window's 2k queries."""
+    B, S, T = PARTS_B, PARTS_S, PARTS_T
+    q_meta, cache_meta, win_meta = decode_meta(np.full((B,), S // 2), S, T // 2)
+    q, cache = llama8b_qkv(B, T, S)
+    _, win = llama8b_qkv(B, T, T)
+    fn = lambda q, ck, cv, wk, wv, cm, wm, qm: pallas_attention_parts(
+        q, [(ck, cv, cm), (wk, wv, wm)], qm, backend=backend)
+    return LOWER[backend](fn, q, cache, cache, win, win, cache_meta, win_meta, q_meta)
+
+
+def test_training_kernels_lower_to_triton():
+    text = lower_training("triton")
     assert text.count(TRITON_CALL) == 3  # forward, dq, dk/dv
     for name in ("sbd_flash_fwd", "sbd_flash_dq", "sbd_flash_dkv"):
         assert name in text
@@ -67,33 +89,16 @@ def test_training_kernels_lower_to_triton():
 @pytest.mark.parametrize("B,k,S", [(1, 16, 4096), (8, 32, 8192)])
 def test_decode_kernel_lowers_to_triton(B, k, S):
     T = 2 * k  # finished block (clean) + next block (copy)
-    lengths = np.full((B,), S // 2)
-    pos = lengths[:, None] + np.arange(T)[None]
-    q_meta = concat_meta(clean_meta(np.ones((B, k)), pos[:, :k]),
-                         copy_meta(np.ones((B, k)), pos[:, k:], pos[:, k:k + 1].repeat(k, 1)))
-    slot = np.broadcast_to(np.arange(S), (B, S))
-    kv_meta = concat_meta(clean_meta((slot < lengths[:, None] + k).astype(np.int32), slot),
-                          q_meta._replace(segment=np.where(q_meta.stream == 0, 0, 1)))
+    q_meta, cache_meta, win_meta = decode_meta(np.full((B,), S // 2), S, k)
     q, kv = llama8b_qkv(B, T, S + T)
     fn = lambda q, k, v, qm, km: pallas_attention(q, k, v, qm, km, backend="triton")
-    text = lower_for_h100(fn, q, kv, kv, q_meta, kv_meta)
+    text = lower_for_h100(fn, q, kv, kv, q_meta, concat_meta(cache_meta, win_meta))
     assert text.count(TRITON_CALL) == 1 and "sbd_flash_decode" in text
 
 
 def test_decode_over_cache_and_window_parts_lowers_to_triton():
-    B, k, S = 4, 16, 8192
-    T = 2 * k
-    pos = np.full((B, 1), S // 2) + np.arange(T)[None]
-    q_meta = concat_meta(clean_meta(np.ones((B, k)), pos[:, :k]),
-                         copy_meta(np.ones((B, k)), pos[:, k:], pos[:, k:k + 1].repeat(k, 1)))
-    slot = np.broadcast_to(np.arange(S), (B, S))
-    cache_meta = clean_meta((slot < S // 2 + k).astype(np.int32), slot)
-    win_meta = q_meta._replace(segment=np.where(q_meta.stream == 0, 0, 1))
-    q, cache = llama8b_qkv(B, T, S)
-    _, win = llama8b_qkv(B, T, T)
-    fn = lambda q, ck, cv, wk, wv, cm, wm, qm: pallas_attention_parts(
-        q, [(ck, cv, cm), (wk, wv, wm)], qm, backend="triton")
-    text = lower_for_h100(fn, q, cache, cache, win, win, cache_meta, win_meta, q_meta)
+    B, S, T = PARTS_B, PARTS_S, PARTS_T
+    text = lower_decode_parts("triton")
     assert text.count(TRITON_CALL) == 2  # one launch per part
     assert f"tensor<{B}x{S + T}x8x128xbf16>" not in text  # the cache is never copied/concatenated
 
@@ -107,10 +112,6 @@ def test_triton_defaults_are_triton_legal():
 
 # ----------------------------------------------------------------------------------------------
 # Mosaic TPU
-
-
-def lower_for_tpu(fn, *args):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
 
 
 def mosaic_kernels(text):
@@ -156,17 +157,7 @@ def check_mosaic_kernel(mlir, semantics):
 
 
 def test_training_kernels_lower_to_mosaic_tpu():
-    L = 200  # 2L = 400 tokens: not a multiple of the 256 / 512 TPU tiles
-    pos = np.broadcast_to(np.arange(L), (2, L))
-    seg = np.ones((2, L), np.int32)
-    meta = concat_meta(clean_meta(seg, pos), copy_meta(seg, pos, block_starts(pos, 16)))
-    q, kv = llama8b_qkv(2, 2 * L, 2 * L)
-
-    def loss(q, k, v, meta):
-        o = pallas_attention(q, k, v, meta, meta, kernel="train", backend="tpu")
-        return jnp.sum(o.astype(jnp.float32))
-
-    kernels, n = mosaic_kernels(lower_for_tpu(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, meta))
+    kernels, n = mosaic_kernels(lower_training("tpu"))
     assert n == 3 and set(kernels) == {"sbd_tpu_flash_fwd", "sbd_tpu_flash_dq", "sbd_tpu_flash_dkv"}
     par, arb = "parallel", "arbitrary"
     fwd = check_mosaic_kernel(kernels["sbd_tpu_flash_fwd"][0], [par, par, par, arb])
@@ -177,19 +168,8 @@ def test_training_kernels_lower_to_mosaic_tpu():
 
 
 def test_decode_over_cache_and_window_parts_lowers_to_mosaic_tpu():
-    B, k, S = 4, 16, 8192
-    T = 2 * k
-    pos = np.full((B, 1), S // 2) + np.arange(T)[None]
-    q_meta = concat_meta(clean_meta(np.ones((B, k)), pos[:, :k]),
-                         copy_meta(np.ones((B, k)), pos[:, k:], pos[:, k:k + 1].repeat(k, 1)))
-    slot = np.broadcast_to(np.arange(S), (B, S))
-    cache_meta = clean_meta((slot < S // 2 + k).astype(np.int32), slot)
-    win_meta = q_meta._replace(segment=np.where(q_meta.stream == 0, 0, 1))
-    q, cache = llama8b_qkv(B, T, S)
-    _, win = llama8b_qkv(B, T, T)
-    fn = lambda q, ck, cv, wk, wv, cm, wm, qm: pallas_attention_parts(
-        q, [(ck, cv, cm), (wk, wv, wm)], qm, backend="tpu")
-    text = lower_for_tpu(fn, q, cache, cache, win, win, cache_meta, win_meta, q_meta)
+    B, S, T = PARTS_B, PARTS_S, PARTS_T
+    text = lower_decode_parts("tpu")
     kernels, n = mosaic_kernels(text)
     assert n == 2 and list(kernels) == ["sbd_tpu_flash_decode"]  # one launch per part
     par, arb = "parallel", "arbitrary"
@@ -216,6 +196,4 @@ def test_head_dim_64_lowers_to_mosaic_tpu():
 
 
 def test_tpu_defaults_are_mosaic_legal():
-    from sbd_jax.attention.pallas import PallasOptions
-    from sbd_jax.attention.pallas.options import check_tpu_blocks
-    check_tpu_blocks(PallasOptions(backend="tpu").resolved())
+    PallasOptions(backend="tpu").resolved()  # checks the block rules

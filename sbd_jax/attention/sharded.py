@@ -1,4 +1,4 @@
-"""The Pallas attention kernels on a device mesh: a `jax.shard_map` wrapper (issue #5).
+"""The Pallas attention kernels on a device mesh: run per shard inside `jax.shard_map`.
 
 A `pallas_call` is opaque to XLA's SPMD partitioner: under a mesh, XLA would either gather its
 inputs onto every device (each device computing the whole attention) or fail. Attention is
@@ -8,7 +8,7 @@ independent per (row, KV-head group), so the kernels run unchanged on each devic
     `jax.set_mesh(mesh)` around a jitted call, or, inside a traced function,
     `sbd_jax.sharding.mesh_context(mesh)` (what the training step and the decoder do when given a
     mesh). No mesh (or a mesh whose axes are all of size 1 or already manual) -> the kernels are
-    called directly, as before;
+    called directly;
   * batch: split over the batch axes of `sbd_jax.sharding.DEFAULT_RULES` ("data", "fsdp": those
     present with size > 1), or replicated if the batch does not divide (as `batch_sharding`);
   * heads: over the "tensor" axis (t devices), chosen from H query heads and K KV heads (GQA,
@@ -28,8 +28,7 @@ The custom VJP of the kernels runs inside the shard_map, so gradients are per sh
 check_vma=True demands); shard_map's transpose then sums the cotangent of any input not split
 over an axis (K/V replicated over "tensor", a replicated batch) over that axis, as it must.
 Results equal the unsharded kernels up to float summation order (the decode kernel's automatic
-split count can depend on the per-shard batch); tests/test_pallas_sharded.py checks this on 8 fake
-CPU devices (interpret mode). Not yet run on real multi-GPU meshes.
+split count can depend on the per-shard batch).
 """
 from __future__ import annotations
 
@@ -136,36 +135,23 @@ def _as_meta(m) -> TokenMeta:
 def pallas_attention(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta, **kwargs):
     """`sbd_jax.attention.pallas.pallas_attention` (same arguments and result), run per shard
     inside `jax.shard_map` when a mesh is active (see the module docstring)."""
-    from .pallas import pallas_attention as kernel
-    layout = head_layout(active_mesh(), *_shapes(q_BTHD, k_BSKD, v_BSKD))
-    if layout.trivial:
-        return kernel(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta, **kwargs)
-    H, K = q_BTHD.shape[2], k_BSKD.shape[2]
-    q_spec, kv_spec, m_spec = layout.specs()
-    take = _local_kv(layout, H, K)
-
-    def local(q, k, v, qm, km):
-        return kernel(q, take(k), take(v), qm, km, **kwargs)
-
-    meta_spec = TokenMeta(*([m_spec] * len(TokenMeta._fields)))
-    return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, meta_spec, meta_spec),
-                         out_specs=q_spec, check_vma=False)(q_BTHD, k_BSKD, v_BSKD, _as_meta(q_meta), _as_meta(kv_meta))
+    return pallas_attention_parts(q_BTHD, [(k_BSKD, v_BSKD, kv_meta)], q_meta, **kwargs)
 
 
 def pallas_attention_parts(q_BTHD, kv_parts, q_meta, **kwargs):
     """`sbd_jax.attention.pallas.pallas_attention_parts` (same arguments and result), run per shard
     inside `jax.shard_map` when a mesh is active (see the module docstring)."""
     from .pallas import pallas_attention_parts as kernel
-    kv_parts = tuple((k, v, _as_meta(m)) for k, v, m in (tuple(p) for p in kv_parts))
+    kv_parts = tuple(tuple(p) for p in kv_parts)
     if not kv_parts:
         raise ShardedAttentionError("kv_parts must be a non-empty sequence of (k, v, kv_meta)")
     dims = [_shapes(q_BTHD, k, v) for k, v, _ in kv_parts]
     if len(set(dims)) != 1:
         raise ShardedAttentionError(f"kv_parts disagree on (batch, heads, kv heads): {dims}")
-    layout = head_layout(active_mesh(), *dims[0])
+    (B, H, K), parts = dims[0], tuple((k, v, _as_meta(m)) for k, v, m in kv_parts)
+    layout = head_layout(active_mesh(), B, H, K)
     if layout.trivial:
-        return kernel(q_BTHD, kv_parts, q_meta, **kwargs)
-    H, K = dims[0][1], dims[0][2]
+        return kernel(q_BTHD, parts, q_meta, **kwargs)
     q_spec, kv_spec, m_spec = layout.specs()
     meta_spec = TokenMeta(*([m_spec] * len(TokenMeta._fields)))
     take = _local_kv(layout, H, K)
@@ -173,9 +159,9 @@ def pallas_attention_parts(q_BTHD, kv_parts, q_meta, **kwargs):
     def local(q, parts, qm):
         return kernel(q, [(take(k), take(v), m) for k, v, m in parts], qm, **kwargs)
 
-    part_specs = tuple((kv_spec, kv_spec, meta_spec) for _ in kv_parts)
+    part_specs = tuple((kv_spec, kv_spec, meta_spec) for _ in parts)
     return jax.shard_map(local, in_specs=(q_spec, part_specs, meta_spec),
-                         out_specs=q_spec, check_vma=False)(q_BTHD, kv_parts, _as_meta(q_meta))
+                         out_specs=q_spec, check_vma=False)(q_BTHD, parts, _as_meta(q_meta))
 
 
 __all__ = ["HeadLayout", "ShardedAttentionError", "active_mesh", "head_layout", "pallas_attention",

@@ -1,52 +1,35 @@
-"""Fused SBD attention kernels in Pallas (training flash attention + flash-decoding).
+"""Fused SBD attention kernels in Pallas: flash attention for training and flash-decoding.
 
 `pallas_attention(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta)` has the signature and semantics of
 `reference_attention` (the oracle): GQA, f32 softmax, rows that see nothing return 0. It picks a
-kernel from the shapes (see `PallasOptions.kernel`), is differentiable (custom VJP: flash
-backward kernels for dq and dk/dv, whichever forward kernel ran) and picks the Pallas backend
-from `jax.default_backend()` (CPU -> interpret mode).
-
+kernel from the shapes (`choose_kernel`) and a kernel family from the backend (options.py), and is
+differentiable (custom VJP: flash backward kernels for dq and dk/dv, whichever forward ran).
 `pallas_attention_parts(q, [(cache_k, cache_v, cache_meta), (win_k, win_v, win_meta)], q_meta)`
-is the same attention over K/V given in parts, so decoding can read the cache in place.
+is the same attention over K/V given in parts, so decoding reads its cache in place.
 
-Two kernel families, chosen by backend (options.py): Triton-style kernels ("triton" on GPU,
-"interpret" on CPU) and Mosaic-TPU kernels ("tpu"; `interpret=True` or
-`force_backend("tpu", interpret=True)` runs them in TPU interpret mode on CPU).
+Two kernel families share the tile lists (`tiling`) and in-kernel helpers (`kernel_common`):
+Triton-style (`flash_train`, `decode`: GPU through the Triton lowering, CPU in interpret mode) and
+Mosaic-TPU (`tpu_train`, `tpu_decode`, with `tpu_common`).
 
-STATUS:
-  Verified: interpret mode on CPU against `reference_attention`, for both families
-  (tests/test_pallas_attention.py, tests/test_pallas_model.py, tests/test_pallas_tpu.py:
-  outputs and gradients, f32 and bf16, GQA/MQA, packed segments, ragged caches, whole model);
-  Pallas -> Triton IR lowering for an abstract H100 and Pallas -> Mosaic lowering for TPU, on
-  CPU (tests/test_pallas_lowering.py); the Triton-style kernels compiled and run on an H100
-  (test_pallas_attention.py + test_pallas_model.py pass there; speed in BENCHMARKS.md).
-  Not verified: Mosaic layout passes / libtpu compilation and TPU runtime and speed.
+What is verified, and where: both families against the reference in interpret mode on CPU
+(tests/test_pallas_attention.py, tests/test_pallas_model.py: outputs and gradients, f32 and bf16,
+GQA/MQA, packed segments, ragged caches, the whole model), also per shard on a mesh of 8 CPU
+devices (tests/test_pallas_sharded.py); their lowering on CPU, to Triton IR for an abstract H100
+and to Mosaic for TPU (tests/test_pallas_lowering.py); the Triton-style kernels compiled and run on
+an H100 (BENCHMARKS.md "Pallas kernels on an H100"). Not verified: the TPU kernels' compilation
+by libtpu, their runtime and speed (their tiles are untuned), real multi-device meshes.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..mask import TokenMeta, concat_meta
-from . import tpu_decode, tpu_train
-from .decode import decode_forward, decode_forward_parts
-from .flash_train import train_backward, train_forward
-from .options import (
-    DEFAULT_BLOCKS,
-    BlockSizes,
-    PallasOptions,
-    PallasOptionsError,
-    check_head_dim,
-    check_tpu_blocks,
-    check_triton_blocks,
-    force_backend,
-)
+from . import decode, flash_train, tpu_decode, tpu_train
+from .options import DEFAULT_BLOCKS, BlockSizes, PallasOptions, PallasOptionsError, force_backend
 
 
 class PallasAttentionError(ValueError):
@@ -61,78 +44,52 @@ def choose_kernel(Tq: int, Tk: int, opts: PallasOptions) -> str:
     return "decode" if (Tk > Tq and Tq <= opts.decode_max_q) else "train"
 
 
-class _Kernels(NamedTuple):
-    train_forward: Callable
-    train_backward: Callable
-    decode_forward: Callable
-    decode_forward_parts: Callable
+def _family(opts: PallasOptions):
+    """(training kernels, decode kernels): the Mosaic-TPU ones for backend "tpu", the Triton-style
+    ones for "triton" and "interpret"."""
+    return (tpu_train, tpu_decode) if opts.backend == "tpu" else (flash_train, decode)
 
 
-_TRITON_STYLE = _Kernels(train_forward, train_backward, decode_forward, decode_forward_parts)
-_TPU = _Kernels(tpu_train.train_forward, tpu_train.train_backward, tpu_decode.decode_forward,
-                tpu_decode.decode_forward_parts)
-
-
-def _kernels(opts: PallasOptions) -> _Kernels:
-    """Mosaic-TPU kernels for backend "tpu" (compiled, or TPU interpret mode); the Triton-style
-    kernels for "triton" and "interpret"."""
-    return _TPU if opts.backend == "tpu" else _TRITON_STYLE
-
-
-def _forward(q, k, v, q_meta, kv_meta, opts):
-    kind = choose_kernel(q.shape[1], k.shape[1], opts)
-    ks = _kernels(opts)
-    fn = ks.decode_forward if kind == "decode" else ks.train_forward
-    return fn(q, k, v, q_meta, kv_meta, opts)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _sbd_attention(q, k, v, q_meta, kv_meta, opts):
-    return _forward(q, k, v, q_meta, kv_meta, opts)[0]
-
-
-def _sbd_attention_fwd(q, k, v, q_meta, kv_meta, opts):
-    o, lse = _forward(q, k, v, q_meta, kv_meta, opts)
-    return o, (q, k, v, q_meta, kv_meta, o, lse)
-
-
-def _sbd_attention_bwd(opts, res, do):
-    q, k, v, q_meta, kv_meta, o, lse = res
-    dq, dk, dv = _kernels(opts).train_backward(q, k, v, q_meta, kv_meta, o, lse, do, opts)
-    return dq, dk, dv, None, None
-
-
-_sbd_attention.defvjp(_sbd_attention_fwd, _sbd_attention_bwd)
-
-
-def _concat_parts(parts):
+def _concat(parts):
+    """(k, v, kv_meta) of the concatenated K/V parts."""
+    if len(parts) == 1:
+        return parts[0]
     k = jnp.concatenate([p[0] for p in parts], axis=1)
     v = jnp.concatenate([p[1] for p in parts], axis=1)
-    meta = concat_meta(*(p[2] for p in parts), axis=1)
-    return k, v, meta
+    return k, v, concat_meta(*(p[2] for p in parts), axis=1)
+
+
+def _forward(q, parts, q_meta, opts):
+    """The decode kernel reads the parts in place; the training kernel takes them concatenated."""
+    train, dec = _family(opts)
+    if choose_kernel(q.shape[1], sum(p[0].shape[1] for p in parts), opts) == "decode":
+        return dec.decode_forward_parts(q, parts, q_meta, opts)
+    k, v, kv_meta = _concat(parts)
+    return train.train_forward(q, k, v, q_meta, kv_meta, opts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _sbd_attention_parts(q, parts, q_meta, opts):
-    return _kernels(opts).decode_forward_parts(q, parts, q_meta, opts)[0]
+def _sbd_attention(q, parts, q_meta, opts):
+    return _forward(q, parts, q_meta, opts)[0]
 
 
-def _sbd_attention_parts_fwd(q, parts, q_meta, opts):
-    o, lse = _kernels(opts).decode_forward_parts(q, parts, q_meta, opts)
+def _sbd_attention_fwd(q, parts, q_meta, opts):
+    o, lse = _forward(q, parts, q_meta, opts)
     return o, (q, parts, q_meta, o, lse)
 
 
-def _sbd_attention_parts_bwd(opts, res, do):
-    # not a decoding need; correct but concatenates (the backward kernels take one K/V)
+def _sbd_attention_bwd(opts, res, do):
+    """The flash backward kernels, whichever forward ran (over the concatenated parts)."""
     q, parts, q_meta, o, lse = res
-    k, v, kv_meta = _concat_parts(parts)
-    dq, dk, dv = _kernels(opts).train_backward(q, k, v, q_meta, kv_meta, o, lse, do, opts)
+    k, v, kv_meta = _concat(parts)
+    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+    dq, dk, dv = _family(opts)[0].train_backward(q, k, v, q_meta, kv_meta, lse, delta, do, opts)
     bounds = [int(x) for x in np.cumsum([p[0].shape[1] for p in parts])[:-1]]
-    dks, dvs = jnp.split(dk, bounds, axis=1), jnp.split(dv, bounds, axis=1)
-    return dq, tuple((a, b, None) for a, b in zip(dks, dvs)), None
+    split = (lambda x: jnp.split(x, bounds, axis=1)) if bounds else (lambda x: [x])
+    return dq, tuple((a, b, None) for a, b in zip(split(dk), split(dv))), None
 
 
-_sbd_attention_parts.defvjp(_sbd_attention_parts_fwd, _sbd_attention_parts_bwd)
+_sbd_attention.defvjp(_sbd_attention_fwd, _sbd_attention_bwd)
 
 
 def _validate(q, k, v, q_meta, kv_meta):
@@ -164,6 +121,10 @@ def _validate(q, k, v, q_meta, kv_meta):
                 raise PallasAttentionError(f"{name}.{field} must be integer, got {jnp.result_type(f)}")
 
 
+def _as_meta(m) -> TokenMeta:
+    return TokenMeta(*(jnp.asarray(f, jnp.int32) for f in m))
+
+
 def pallas_attention(q_BTHD, k_BSKD, v_BSKD, q_meta: TokenMeta, kv_meta: TokenMeta, *,
                      kernel: str = "auto", backend: str | None = None,
                      blocks: BlockSizes | None = None, scale: float | None = None,
@@ -176,22 +137,9 @@ def pallas_attention(q_BTHD, k_BSKD, v_BSKD, q_meta: TokenMeta, kv_meta: TokenMe
     `interpret`: with backend "tpu", run the Mosaic-TPU kernels in TPU interpret mode (CPU);
     or pass a whole `options` (then the other keywords must be left at their defaults).
     """
-    if options is None:
-        options = PallasOptions(kernel=kernel, backend=backend, blocks=blocks, scale=scale,
-                                interpret=interpret)
-    elif (kernel, backend, blocks, scale, interpret) != ("auto", None, None, None, None):
-        raise PallasOptionsError("pass either `options` or the individual keywords, not both")
-    _validate(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta)
-    opts = options.resolved()
-    D = q_BTHD.shape[-1]
-    if opts.scale is None:
-        opts = dataclasses.replace(opts, scale=float(D) ** -0.5)
-    check_head_dim(opts.backend, D)
-    check_triton_blocks(opts.backend, opts.blocks)
-    check_tpu_blocks(opts)
-    q_meta = TokenMeta(*(jnp.asarray(f, jnp.int32) for f in q_meta))
-    kv_meta = TokenMeta(*(jnp.asarray(f, jnp.int32) for f in kv_meta))
-    return _sbd_attention(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta, opts)
+    return pallas_attention_parts(q_BTHD, [(k_BSKD, v_BSKD, kv_meta)], q_meta, kernel=kernel,
+                                  backend=backend, blocks=blocks, scale=scale, interpret=interpret,
+                                  options=options)
 
 
 def pallas_attention_parts(q_BTHD, kv_parts, q_meta: TokenMeta, *, kernel: str = "auto",
@@ -204,7 +152,7 @@ def pallas_attention_parts(q_BTHD, kv_parts, q_meta: TokenMeta, *, kernel: str =
     (window_k, window_v, window_key_meta)] reads the cache in place instead of copying it into
     a concatenated array every layer. The decode kernel runs once per part and the partial
     softmaxes are merged. If the shapes call for the training kernel (long prefill), the parts
-    are concatenated and `pallas_attention` is used.
+    are concatenated.
     """
     if options is None:
         options = PallasOptions(kernel=kernel, backend=backend, blocks=blocks, scale=scale,
@@ -218,33 +166,10 @@ def pallas_attention_parts(q_BTHD, kv_parts, q_meta: TokenMeta, *, kernel: str =
         _validate(q_BTHD, k, v, q_meta, m)
     if len({p[0].shape[2] for p in kv_parts}) != 1:
         raise PallasAttentionError("all kv_parts must have the same number of kv heads")
-    Tk = sum(p[0].shape[1] for p in kv_parts)
-    opts = options.resolved()
-    if choose_kernel(q_BTHD.shape[1], Tk, opts) == "train":
-        k, v, m = _concat_parts(kv_parts)
-        return pallas_attention(q_BTHD, k, v, q_meta, m, options=options)
-    D = q_BTHD.shape[-1]
-    if opts.scale is None:
-        opts = dataclasses.replace(opts, scale=float(D) ** -0.5)
-    check_head_dim(opts.backend, D)
-    check_triton_blocks(opts.backend, opts.blocks)
-    check_tpu_blocks(opts)
-    as_meta = lambda m: TokenMeta(*(jnp.asarray(f, jnp.int32) for f in m))
-    kv_parts = tuple((k, v, as_meta(m)) for k, v, m in kv_parts)
-    return _sbd_attention_parts(q_BTHD, kv_parts, as_meta(q_meta), opts)
+    opts = options.resolved(q_BTHD.shape[-1])
+    kv_parts = tuple((k, v, _as_meta(m)) for k, v, m in kv_parts)
+    return _sbd_attention(q_BTHD, kv_parts, _as_meta(q_meta), opts)
 
 
-__all__ = [
-    "DEFAULT_BLOCKS",
-    "BlockSizes",
-    "PallasAttentionError",
-    "PallasOptions",
-    "PallasOptionsError",
-    "choose_kernel",
-    "decode_forward",
-    "force_backend",
-    "pallas_attention",
-    "pallas_attention_parts",
-    "train_backward",
-    "train_forward",
-]
+__all__ = ["DEFAULT_BLOCKS", "BlockSizes", "PallasAttentionError", "PallasOptions", "PallasOptionsError",
+           "choose_kernel", "force_backend", "pallas_attention", "pallas_attention_parts"]

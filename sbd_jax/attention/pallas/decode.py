@@ -1,10 +1,10 @@
 """Flash-decoding SBD attention: a decode window of queries (k or 2k tokens) against a static
 KV cache with per-row valid lengths plus the window's in-block SBD mask.
 
-Layouts: q [B, Tq, H, D] (small), k/v [B, S, K, D] = whatever the caller concatenated (cache
-slots, then the window's copy tokens), metadata [B, Tq] / [B, S]. Per-row valid lengths need no
-special argument: cache slots past a row's length carry segment 0 in kv_meta, so the exact tile
-table (`tiling`, from `sbd_mask`) drops those tiles and they are never read.
+Layouts: q [B, Tq, H, D] (small), K/V in parts [B, S_i, K, D] (the cache slots; the window's
+keys), metadata [B, Tq] / [B, S_i]. Per-row valid lengths need no special argument: cache
+slots past a row's length carry segment 0 in their metadata, so the exact tile table (`tiling`,
+from `sbd_mask`) drops those tiles and they are never read.
 
 One program = (row b, KV head, split s, row tile r), grid (B, K, num_splits, nr):
   * GQA/MQA: its query block holds the G query heads of the KV head, as rows
@@ -15,9 +15,6 @@ One program = (row b, KV head, split s, row tile r), grid (B, K, num_splits, nr)
   * each split writes a normalised partial output and its log-sum-exp; XLA merges the splits.
 K/V are read in place (no padding copy of the cache) unless S < block: the last tile starts at
 S - block and only its columns >= j * block count ("fresh" columns), so no load is out of bounds.
-
-Run on an H100 (Triton lowering, 2026-11-24): tests pass there; faster than the XLA reference at every
-benchmarked shape but at 9-40% of copy bandwidth (BENCHMARKS.md). Not run on a TPU.
 """
 from __future__ import annotations
 
@@ -29,26 +26,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..mask import TokenMeta
-from .kernel_common import (
-    meta_all,
-    meta_tile,
-    online_softmax_step,
-    softmax_finish,
-    softmax_init,
-    tile_mask,
-)
+from .kernel_common import (meta_all, meta_tile, online_softmax_step, softmax_finish, softmax_init, split_range,
+                            tile_mask)
 from .options import PallasOptions, call_kwargs, next_pow2
-from .tiling import compact_tiles, pack_meta, pad_meta, tile_visibility
+from .tiling import compact_tiles, pack_meta, pad_meta, pad_time, round_up, tile_visibility
 
 
 def _decode_kernel(tab_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, o_ref, lse_ref, *, scale,
                    block_k, num_splits, kv_len):
     q = q_ref[...]  # [br, D]
     qf = meta_all(qm_ref)  # 4 x [br]
-    cnt = tab_ref[0]
-    per = lax.div(cnt + (num_splits - 1), num_splits)
-    lo = jnp.minimum(pl.program_id(2) * per, cnt)
-    hi = jnp.minimum(lo + per, cnt)
+    lo, hi = split_range(tab_ref[0], pl.program_id(2), num_splits)
     cols = jnp.arange(block_k, dtype=jnp.int32)
 
     def body(n, carry):
@@ -83,17 +71,22 @@ def merge_splits(o_part, lse_part):
     return o, jnp.squeeze(m, -2) + jnp.log(tot)
 
 
-def _query_rows(q, q_meta: TokenMeta, K: int, opts: PallasOptions):
-    """[B, Tq, H, D] -> rows [B, K, R, D] (row = (token, head of the KV head)), packed row
-    metadata [B, 4, R], row tile br (R = a multiple of br)."""
+def query_rows(q, q_meta: TokenMeta, K: int, R: int):
+    """[B, Tq, H, D] -> rows [B, K, R, D] (row = (token, query head of the KV head); R >= Tq * G,
+    the rest zeros) and their metadata [B, R] (padding rows: segment 0)."""
     B, Tq, H, D = q.shape
     G = H // K
-    br = min(opts.blocks.decode_block_rows, max(16, next_pow2(Tq * G)))
-    R = -(-Tq * G // br) * br
     q_rows = q.reshape(B, Tq, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, Tq * G, D)
-    q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, R - Tq * G), (0, 0)])
     row_meta = TokenMeta(*(jnp.repeat(jnp.asarray(f, jnp.int32), G, axis=1) for f in q_meta))
-    return q_rows, pack_meta(pad_meta(row_meta, R)), br
+    return pad_time(q_rows, R, axis=2), pad_meta(row_meta, R)
+
+
+def _query_rows(q, q_meta: TokenMeta, K: int, opts: PallasOptions):
+    """Rows of `query_rows`, their packed metadata [B, 4, R] and the row tile br (R a multiple)."""
+    n = q.shape[1] * (q.shape[2] // K)
+    br = min(opts.blocks.decode_block_rows, max(16, next_pow2(n)))
+    q_rows, row_meta = query_rows(q, q_meta, K, round_up(n, br))
+    return q_rows, pack_meta(row_meta), br
 
 
 def _partials(q_rows, qm, br, q_meta: TokenMeta, k, v, kv_meta: TokenMeta, opts: PallasOptions):
@@ -103,8 +96,7 @@ def _partials(q_rows, qm, br, q_meta: TokenMeta, k, v, kv_meta: TokenMeta, opts:
     S = k.shape[1]
     bk = opts.blocks.decode_block_k
     if S < bk:  # tiny part (e.g. the window's keys): pad (cheap); big ones are read in place
-        pad = [(0, 0), (0, bk - S), (0, 0), (0, 0)]
-        k, v, kv_meta, S = jnp.pad(k, pad), jnp.pad(v, pad), pad_meta(kv_meta, bk), bk
+        k, v, kv_meta, S = pad_time(k, bk), pad_time(v, bk), pad_meta(kv_meta, bk), bk
     nk = -(-S // bk)
     ns = opts.blocks.num_splits or auto_num_splits(B, K, nk)
     ns = max(1, min(ns, nk))
@@ -130,19 +122,20 @@ def _partials(q_rows, qm, br, q_meta: TokenMeta, k, v, kv_meta: TokenMeta, opts:
         out_shape=[jax.ShapeDtypeStruct((B, K, ns, R, D), jnp.float32),
                    jax.ShapeDtypeStruct((B, K, ns, R), jnp.float32)],
         name="sbd_flash_decode",
-        **call_kwargs(opts.backend, opts.blocks),
+        **call_kwargs(opts),
     )(tab, q_rows, k, v, qm, km)
 
 
-def forward_parts_with(query_rows, partials, q, parts, q_meta: TokenMeta, opts: PallasOptions):
-    """The decode driver shared by the GPU and TPU kernels: `query_rows` lays the window's queries out
-    as rows per KV head, `partials` runs one kernel launch per K/V part (its cache splits); all the
-    splits are merged by log-sum-exp and the rows laid back out as heads.
-    -> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
+def forward_parts_with(rows, partials, q, parts, q_meta: TokenMeta, opts: PallasOptions):
+    """Attention over the concatenation of K/V parts without concatenating them: parts =
+    ((k [B, S_i, K, D], v, kv_meta [B, S_i]), ...), e.g. (cache, window keys). The driver of both
+    kernel families: `rows` lays the window's queries out as rows per KV head, `partials`
+    runs one kernel launch per part (its cache splits); all the splits are merged by log-sum-exp
+    and the rows laid back out as heads. -> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] f32)."""
     B, Tq, H, D = q.shape
     K = parts[0][0].shape[2]
     G = H // K
-    q_rows, qm, br = query_rows(q, q_meta, K, opts)
+    q_rows, qm, br = rows(q, q_meta, K, opts)
     outs = [partials(q_rows, qm, br, q_meta, k, v, m, opts) for k, v, m in parts]
     o_part = jnp.concatenate([o for o, _ in outs], axis=2)
     lse_part = jnp.concatenate([l for _, l in outs], axis=2)
@@ -152,14 +145,4 @@ def forward_parts_with(query_rows, partials, q, parts, q_meta: TokenMeta, opts: 
     return o.astype(q.dtype), lse
 
 
-def decode_forward_parts(q, parts, q_meta: TokenMeta, opts: PallasOptions):
-    """Attention over the concatenation of K/V parts without concatenating them: parts =
-    ((k [B, S_i, K, D], v, kv_meta [B, S_i]), ...), e.g. (cache, window keys). Each part is one
-    kernel launch; all their splits are merged by log-sum-exp.
-    -> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
-    return forward_parts_with(_query_rows, _partials, q, parts, q_meta, opts)
-
-
-def decode_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOptions):
-    """-> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
-    return decode_forward_parts(q, ((k, v, kv_meta),), q_meta, opts)
+decode_forward_parts = functools.partial(forward_parts_with, _query_rows, _partials)

@@ -13,9 +13,6 @@ Kernels (grid, loop):
                             atomics, no [B, T, H, D] dk buffer)                -> dk, dv
 Memory is O(T) plus the O((T/block)^2) int32 tile lists; no score matrix is materialised.
 Sequences are padded to a multiple of the tile (padding = segment 0: never visible).
-
-Run on an H100 (Triton lowering, 2026-11-24): tests pass there; 7-11x faster than the XLA reference at
-L = 2k-4k, and runs at L = 8k where XLA runs out of memory (BENCHMARKS.md). Not run on a TPU.
 """
 from __future__ import annotations
 
@@ -27,20 +24,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ..mask import TokenMeta
-from .kernel_common import (
-    dot_nn,
-    dot_nt,
-    dot_tn,
-    meta_all,
-    meta_tile,
-    online_softmax_step,
-    probs,
-    softmax_finish,
-    softmax_init,
-    tile_mask,
-)
+from .kernel_common import (dot_nn, dot_nt, dot_tn, meta_all, meta_tile, online_softmax_step, probs, softmax_finish,
+                            softmax_init, tile_mask)
 from .options import PallasOptions, call_kwargs, next_pow2
-from .tiling import pack_meta, pad_meta, tile_lists
+from .tiling import compact_tiles, pack_meta, pad_meta, pad_time, round_up, tile_visibility
 
 
 def fit_block(block: int, length: int) -> int:
@@ -48,9 +35,15 @@ def fit_block(block: int, length: int) -> int:
     return min(block, max(16, next_pow2(length)))
 
 
-def _pad_seq(x, length):
-    T = x.shape[1]
-    return x if T == length else jnp.pad(x, [(0, 0), (0, length - T)] + [(0, 0)] * (x.ndim - 2))
+def _q_tile_specs(bq, Tkp, D, G, P):
+    """BlockSpecs of the grid (B, H, nq) kernels (forward, dq): (tile list, query-side tile,
+    whole K/V of the query head's KV head, per-row statistic, query metadata, key metadata)."""
+    return (pl.BlockSpec((None, None, P), lambda b, h, i: (b, i, 0)),
+            pl.BlockSpec((None, bq, None, D), lambda b, h, i: (b, i, h, 0)),
+            pl.BlockSpec((None, Tkp, None, D), lambda b, h, i: (b, 0, lax.div(h, G), 0)),
+            pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
+            pl.BlockSpec((None, 4, bq), lambda b, h, i: (b, 0, i)),
+            pl.BlockSpec((None, 4, Tkp), lambda b, h, i: (b, 0, 0)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,31 +75,19 @@ def train_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOp
     bq, bk = fit_block(opts.blocks.block_q, Tq), fit_block(opts.blocks.block_k, Tk)
     nq, nk = -(-Tq // bq), -(-Tk // bk)
     Tqp, Tkp = nq * bq, nk * bk
-    tab = tile_lists(q_meta, kv_meta, bq, bk)  # [B, nq, P]
-    P = tab.shape[-1]
-    qp, kp, vp = _pad_seq(q, Tqp), _pad_seq(k, Tkp), _pad_seq(v, Tkp)
+    tab = compact_tiles(tile_visibility(q_meta, kv_meta, bq, bk))  # [B, nq, P]
     qm, km = pack_meta(pad_meta(q_meta, Tqp)), pack_meta(pad_meta(kv_meta, Tkp))
-    kv_head = lambda h: lax.div(h, G)
+    tab_s, q_s, kv_s, stat_s, qm_s, km_s = _q_tile_specs(bq, Tkp, D, G, tab.shape[-1])
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, scale=opts.scale, block_k=bk),
         grid=(B, H, nq),
-        in_specs=[
-            pl.BlockSpec((None, None, P), lambda b, h, i: (b, i, 0)),
-            pl.BlockSpec((None, bq, None, D), lambda b, h, i: (b, i, h, 0)),
-            pl.BlockSpec((None, Tkp, None, D), lambda b, h, i: (b, 0, kv_head(h), 0)),
-            pl.BlockSpec((None, Tkp, None, D), lambda b, h, i: (b, 0, kv_head(h), 0)),
-            pl.BlockSpec((None, 4, bq), lambda b, h, i: (b, 0, i)),
-            pl.BlockSpec((None, 4, Tkp), lambda b, h, i: (b, 0, 0)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, bq, None, D), lambda b, h, i: (b, i, h, 0)),
-            pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
-        ],
+        in_specs=[tab_s, q_s, kv_s, kv_s, qm_s, km_s],
+        out_specs=[q_s, stat_s],
         out_shape=[jax.ShapeDtypeStruct((B, Tqp, H, D), q.dtype),
                    jax.ShapeDtypeStruct((B, H, Tqp), jnp.float32)],
         name="sbd_flash_fwd",
-        **call_kwargs(opts.backend, opts.blocks),
-    )(tab, qp, kp, vp, qm, km)
+        **call_kwargs(opts),
+    )(tab, pad_time(q, Tqp), pad_time(k, Tkp), pad_time(v, Tkp), qm, km)
     return o[:, :Tq], lse[:, :, :Tq]
 
 
@@ -162,77 +143,54 @@ def _dkv_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, qm_ref
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def train_backward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, o, lse, do,
+def train_backward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, lse, delta, do,
                    opts: PallasOptions):
-    """Gradients (dq, dk, dv) of the SBD attention given o, lse [B, H, Tq] and do = dL/do."""
+    """Gradients (dq, dk, dv) given lse, delta = rowsum(o * do) [B, H, Tq] and do = dL/do."""
     B, Tq, H, D = q.shape
     Tk, K = k.shape[1], k.shape[2]
     G = H // K
     blk = opts.blocks
     bq, bk = fit_block(blk.block_q, Tq), fit_block(blk.block_k, Tk)
     bq2, bk2 = fit_block(blk.block_q_dkv, Tq), fit_block(blk.block_k_dkv, Tk)
-    Tqp = -(-Tq // max(bq, bq2)) * max(bq, bq2)  # powers of two: a multiple of both
-    Tkp = -(-Tk // max(bk, bk2)) * max(bk, bk2)
+    Tqp, Tkp = round_up(Tq, max(bq, bq2)), round_up(Tk, max(bk, bk2))  # powers of two: multiples of both
     nq, nk2 = Tqp // bq, Tkp // bk2
 
-    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-    qp, dop = _pad_seq(q, Tqp), _pad_seq(do.astype(q.dtype), Tqp)
-    kp, vp = _pad_seq(k, Tkp), _pad_seq(v, Tkp)
-    lsep = jnp.pad(lse, [(0, 0), (0, 0), (0, Tqp - Tq)])
-    deltap = jnp.pad(delta, [(0, 0), (0, 0), (0, Tqp - Tq)])
+    qp, dop = pad_time(q, Tqp), pad_time(do.astype(q.dtype), Tqp)
+    kp, vp = pad_time(k, Tkp), pad_time(v, Tkp)
+    lsep, deltap = pad_time(lse, Tqp, axis=2), pad_time(delta, Tqp, axis=2)
     qmp, kmp = pad_meta(q_meta, Tqp), pad_meta(kv_meta, Tkp)
     qm, km = pack_meta(qmp), pack_meta(kmp)
-    kw = call_kwargs(opts.backend, blk)
-    kv_head = lambda h: lax.div(h, G)
+    kw = call_kwargs(opts)
 
-    if (bq, bk) == (bq2, bk2):  # one exact table serves both kernels
-        tab_q, tab_k = tile_lists(qmp, kmp, bq, bk, by_q=True, by_k=True)
-    else:
-        tab_q = tile_lists(qmp, kmp, bq, bk)  # [B, nq, P]
-        tab_k = tile_lists(qmp, kmp, bq2, bk2, by_q=False, by_k=True)  # [B, nk2, P2]
-    P = tab_q.shape[-1]
+    vis = tile_visibility(qmp, kmp, bq, bk)
+    vis2 = vis if (bq, bk) == (bq2, bk2) else tile_visibility(qmp, kmp, bq2, bk2)
+    tab_q = compact_tiles(vis)  # [B, nq, P]: key tiles per query tile
+    tab_k = compact_tiles(jnp.swapaxes(vis2, 1, 2))  # [B, nk2, P2]: query tiles per key tile
+    tab_s, q_s, kv_s, stat_s, qm_s, km_s = _q_tile_specs(bq, Tkp, D, G, tab_q.shape[-1])
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=opts.scale, block_k=bk),
         grid=(B, H, nq),
-        in_specs=[
-            pl.BlockSpec((None, None, P), lambda b, h, i: (b, i, 0)),
-            pl.BlockSpec((None, bq, None, D), lambda b, h, i: (b, i, h, 0)),
-            pl.BlockSpec((None, Tkp, None, D), lambda b, h, i: (b, 0, kv_head(h), 0)),
-            pl.BlockSpec((None, Tkp, None, D), lambda b, h, i: (b, 0, kv_head(h), 0)),
-            pl.BlockSpec((None, bq, None, D), lambda b, h, i: (b, i, h, 0)),
-            pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
-            pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
-            pl.BlockSpec((None, 4, bq), lambda b, h, i: (b, 0, i)),
-            pl.BlockSpec((None, 4, Tkp), lambda b, h, i: (b, 0, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, bq, None, D), lambda b, h, i: (b, i, h, 0)),
+        in_specs=[tab_s, q_s, kv_s, kv_s, q_s, stat_s, stat_s, qm_s, km_s],
+        out_specs=q_s,
         out_shape=jax.ShapeDtypeStruct((B, Tqp, H, D), q.dtype),
         name="sbd_flash_dq", **kw,
     )(tab_q, qp, kp, vp, dop, lsep, deltap, qm, km)
 
-    P2 = tab_k.shape[-1]
-    q5 = qp.reshape(B, Tqp, K, G, D)
-    do5 = dop.reshape(B, Tqp, K, G, D)
-    lse4 = lsep.reshape(B, K, G, Tqp)
-    delta4 = deltap.reshape(B, K, G, Tqp)
+    # grid (B, K, nk2): the G query heads of the KV head and all query tiles in one block
+    heads = pl.BlockSpec((None, Tqp, None, G, D), lambda b, h, j: (b, 0, h, 0, 0))
+    stats = pl.BlockSpec((None, None, G, Tqp), lambda b, h, j: (b, h, 0, 0))
+    kv_tile = pl.BlockSpec((None, bk2, None, D), lambda b, h, j: (b, j, h, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=opts.scale, block_q=bq2, groups=G),
         grid=(B, K, nk2),
-        in_specs=[
-            pl.BlockSpec((None, None, P2), lambda b, h, j: (b, j, 0)),
-            pl.BlockSpec((None, Tqp, None, G, D), lambda b, h, j: (b, 0, h, 0, 0)),
-            pl.BlockSpec((None, Tqp, None, G, D), lambda b, h, j: (b, 0, h, 0, 0)),
-            pl.BlockSpec((None, None, G, Tqp), lambda b, h, j: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, G, Tqp), lambda b, h, j: (b, h, 0, 0)),
-            pl.BlockSpec((None, bk2, None, D), lambda b, h, j: (b, j, h, 0)),
-            pl.BlockSpec((None, bk2, None, D), lambda b, h, j: (b, j, h, 0)),
-            pl.BlockSpec((None, 4, Tqp), lambda b, h, j: (b, 0, 0)),
-            pl.BlockSpec((None, 4, bk2), lambda b, h, j: (b, 0, j)),
-        ],
-        out_specs=[pl.BlockSpec((None, bk2, None, D), lambda b, h, j: (b, j, h, 0)),
-                   pl.BlockSpec((None, bk2, None, D), lambda b, h, j: (b, j, h, 0))],
+        in_specs=[pl.BlockSpec((None, None, tab_k.shape[-1]), lambda b, h, j: (b, j, 0)),
+                  heads, heads, stats, stats, kv_tile, kv_tile,
+                  pl.BlockSpec((None, 4, Tqp), lambda b, h, j: (b, 0, 0)),
+                  pl.BlockSpec((None, 4, bk2), lambda b, h, j: (b, 0, j))],
+        out_specs=[kv_tile, kv_tile],
         out_shape=[jax.ShapeDtypeStruct((B, Tkp, K, D), k.dtype),
                    jax.ShapeDtypeStruct((B, Tkp, K, D), v.dtype)],
         name="sbd_flash_dkv", **kw,
-    )(tab_k, q5, do5, lse4, delta4, kp, vp, qm, km)
+    )(tab_k, qp.reshape(B, Tqp, K, G, D), dop.reshape(B, Tqp, K, G, D), lsep.reshape(B, K, G, Tqp),
+      deltap.reshape(B, K, G, Tqp), kp, vp, qm, km)
     return dq[:, :Tq], dk[:, :Tk], dv[:, :Tk]

@@ -24,15 +24,11 @@ from jax.experimental import pallas as pl
 
 from ..mask import TokenMeta, sbd_mask
 from .kernel_common import NEG, dot_nn, dot_nt
-from .tiling import pad_meta
+from .tiling import pack_meta, pad_meta, round_up
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
 SUBLANE_ALIGN = 16  # bf16 packs 16 rows per (8, 128) tile: pad short sequences to this
-
-
-def round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def plan_axis(length: int, *blocks: int, align: int = SUBLANE_ALIGN):
@@ -46,15 +42,6 @@ def plan_axis(length: int, *blocks: int, align: int = SUBLANE_ALIGN):
     return padded, tuple(min(b, padded) for b in blocks)
 
 
-def pad_time(x, length: int, axis: int = 1):
-    T = x.shape[axis]
-    if T == length:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, length - T)
-    return jnp.pad(x, pad)
-
-
 # ----------------------------------------------------------------------------------------------
 # metadata layouts
 
@@ -62,16 +49,14 @@ def pad_time(x, length: int, axis: int = 1):
 def rows_meta(meta: TokenMeta, length: int):
     """[B, T] fields -> int32 [B, 4, length, 128] (padded with segment 0, broadcast along lanes):
     for the tokens that sit on the SUBLANE side of a score tile."""
-    m = pad_meta(meta, length)
-    f = jnp.stack([jnp.asarray(x, jnp.int32) for x in m], axis=1)  # [B, 4, L]
+    f = pack_meta(pad_meta(meta, length))  # [B, 4, L]
     return jnp.broadcast_to(f[..., None], f.shape + (NUM_LANES,))
 
 
 def cols_meta(meta: TokenMeta, length: int):
     """[B, T] fields -> int32 [B, 4, 8, length] (padded with segment 0, broadcast along
     sublanes): for the tokens on the LANE side of a score tile."""
-    m = pad_meta(meta, length)
-    f = jnp.stack([jnp.asarray(x, jnp.int32) for x in m], axis=1)  # [B, 4, L]
+    f = pack_meta(pad_meta(meta, length))  # [B, 4, L]
     B, _, L = f.shape
     return jnp.broadcast_to(f[:, :, None, :], (B, 4, NUM_SUBLANES, L))
 
@@ -169,13 +154,8 @@ class HeadsLayout:
         """BlockSpec of a (bt, D) tile; `index(*grid_ids, *prefetch_refs) -> (b, n, t)`
         (batch, head, time tile)."""
         if self.fused:
-            return pl.BlockSpec((None, bt, D), lambda *a: _fused_index(*index(*a)))
-        return pl.BlockSpec((None, None, bt, D), lambda *a: _major_index(*index(*a)))
-
-
-def _fused_index(b, n, t):
-    return b, t, n
-
-
-def _major_index(b, n, t):
-    return b, n, t, 0
+            def fused(*a):
+                b, n, t = index(*a)
+                return b, t, n
+            return pl.BlockSpec((None, bt, D), fused)
+        return pl.BlockSpec((None, None, bt, D), lambda *a: (*index(*a), 0))

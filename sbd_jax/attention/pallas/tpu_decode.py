@@ -19,9 +19,6 @@ The cache is read IN PLACE when head_dim % 128 == 0 (block (bk, D) of the free r
 the tile: the last block overhangs the array (Pallas pads the read with unspecified values),
 its columns are masked by the (padded, segment-0) metadata and its V rows are zeroed. A part
 shorter than one tile (the window's keys) is padded to 128 keys and read as one tile.
-
-VERIFIED: TPU interpret mode on CPU and the Pallas -> Mosaic lowering for TPU on CPU.
-NOT VERIFIED: compilation in libtpu, runtime, speed (no TPU was available).
 """
 from __future__ import annotations
 
@@ -34,36 +31,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..mask import TokenMeta
-from .decode import forward_parts_with
-from .options import PallasOptions, tpu_call_kwargs
-from .tiling import flat_tile_lists, pad_meta, tile_visibility
-from .tpu_common import (
-    NUM_LANES,
-    HeadsLayout,
-    cols_meta,
-    online_softmax_step,
-    pad_time,
-    plan_axis,
-    rows_meta,
-    round_up,
-    softmax_finish,
-    softmax_init,
-    tile_mask_rows_q,
-)
+from .decode import forward_parts_with, query_rows
+from .kernel_common import split_range
+from .options import PallasOptions, call_kwargs
+from .tiling import flat_tile_lists, pad_meta, pad_time, round_up, tile_visibility
+from .tpu_common import (NUM_LANES, HeadsLayout, cols_meta, online_softmax_step, plan_axis, rows_meta, softmax_finish,
+                         softmax_init, tile_mask_rows_q)
 
 F32 = jnp.float32
 
 
-def _split_range(tab, b, s, P, num_splits):
-    """[lo, hi) of row b's visible-tile list handled by split s."""
-    cnt = tab[b * P]
-    per = lax.div(cnt + (num_splits - 1), num_splits)
-    lo = jnp.minimum(s * per, cnt)
-    return lo, jnp.minimum(lo + per, cnt)
-
-
 def _kv_tile(b, s, t, tab, *, P, num_splits):
-    lo, hi = _split_range(tab, b, s, P, num_splits)
+    """Key tile read by step t of split s of row b (steps past the split's share repeat its last
+    tile: no new DMA)."""
+    lo, hi = split_range(tab[b * P], s, num_splits)
     n = jnp.maximum(jnp.minimum(lo + t, hi - 1), 0)
     return tab[b * P + 1 + n]
 
@@ -71,7 +52,7 @@ def _kv_tile(b, s, t, tab, *, P, num_splits):
 def _decode_kernel(tab_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, o_ref, lse_ref,
                    m_sc, l_sc, acc_sc, *, scale, P, num_splits, steps, kv_len):
     b, s, t = pl.program_id(0), pl.program_id(2), pl.program_id(4)
-    lo, hi = _split_range(tab_ref, b, s, P, num_splits)
+    lo, hi = split_range(tab_ref[b * P], s, num_splits)
 
     @pl.when(t == 0)
     def _init():
@@ -102,14 +83,10 @@ def auto_num_splits(batch: int, kv_heads: int, n_tiles: int) -> int:
 
 
 def _query_rows(q, q_meta: TokenMeta, K: int, opts: PallasOptions):
-    """[B, Tq, H, D] -> rows [B, K, R, D] (row = (token, head of the KV head)), rows-layout
-    metadata [B, 4, R, 128], row tile br (R a multiple of br)."""
-    B, Tq, H, D = q.shape
-    G = H // K
-    R, (br,) = plan_axis(Tq * G, opts.blocks.decode_block_rows)
-    q_rows = q.reshape(B, Tq, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, Tq * G, D)
-    q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, R - Tq * G), (0, 0)])
-    row_meta = TokenMeta(*(jnp.repeat(jnp.asarray(f, jnp.int32), G, axis=1) for f in q_meta))
+    """Rows of `decode.query_rows`, their rows-layout metadata [B, 4, R, 128] and the row tile br
+    (R a multiple)."""
+    R, (br,) = plan_axis(q.shape[1] * (q.shape[2] // K), opts.blocks.decode_block_rows)
+    q_rows, row_meta = query_rows(q, q_meta, K, R)
     return q_rows, rows_meta(row_meta, R), br
 
 
@@ -163,19 +140,9 @@ def _partials(q_rows, qm, br, q_meta: TokenMeta, k, v, kv_meta: TokenMeta, opts:
         out_shape=[jax.ShapeDtypeStruct((B, K, ns, R, D), F32),
                    jax.ShapeDtypeStruct((B, K, ns, R, NUM_LANES), F32)],
         name="sbd_tpu_flash_decode",
-        **tpu_call_kwargs(opts, ("parallel", "parallel", "parallel", "parallel", "arbitrary")),
+        **call_kwargs(opts, ("parallel", "parallel", "parallel", "parallel", "arbitrary")),
     )(tab, q_rows, kk, vk, qm, km)
     return o_part, lse_part[..., 0]
 
 
-def decode_forward_parts(q, parts, q_meta: TokenMeta, opts: PallasOptions):
-    """Attention over the concatenation of K/V parts without concatenating them: parts =
-    ((k [B, S_i, K, D], v, kv_meta [B, S_i]), ...), e.g. (cache, window keys). One kernel
-    launch per part (the driver is the GPU kernel's, `decode.forward_parts_with`).
-    -> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
-    return forward_parts_with(_query_rows, _partials, q, parts, q_meta, opts)
-
-
-def decode_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOptions):
-    """-> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
-    return decode_forward_parts(q, ((k, v, kv_meta),), q_meta, opts)
+decode_forward_parts = functools.partial(forward_parts_with, _query_rows, _partials)

@@ -22,10 +22,6 @@ query and the key axis land on lanes in some kernel: lse / dk-dv's transposed sc
 
 The forward writes lse transposed to lanes ([B, H, 1, T] blocks (1, bq)) so it costs 4 bytes
 per (head, token), not 512 as a lane-broadcast [.., T, 128] output would.
-
-VERIFIED: TPU interpret mode on CPU (tests/test_pallas_tpu.py) and the Pallas -> Mosaic lowering
-(block rules, supported primitives) for TPU on CPU. NOT VERIFIED: Mosaic's layout passes and
-compilation in libtpu, runtime, speed (no TPU was available).
 """
 from __future__ import annotations
 
@@ -39,21 +35,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..mask import TokenMeta
 from .kernel_common import NEG, dot_nn, dot_nt
-from .options import PallasOptions, tpu_call_kwargs
-from .tiling import flat_tile_lists, pad_meta, tile_visibility
-from .tpu_common import (
-    NUM_LANES,
-    HeadsLayout,
-    cols_meta,
-    online_softmax_step,
-    pad_time,
-    plan_axis,
-    rows_meta,
-    softmax_finish,
-    softmax_init,
-    tile_mask_rows_k,
-    tile_mask_rows_q,
-)
+from .options import PallasOptions, call_kwargs
+from .tiling import flat_tile_lists, pad_meta, pad_time, tile_visibility
+from .tpu_common import (NUM_LANES, HeadsLayout, cols_meta, online_softmax_step, plan_axis, rows_meta, softmax_finish,
+                         softmax_init, tile_mask_rows_k, tile_mask_rows_q)
 
 F32 = jnp.float32
 
@@ -63,6 +48,17 @@ def _listed(tab, row, step, P):
     tile, so steps past the count keep the same block index: no new DMA)."""
     base = row * P
     return tab[base + 1 + jnp.minimum(step, jnp.maximum(tab[base] - 1, 0))]
+
+
+def _q_tile_specs(lay: HeadsLayout, bq, bk, D, G, nq, P):
+    """BlockSpecs of the grid (B, H, nq, nk) kernels (forward, dq): (query-side tile, K/V tile of
+    the query head's KV head, per-row statistic along lanes, query metadata, key metadata)."""
+    kv_tile = lambda b, i, j, tab: _listed(tab, b * nq + i, j, P)
+    return (lay.spec(bq, D, lambda b, h, i, j, tab: (b, h, i)),
+            lay.spec(bk, D, lambda b, h, i, j, tab: (b, lax.div(h, G), kv_tile(b, i, j, tab))),
+            pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, tab: (b, h, 0, i)),
+            pl.BlockSpec((None, 4, bq, NUM_LANES), lambda b, h, i, j, tab: (b, 0, i, 0)),
+            pl.BlockSpec((None, 4, 8, bk), lambda b, h, i, j, tab: (b, 0, 0, kv_tile(b, i, j, tab))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,7 +86,7 @@ def _fwd_kernel(tab_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, o_ref, lse_ref, m_
 
 
 def train_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOptions):
-    """-> (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32)."""
+    """As `flash_train.train_forward`."""
     B, Tq, H, D = q.shape
     Tk, K = k.shape[1], k.shape[2]
     G = H // K
@@ -101,36 +97,22 @@ def train_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOp
     tab, P = flat_tile_lists(tile_visibility(q_meta, kv_meta, bq, bk))
     lay = HeadsLayout.for_head_dim(D)
     qk, kk, vk = (lay.to_kernel(pad_time(x, n)) for x, n in ((q, Tqp), (k, Tkp), (v, Tkp)))
-    qm, km = rows_meta(q_meta, Tqp), cols_meta(kv_meta, Tkp)
-
-    kv_tile = lambda b, i, j, tab: _listed(tab, b * nq + i, j, P)
-    q_idx = lambda b, h, i, j, tab: (b, h, i)
-    kv_idx = lambda b, h, i, j, tab: (b, lax.div(h, G), kv_tile(b, i, j, tab))
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
-        grid=(B, H, nq, nk),
-        in_specs=[
-            lay.spec(bq, D, q_idx),
-            lay.spec(bk, D, kv_idx),
-            lay.spec(bk, D, kv_idx),
-            pl.BlockSpec((None, 4, bq, NUM_LANES), lambda b, h, i, j, tab: (b, 0, i, 0)),
-            pl.BlockSpec((None, 4, 8, bk), lambda b, h, i, j, tab: (b, 0, 0, kv_tile(b, i, j, tab))),
-        ],
-        out_specs=[
-            lay.spec(bq, D, q_idx),
-            pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, tab: (b, h, 0, i)),
-        ],
-        scratch_shapes=[pltpu.VMEM((bq, NUM_LANES), F32), pltpu.VMEM((bq, NUM_LANES), F32),
-                        pltpu.VMEM((bq, D), F32)],
-    )
+    q_s, kv_s, stat_s, qm_s, km_s = _q_tile_specs(lay, bq, bk, D, G, nq, P)
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, scale=opts.scale, nq=nq, P=P, steps=nk),
-        grid_spec=grid_spec,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, H, nq, nk),
+            in_specs=[q_s, kv_s, kv_s, qm_s, km_s],
+            out_specs=[q_s, stat_s],
+            scratch_shapes=[pltpu.VMEM((bq, NUM_LANES), F32), pltpu.VMEM((bq, NUM_LANES), F32),
+                            pltpu.VMEM((bq, D), F32)],
+        ),
         out_shape=[jax.ShapeDtypeStruct(lay.shape(B, Tqp, H, D), q.dtype),
                    jax.ShapeDtypeStruct((B, H, 1, Tqp), F32)],
         name="sbd_tpu_flash_fwd",
-        **tpu_call_kwargs(opts, ("parallel", "parallel", "parallel", "arbitrary")),
-    )(tab, qk, kk, vk, qm, km)
+        **call_kwargs(opts, ("parallel", "parallel", "parallel", "arbitrary")),
+    )(tab, qk, kk, vk, rows_meta(q_meta, Tqp), cols_meta(kv_meta, Tkp))
     return lay.from_kernel(o, H, D)[:, :Tq], lse[:, :, 0, :Tq]
 
 
@@ -186,19 +168,17 @@ def _dkv_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, qm_ref
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def train_backward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, o, lse, do,
-                   opts: PallasOptions):
-    """Gradients (dq, dk, dv) given o, lse [B, H, Tq] (float32) and do = dL/do."""
+def train_backward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, lse, delta, do, opts: PallasOptions):
+    """As `flash_train.train_backward`."""
     B, Tq, H, D = q.shape
     Tk, K = k.shape[1], k.shape[2]
     G = H // K
-    blk = opts.blocks
-    Tqp, (bq, bq2) = plan_axis(Tq, blk.block_q, blk.block_q_dkv, align=NUM_LANES)
-    Tkp, (bk, bk2) = plan_axis(Tk, blk.block_k, blk.block_k_dkv, align=NUM_LANES)
+    b = opts.blocks
+    Tqp, (bq, bq2) = plan_axis(Tq, b.block_q, b.block_q_dkv, align=NUM_LANES)
+    Tkp, (bk, bk2) = plan_axis(Tk, b.block_k, b.block_k_dkv, align=NUM_LANES)
     nq, nk, nq2, nk2 = Tqp // bq, Tkp // bk, Tqp // bq2, Tkp // bk2
     q_meta, kv_meta = pad_meta(q_meta, Tqp), pad_meta(kv_meta, Tkp)  # tables match the grids
 
-    delta = jnp.einsum("bthd,bthd->bht", o.astype(F32), do.astype(F32))
     lse4 = pad_time(lse, Tqp, axis=2)[:, :, None, :]  # [B, H, 1, Tqp]
     delta4 = pad_time(delta, Tqp, axis=2)[:, :, None, :]
     lay = HeadsLayout.for_head_dim(D)
@@ -211,28 +191,19 @@ def train_backward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, o, lse, do,
     tab_k, P2 = flat_tile_lists(jnp.swapaxes(vis2, 1, 2))  # query tiles per key tile
 
     # dq: grid (B, H, nq, nk) over the visible key tiles of each query tile
-    kv_tile = lambda b, i, j, tab: _listed(tab, b * nq + i, j, P)
-    q_idx = lambda b, h, i, j, tab: (b, h, i)
-    kv_idx = lambda b, h, i, j, tab: (b, lax.div(h, G), kv_tile(b, i, j, tab))
-    stat_q = pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, tab: (b, h, 0, i))
+    q_s, kv_s, stat_s, qm_s, km_s = _q_tile_specs(lay, bq, bk, D, G, nq, P)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=opts.scale, nq=nq, P=P, steps=nk),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(B, H, nq, nk),
-            in_specs=[
-                lay.spec(bq, D, q_idx), lay.spec(bk, D, kv_idx), lay.spec(bk, D, kv_idx),
-                lay.spec(bq, D, q_idx), stat_q, stat_q,
-                pl.BlockSpec((None, 4, bq, NUM_LANES), lambda b, h, i, j, tab: (b, 0, i, 0)),
-                pl.BlockSpec((None, 4, 8, bk),
-                             lambda b, h, i, j, tab: (b, 0, 0, kv_tile(b, i, j, tab))),
-            ],
-            out_specs=lay.spec(bq, D, q_idx),
+            in_specs=[q_s, kv_s, kv_s, q_s, stat_s, stat_s, qm_s, km_s],
+            out_specs=q_s,
             scratch_shapes=[pltpu.VMEM((bq, D), F32)],
         ),
         out_shape=jax.ShapeDtypeStruct(lay.shape(B, Tqp, H, D), q.dtype),
         name="sbd_tpu_flash_dq",
-        **tpu_call_kwargs(opts, ("parallel", "parallel", "parallel", "arbitrary")),
+        **call_kwargs(opts, ("parallel", "parallel", "parallel", "arbitrary")),
     )(tab_q, qk, kk, vk, dok, lse4, delta4, rows_meta(q_meta, Tqp), cols_meta(kv_meta, Tkp))
 
     # dk/dv: grid (B, K, nk2, G, nq2) over the G query heads and the visible query tiles
@@ -259,7 +230,7 @@ def train_backward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, o, lse, do,
         out_shape=[jax.ShapeDtypeStruct(lay.shape(B, Tkp, K, D), k.dtype),
                    jax.ShapeDtypeStruct(lay.shape(B, Tkp, K, D), v.dtype)],
         name="sbd_tpu_flash_dkv",
-        **tpu_call_kwargs(opts, ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
+        **call_kwargs(opts, ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
     )(tab_k, qk, dok, lse4, delta4, kk, vk, cols_meta(q_meta, Tqp), rows_meta(kv_meta, Tkp))
     return (lay.from_kernel(dq, H, D)[:, :Tq], lay.from_kernel(dk, K, D)[:, :Tk],
             lay.from_kernel(dv, K, D)[:, :Tk])
