@@ -30,10 +30,6 @@ class ModelSource:
                               "(an architecture for a random init)")
         if self.init_from is not None and self.config is not None:
             raise ConfigError("model: set only one of model.init_from and model.config")
-        for name in ("param_dtype", "dtype"):
-            v = getattr(self, name)
-            if v is not None and v not in ("float32", "bfloat16", "float16"):
-                raise ConfigError(f"model.{name} must be float32, bfloat16 or float16, got {v!r}")
         if self.mask_token_id is not None and self.add_mask_token:
             raise ConfigError("model: set only one of model.mask_token_id and model.add_mask_token")
 

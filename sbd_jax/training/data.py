@@ -1,25 +1,21 @@
-"""Training data: local files through `datasets` -> tokenized documents -> packed rows of L tokens,
-in a deterministic, resumable order.
+"""Training data: local files through `datasets` -> tokenized documents -> packed rows of L tokens, in a
+deterministic, resumable order.
 
-- Sources: jsonl/json, parquet, arrow files (a path, a glob, or a directory of such files), or a
-  directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` (`load_from_disk`).
-- Records: plain text (`text_field`) or prompt/response (`prompt_field`, `response_field`). For
-  prompt/response the tokenizer's chat template wraps the pair when it has one; the prompt's tokens are
-  loss-masked out.
-- Tokenizer: `sbd_jax.io.tokenizer.Tokenizer` (a tokenizer.json or a directory with one), or any callable
-  text -> ids.
-- Packing: documents in a per-epoch permutation (a pure function of (seed, epoch)) are placed whole,
-  one after another, into rows of L tokens; a document that does not fit the rest of a row starts
-  the next row (the rest is padding, segment 0). Text longer than L is cut into L-token pieces, each
-  its own document (positions restart); a prompt/response pair longer than L is truncated (the
-  pair is dropped when no response token fits). Pieces shorter than `min_doc_tokens` are dropped.
-- `copy_len` C (SBD choice, an efficiency; needs response-aligned blocks): with C < L no row holds more
-  than C tokens from a response start on (a prompt/response pair with a longer response is truncated
-  to C response tokens, a text piece to C tokens); the SBD example then lays out only those tokens in
-  its copy stream (examples.py), not the prompts, which the copy stream never uses. For SFT data
-  C ~ L x (response share) keeps the rows about as full as without it.
-- Iterator state {epoch, cursor, offset, rows} (JSON) is saved with each checkpoint; `restore`
-  continues with exactly the rows an uninterrupted run would have produced.
+- Sources: jsonl/json, parquet, arrow files (a path, a glob, or a directory of such files), or a directory
+  written by `Dataset(Dict).save_to_disk`. Records: plain text (`text_field`) or prompt/response, wrapped
+  by the tokenizer's chat template when it has one (`sbd_jax.io.tokenizer`; or any callable text -> ids);
+  the prompt's tokens are loss-masked out.
+- Packing: documents in a per-epoch permutation (a pure function of (seed, epoch)) are placed whole, in
+  order, into rows of L tokens; a document that does not fit the rest of a row starts the next row (the
+  rest is padding, segment 0). Text longer than L is cut into L-token pieces, each its own document; a
+  prompt/response pair longer than L is truncated (dropped when no response token fits). Pieces shorter
+  than `min_doc_tokens` are dropped.
+- `copy_len` C (SBD choice, an efficiency; needs response-aligned blocks): no row holds more than C tokens
+  from a response start on (longer responses and text pieces are cut to C tokens), so the SBD example's
+  copy stream (examples.py) needs only C slots and no prompt. For SFT data C ~ L x (response share) keeps
+  the rows about as full as without it.
+- Iterator state {epoch, cursor, offset, rows} (JSON) is saved with each checkpoint; `restore` continues
+  with exactly the rows an uninterrupted run would have produced.
 """
 from __future__ import annotations
 

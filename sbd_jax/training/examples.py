@@ -96,9 +96,8 @@ def build_sbd_example(batch: PackedBatch, masked_BL, k, spec: ExampleSpec) -> Ex
     if spec.mask_token_id is None:
         raise ValueError("SBD training needs a mask token id (model.mask_token_id)")
     M = jnp.int32(spec.mask_token_id)
-    seg = batch.segment.astype(jnp.int32)
-    pos = batch.position.astype(jnp.int32)
-    tok = batch.tokens.astype(jnp.int32)
+    clean = build_ntp_example(batch)
+    seg, pos, tok = clean.meta.segment, clean.meta.position, clean.tokens
     offset = response_start(batch) if spec.block_align == "response" else jnp.zeros_like(pos)
     copy_seg = jnp.where(pos >= offset, seg, 0)
     matp_w = (masked_BL & (copy_seg > 0)).astype(jnp.float32)
@@ -106,12 +105,10 @@ def build_sbd_example(batch: PackedBatch, masked_BL, k, spec: ExampleSpec) -> Ex
     if spec.copy_len is not None:
         copy = _compact_copy_stream(copy, spec.copy_len, M)
     copy_seg, x_hat, c_pos, c_start, c_tgt, matp_w = copy
-    meta = concat_meta(clean_meta(seg, pos), copy_meta(copy_seg, c_pos, c_start))
-    ntp_tgt, ntp_w = ntp_targets(batch)
-    return Example(jnp.concatenate([tok, x_hat], axis=1), meta,
-                   jnp.concatenate([ntp_tgt, c_tgt], axis=1),
-                   jnp.concatenate([ntp_w, jnp.zeros_like(matp_w)], axis=1),
-                   jnp.concatenate([jnp.zeros_like(ntp_w), matp_w], axis=1))
+    cat = lambda a, b: jnp.concatenate([a, b], axis=1)
+    return Example(cat(tok, x_hat), concat_meta(clean.meta, copy_meta(copy_seg, c_pos, c_start)),
+                   cat(clean.targets, c_tgt), cat(clean.ntp_weight, jnp.zeros_like(matp_w)),
+                   cat(clean.matp_weight, matp_w))
 
 
 def _compact_copy_stream(copy, C: int, mask_token_id):
@@ -127,10 +124,9 @@ def _compact_copy_stream(copy, C: int, mask_token_id):
 
 def build_ntp_example(batch: PackedBatch) -> Example:
     """The NTP baseline: only the clean half (L tokens), MATP weight 0 (same loss code path)."""
-    seg = batch.segment.astype(jnp.int32)
     ntp_tgt, ntp_w = ntp_targets(batch)
-    return Example(batch.tokens.astype(jnp.int32), clean_meta(seg, batch.position), ntp_tgt, ntp_w,
-                   jnp.zeros_like(ntp_w))
+    return Example(batch.tokens.astype(jnp.int32), clean_meta(batch.segment, batch.position.astype(jnp.int32)),
+                   ntp_tgt, ntp_w, jnp.zeros_like(ntp_w))
 
 
 def make_example(key, batch: PackedBatch, spec: ExampleSpec):

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from ..config import ConfigError, ModelConfig, to_dict
 from ..io.hf import from_pretrained, load_hf_config
@@ -131,9 +132,6 @@ def _check_batch(batch: PackedBatch, cfg: TrainConfig) -> None:
     shape = np.shape(batch.tokens)
     if len(shape) != 2 or shape[0] != cfg.batch_size:
         raise DataError(f"the data iterator yields batches of shape {shape}, expected [batch_size={cfg.batch_size}, L]")
-    spec = cfg.step_options()
-    if not spec.ntp_only and shape[1] < spec.largest_block:
-        raise ConfigError(f"rows of {shape[1]} tokens are shorter than the largest block ({spec.largest_block})")
 
 
 def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConfig, dict] | None = None,
@@ -154,11 +152,9 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
     ckpt = Checkpointer(out_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save)
     try:
-        resume, model_cfg, state, data, step_fn = _setup(cfg, ckpt, data, tokenizer, model, mesh)
-    except BaseException:
-        ckpt.close()
-        raise
-    return _run(cfg, ckpt, resume, model_cfg, state, data, step_fn, mesh, out_dir, stop_after, on_log)
+        return _run(cfg, ckpt, *_setup(cfg, ckpt, data, tokenizer, model, mesh), mesh, out_dir, stop_after, on_log)
+    finally:
+        ckpt.close()  # waits for in-flight saves: a Ctrl-C leaves the last started checkpoint complete
 
 
 def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
@@ -186,14 +182,13 @@ def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
                               "use the configuration it was written with, or another out_dir") from None
         data.restore(data_state)
     else:
-        rng = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1)
-        state = init_fn(params, rng)
+        state = init_fn(params, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1))
     return resume, model_cfg, state, data, step_fn
 
 
 def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, step_fn, mesh, out_dir,
          stop_after, on_log) -> TrainResult:
-    """The step loop: log, checkpoint, final save + HF export; closes `ckpt` (waiting for saves)."""
+    """The step loop: log, checkpoint, final save + HF export."""
     lead = jax.process_index() == 0
     if lead:
         (out_dir / "train_config.json").write_text(json.dumps(
@@ -201,17 +196,14 @@ def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, s
     start = int(state.step)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     history: list[dict] = []
-    pbar = None
-    if cfg.progress and lead and start < end:
-        from tqdm import tqdm
-        pbar = tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True)
     metrics_path = out_dir / "metrics.jsonl"
     if lead and resume is not None and metrics_path.exists():  # drop records of steps redone after the resume
         kept = [ln for ln in metrics_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume]
         metrics_path.write_text("".join(ln + "\n" for ln in kept))
     window_tokens, t0 = 0.0, time.perf_counter()
     last_saved = resume
-    try:
+    with tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True,
+              disable=not (cfg.progress and lead and start < end)) as pbar:
         for i in range(start, end):
             batch_np = data.next_batch()
             if i == start:
@@ -233,12 +225,9 @@ def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, s
                         f.write(json.dumps(rec) + "\n")
                 if on_log:
                     on_log(rec)
-                if pbar is not None:
-                    pbar.set_postfix(loss=f"{rec['loss']:.3f}", ntp=f"{rec['ntp_loss']:.3f}",
-                                     matp=f"{rec['matp_loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                                     lr=f"{rec.get('lr', 0):.2e}", refresh=False)
-            if pbar is not None:
-                pbar.update(1)
+                pbar.set_postfix(loss=f"{rec['loss']:.3f}", ntp=f"{rec['ntp_loss']:.3f}", matp=f"{rec['matp_loss']:.3f}",
+                                 tok_s=f"{rec['tokens_per_s']:.0f}", lr=f"{rec.get('lr', 0):.2e}", refresh=False)
+            pbar.update(1)
             last_saved = step if ckpt.save(step, state, data.state()) else last_saved
         hf_dir = None
         if end == cfg.steps:
@@ -246,8 +235,4 @@ def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, s
                 ckpt.save(cfg.steps, state, data.state(), force=True)
             if cfg.checkpoint.export_hf:
                 hf_dir = export_hf(model_cfg, state.params, out_dir / "hf", dtype=cfg.checkpoint.export_dtype)
-    finally:
-        if pbar is not None:
-            pbar.close()
-        ckpt.close()  # waits for in-flight saves: a Ctrl-C leaves the last started checkpoint complete
     return TrainResult(model_cfg, state, history, out_dir, hf_dir, resume, step_fn._cache_size())
