@@ -4,24 +4,17 @@ The 8 devices need XLA_FLAGS before jax is imported, so the sharded run is a sub
 single-device reference here is the brute-force decoder (cheap to compile in whichever pytest worker
 runs this file); test_decoding.py pins the single-device cached decoder to it exactly."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
+from subproc import run_on_8_devices
 from test_decoding import BASE, CFG, LENGTHS, make_params, make_prompts
 
 from brute import brute_force_generate
 
-ROOT = Path(__file__).resolve().parents[1]
-
 SCRIPT = r"""
 import json, sys
 import jax, numpy as np
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
-assert jax.device_count() == 8, jax.devices()
 from test_decoding import BASE, CFG, LENGTHS, make_params, make_prompts
 from sbd_jax.decoding import generate
 from sbd_jax.sharding import MeshConfig, batch_sharding, make_mesh, shard_params
@@ -43,11 +36,7 @@ CASES = {"greedy": {"gamma": 2.0, "temperature": 0.0, "seed": 0, "eos_ids": []},
 
 
 def test_sharded_tokens_equal_single_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT), json.dumps(CASES)], capture_output=True,
-                          text=True, env=env, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.split("RESULT", 1)[1])
+    res = run_on_8_devices(SCRIPT, json.dumps(CASES))
     params = make_params()
     for name, kw in CASES.items():
         kw = dict(kw)

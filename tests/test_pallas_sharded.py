@@ -1,4 +1,4 @@
-"""attention_impl="pallas" on a device mesh (issue #5): the kernels run per shard inside `jax.shard_map`
+"""attention_impl="pallas" on a device mesh: the kernels run per shard inside `jax.shard_map`
 (sbd_jax/attention/sharded.py). On 8 fake CPU devices (interpret mode), in subprocesses because
 XLA_FLAGS must be set before jax is imported:
   * the attention alone (outputs and q/k/v gradients) on several meshes == the unsharded XLA reference
@@ -10,27 +10,18 @@ XLA_FLAGS must be set before jax is imported:
   * the wrapper is really used: every pallas_call in the traced attention, train step and decoder sees
     per-shard shapes, and the compiled sharded attention has no all-gather (the raw kernel gets 9).
 Shapes are tiny: interpret-mode Pallas is slow."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
+from subproc import run_on_8_devices
 
 from sbd_jax.attention.sharded import HeadLayout, ShardedAttentionError, head_layout, pallas_attention
 
-ROOT = Path(__file__).resolve().parents[1]
-
 # shared by the subprocess scripts: every pallas_call in a (closed) jaxpr, with its operand shapes
 PRELUDE = r"""
-import json, sys, dataclasses
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+import json, dataclasses
 import jax, jax.numpy as jnp, numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
-assert jax.device_count() == 8, jax.devices()
 
 def pallas_operands(jaxpr, out=None):
     out = [] if out is None else out
@@ -135,29 +126,14 @@ print("RESULT" + json.dumps(res))
 """
 
 TRAIN = PRELUDE + r"""
-from sbd_jax.config import ModelConfig
-from sbd_jax.models import param_shapes
+from subproc import train_setup
 from sbd_jax.sharding import MeshConfig, make_mesh
-from sbd_jax.training.config import OptimConfig
 from sbd_jax.training.examples import PackedBatch
-from sbd_jax.training.optim import make_optimizer
 from sbd_jax.training.step import (StepOptions, abstract_state, create_state, jit_train_step, make_train_step,
                                    put_batch, state_shardings)
 
-cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, mask_token_id=3)
-rng = np.random.default_rng(0)
-params = jax.tree.map_with_path(
-    lambda path, s: (1.0 if path[-1].key.endswith("norm") else 0.0) + rng.normal(0, 0.05, s).astype(np.float32),
-    param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-B, L = 8, 24
-tok = rng.integers(4, 64, (B, L))
-cut = rng.integers(6, L - 6, B)
-ar = np.arange(L)
-seg = np.where(ar < cut[:, None], 1, 2); seg[:, -2:] = 0
-pos = np.where(seg == 1, ar, ar - cut[:, None]) * (seg > 0)
-batch = PackedBatch(*(a.astype(np.int32) for a in (tok * (seg > 0), seg, pos, (seg > 0).astype(int))))
-tx, sched = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0, eps=1e-6), 10)
+cfg, params, batch, tx, sched = train_setup()
+B, L = batch.tokens.shape
 
 def run(cfg, mesh):
     sh = state_shardings(cfg, tx, mesh)
@@ -212,14 +188,6 @@ print("RESULT" + json.dumps(dict(tokens=[np.asarray(o.tokens).tolist() for o in 
 """
 
 
-def _run(script: str) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", script, str(ROOT)], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.split("RESULT", 1)[1])
-
-
 def test_head_layouts():
     mesh = jax.sharding.AbstractMesh((2, 2, 4), ("data", "fsdp", "tensor"))
     assert head_layout(mesh, 8, 32, 8) == HeadLayout(("data", "fsdp"), "split", 4)
@@ -237,7 +205,7 @@ def test_head_layouts():
 
 
 def test_sharded_attention_matches_reference():
-    res = _run(ATTENTION)
+    res = run_on_8_devices(ATTENTION)
     for name, r in res.items():
         if name.startswith("("):
             assert r["out"] <= 1e-4 and max(r["grads"]) <= 1e-4, (name, r)
@@ -248,7 +216,7 @@ def test_sharded_attention_matches_reference():
 
 
 def test_sharded_pallas_train_step_matches_single_device_xla():
-    r = _run(TRAIN)
+    r = run_on_8_devices(TRAIN)
     for name in ("loss", "ntp_loss", "matp_loss", "grad_norm"):
         np.testing.assert_allclose(r["mesh"][name], r["one"][name], rtol=1e-5, err_msg=name)
     assert r["mesh"]["matp_tokens"] == r["one"]["matp_tokens"] > 0 and r["mesh"]["k"] == r["one"]["k"]
@@ -258,7 +226,7 @@ def test_sharded_pallas_train_step_matches_single_device_xla():
 
 
 def test_sharded_pallas_decoding_matches_unsharded_xla():
-    r = _run(DECODE)
+    r = run_on_8_devices(DECODE)
     got, want = r["tokens"]
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(*map(np.asarray, r["nfe"]))

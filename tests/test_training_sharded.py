@@ -3,44 +3,21 @@ one device. Runs in a subprocess because XLA_FLAGS must be set before jax is imp
 Tolerances (float32): loss, grad norm rtol 1e-5; gradients (Adam's first moment after the step) max abs
 diff <= 1e-5 x the leaf's max; updated params atol 1e-5 = 1% of one AdamW step (lr 1e-3): AdamW divides
 by sqrt(v) + eps, so coordinates with near-zero gradients turn reduction-order noise into ~1e-6 moves."""
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
+from subproc import run_on_8_devices
 
 SCRIPT = textwrap.dedent("""
     import json
     import jax, jax.numpy as jnp, numpy as np
-    from sbd_jax.config import ModelConfig
-    from sbd_jax.models import param_shapes
+    from subproc import train_setup
     from sbd_jax.sharding import MeshConfig, make_mesh
-    from sbd_jax.training.config import OptimConfig
-    from sbd_jax.training.examples import PackedBatch
-    from sbd_jax.training.optim import make_optimizer
     from sbd_jax.training.step import (StepOptions, create_state, jit_train_step, make_train_step, put_batch,
                                        state_shardings)
 
-    assert len(jax.devices()) == 8, jax.devices()
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, mask_token_id=3)
-    rng = np.random.default_rng(0)
-    params = jax.tree.map_with_path(
-        lambda path, s: (1.0 if path[-1].key.endswith("norm") else 0.0) + rng.normal(0, 0.05, s).astype(np.float32),
-        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    B, L = 8, 24
-    tok = rng.integers(4, 64, (B, L))
-    cut = rng.integers(6, L - 6, B)
-    ar = np.arange(L)
-    seg = np.where(ar < cut[:, None], 1, 2); seg[:, -2:] = 0
-    pos = np.where(seg == 1, ar, ar - cut[:, None]) * (seg > 0)
-    batch = PackedBatch(*(a.astype(np.int32) for a in (tok * (seg > 0), seg, pos, (seg > 0).astype(int))))
-    tx, sched = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0, eps=1e-6), 10)
+    cfg, params, batch, tx, sched = train_setup()
+    B = batch.tokens.shape[0]
 
     def run(mesh, accum):
         sh = state_shardings(cfg, tx, mesh)
@@ -73,13 +50,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_step_matches_single_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    out = json.loads(line[len("RESULT "):])
+    out = run_on_8_devices(SCRIPT)
     one = out["one"]
     for key in ("mesh_accum1", "mesh_accum2"):
         r = out[key]
