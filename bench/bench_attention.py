@@ -31,14 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sbd_jax.attention import (
-    block_starts,
-    clean_meta,
-    concat_meta,
-    copy_meta,
-    dense_mask,
-    reference_attention,
-)
+from sbd_jax.attention import concat_meta, dense_mask, reference_attention
+from sbd_jax.attention.layouts import decode_meta, random_qkv, training_meta
 from sbd_jax.attention.pallas import pallas_attention, pallas_attention_parts
 from sbd_jax.attention.pallas.tiling import tile_visibility
 
@@ -122,33 +116,20 @@ def copy_bandwidth(gib=4.0):
 
 
 def decode_case(B, k, S, rng):
-    """Full cache of S slots (the window's clean block fills the last k of them) + the window's
-    2k queries; returns (cache part, window part, q, q_meta) and the K/V bytes a kernel must read."""
+    """A full cache of S slots (the window's clean block fills the last k of them) and the window's
+    2k queries: (cache part, window part, q, q_meta) and the K/V bytes a kernel must read."""
     T = 2 * k
-    lengths = np.full((B,), S - k)  # after the window's clean block is written
-    pos = (lengths - k)[:, None] + np.arange(T)[None]
-    q_meta = concat_meta(clean_meta(np.ones((B, k)), pos[:, :k]),
-                         copy_meta(np.ones((B, k)), pos[:, k:], np.repeat(pos[:, k:k + 1], k, 1)))
-    slot = np.broadcast_to(np.arange(S), (B, S))
-    cache_meta = clean_meta((slot < lengths[:, None]).astype(np.int32), slot)
-    win_meta = q_meta._replace(segment=jnp.where(q_meta.stream == 0, 0, 1))
-    ks = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))), 5)
-    q = jax.random.normal(ks[0], (B, T, H, D), DTYPE)
-    cache = tuple(jax.random.normal(kk, (B, S, K, D), DTYPE) for kk in ks[1:3])
-    win = tuple(jax.random.normal(kk, (B, T, K, D), DTYPE) for kk in ks[3:5])
-    read_bytes = 2 * B * (int(lengths[0]) + k) * K * D * jnp.dtype(DTYPE).itemsize
+    q_meta, cache_meta, win_meta = decode_meta(np.full((B,), S - T), S, k)
+    q, kk, vv, _ = random_qkv(jax.random.PRNGKey(int(rng.integers(1 << 30))), B, T, S + T, H, K, D, DTYPE)
+    cache, win = (kk[:, :S], vv[:, :S]), (kk[:, S:], vv[:, S:])
+    read_bytes = 2 * B * S * K * D * jnp.dtype(DTYPE).itemsize
     return (cache, cache_meta), (win, win_meta), q, q_meta, read_bytes
 
 
 def train_case(L, k, B=1):
-    pos = np.broadcast_to(np.arange(L), (B, L))
-    seg = np.ones((B, L), np.int32)
-    meta = concat_meta(clean_meta(seg, pos), copy_meta(seg, pos, block_starts(pos, k)))
-    kq, kk, kv = jax.random.split(jax.random.PRNGKey(L), 3)
-    q = jax.random.normal(kq, (B, 2 * L, H, D), DTYPE)
-    kc = jax.random.normal(kk, (B, 2 * L, K, D), DTYPE)
-    vc = jax.random.normal(kv, (B, 2 * L, K, D), DTYPE)
-    return q, kc, vc, meta
+    """One document of L tokens per row, doubled: q, k, v [B, 2L, ...] and the metadata."""
+    q, kc, vc, _ = random_qkv(jax.random.PRNGKey(L), B, 2 * L, 2 * L, H, K, D, DTYPE)
+    return q, kc, vc, training_meta([[L]] * B, L, k)
 
 
 def sdpa(q, k, v, qm, km):
