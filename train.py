@@ -27,18 +27,13 @@ def main(argv=None) -> int:
     from sbd_jax.training.config import load_train_config
     from sbd_jax.training.loop import train
 
-    try:
-        cfg = load_train_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    maybe_initialize_distributed()
-
     def on_term(signum, frame):  # a scheduler's SIGTERM: stop like Ctrl-C (in-flight saves complete)
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, on_term)
     try:
+        cfg = load_train_config(args.config, args.overrides)
+        maybe_initialize_distributed()
+        signal.signal(signal.SIGTERM, on_term)
         result = train(cfg)
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)

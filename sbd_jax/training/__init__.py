@@ -1,20 +1,6 @@
 """SBD fine-tuning: examples (`[x ; x_hat]`), dual loss, sharded train step, data, checkpoints, loop."""
-from .config import (
-    CheckpointConfig,
-    DataConfig,
-    ModelSource,
-    OptimConfig,
-    SBDConfig,
-    TrainConfig,
-    load_train_config,
-)
-from .examples import (
-    Example,
-    PackedBatch,
-    build_ntp_example,
-    build_sbd_example,
-    make_example,
-)
+from .config import CheckpointConfig, DataConfig, ModelSource, OptimConfig, SBDConfig, TrainConfig, load_train_config
+from .examples import Example, PackedBatch, build_ntp_example, build_sbd_example, make_example
 from .loss import sbd_loss
 from .spec import ExampleSpec, StepOptions
 from .step import TrainState, jit_train_step, make_train_step

@@ -34,16 +34,9 @@ from .config import ModelSource, TrainConfig
 from .data import DataError, build_iterator
 from .examples import PackedBatch
 from .optim import make_optimizer
-from .step import (
-    StepOptions,
-    TrainState,
-    abstract_state,
-    jit_train_step,
-    make_train_step,
-    put_batch,
-    state_initializer,
-    state_shardings,
-)
+from .spec import StepOptions
+from .step import (TrainState, abstract_state, jit_train_step, make_train_step, put_batch, state_initializer,
+                   state_shardings)
 
 
 @dataclasses.dataclass

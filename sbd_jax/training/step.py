@@ -149,11 +149,6 @@ def jit_train_step(step_fn, mesh: Mesh, state_sh: TrainState, batch_size: int):
 def put_batch(batch_np: PackedBatch, mesh: Mesh, batch_size: int) -> PackedBatch:
     """Host rows -> global arrays sharded over (data, fsdp). With several processes each passes the
     full global batch; every process keeps the rows of its own devices."""
-    sh = batch_shardings(mesh, batch_size)
-    if jax.process_count() == 1:
-        return jax.device_put(PackedBatch(*(np.asarray(a, np.int32) for a in batch_np)), sh)
-    out = []
-    for a, s in zip(batch_np, sh):
-        a = np.asarray(a, np.int32)
-        out.append(jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx]))
-    return PackedBatch(*out)
+    arrays = (np.asarray(a, np.int32) for a in batch_np)
+    return PackedBatch(*(jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx])
+                         for a, s in zip(arrays, batch_shardings(mesh, batch_size))))
