@@ -7,7 +7,8 @@ import pytest
 
 from sbd_jax.config import ConfigError
 from sbd_jax.demo import tasks
-from sbd_jax.demo.pipeline import DemoConfig, decoder_specs, run
+from sbd_jax.demo.evaluation import decoders
+from sbd_jax.demo.pipeline import DemoConfig, run
 from sbd_jax.demo.tokenizer import build_tokenizer
 
 
@@ -48,7 +49,7 @@ def test_tokenizer_trained_on_training_text_round_trips_and_keeps_numbers_whole(
 def test_quick_pipeline_end_to_end(tmp_path, capsys):
     cfg = DemoConfig.quick(out_dir=str(tmp_path / "demo"))
     rows = run(cfg, log=lambda *a: None)
-    assert [r["label"] for r in rows] == [s.label for s in decoder_specs(cfg)]
+    assert [r["label"] for r in rows] == [s.label for s in decoders(cfg)]
     base = rows[0]
     assert base["mode"] == "ar" and base["tokens_per_forward"] == 1.0  # AR: one token per forward
     for r in rows:

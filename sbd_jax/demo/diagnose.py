@@ -51,15 +51,15 @@ def first_error_kind(got: list[int], gold: list[int], tokens: list[str]) -> str:
     return "copied number" if tokens[j].strip().isdigit() else "structure"
 
 
-def error_breakdown(tok, tokens_BN, lengths_B, problems: list[dict], correct: list[bool], eos_ids) -> dict[str, int]:
+def error_breakdown(tok, outputs: list[list[int]], problems: list[dict], correct: list[bool], eos_ids) -> dict[str, int]:
     """Counts of `first_error_kind` over the rows whose answer is wrong."""
     counts = collections.Counter({kind: 0 for kind in ERROR_KINDS})
-    for b, (p, ok) in enumerate(zip(problems, correct)):
+    for out, p, ok in zip(outputs, problems, correct):
         if ok:
             continue
         gold = tok.encode(p["response"], add_special_tokens=False)
-        got = [int(t) for t in tokens_BN[b, : lengths_B[b]] if int(t) not in eos_ids]
-        counts[first_error_kind(got, gold.ids, gold.tokens)] += 1
+        got = [t for t in out if t not in eos_ids]
+        counts[first_error_kind(got, gold, [tok.decode([t]) for t in gold])] += 1
     return dict(counts)
 
 
@@ -78,24 +78,22 @@ def main(argv=None):
         if not f.exists():
             raise SystemExit(f"{f} does not exist: run the demo first (make demo) or pass its output directory")
 
-    from tokenizers import Tokenizer
-
-    from ..decoding import generate
     from ..io.hf import from_pretrained
-    from .pipeline import _encode_prompts, per_family, score
-    tok = Tokenizer.from_file(str(root / "data" / "tokenizer" / "tokenizer.json"))
+    from ..io.tokenizer import Tokenizer
+    from .evaluation import batch_decoder, decode_all, per_family, problem_prompts, score
+    tok = Tokenizer.load(root / "data" / "tokenizer")
     problems = [json.loads(line) for line in test_file.read_text().splitlines()][: args.n]
     cfg, params = from_pretrained(model_dir)
-    prompts, lengths = _encode_prompts(tok, problems)
+    prompts = problem_prompts(tok, problems)
     for (mode, k, gamma, rule), name in zip(specs, args.specs or DEFAULT_SPECS):
-        out = generate(params, cfg, prompts, lengths, max_new_tokens=args.max_new_tokens, block_size=k,
-                       gamma=gamma, rule=rule, mode=mode)
-        toks, lens, nfe = (np.asarray(a) for a in (out.tokens, out.lengths, out.nfe))
-        ok = score(tok, toks, lens, problems)
-        fams = per_family(ok, problems)
-        errs = error_breakdown(tok, toks, lens, problems, ok, set(cfg.eos_ids))
-        print(f"{name:24s} accuracy {100 * np.mean(ok):5.1f}%  tokens/forward {lens.sum() / nfe.sum():5.2f}  " +
-              "  ".join(f"{f} {100 * v:.0f}%" for f, v in fams.items()), flush=True)
+        dec = batch_decoder(params, cfg, mode=mode, block_size=k, gamma=gamma, rule=rule,
+                            max_new_tokens=args.max_new_tokens, batch_size=len(prompts))
+        rows, summary = decode_all(dec, prompts)
+        outputs = [r["tokens"] for r in rows]
+        ok = score(tok, outputs, problems)
+        errs = error_breakdown(tok, outputs, problems, ok, set(cfg.eos_ids))
+        print(f"{name:24s} accuracy {100 * np.mean(ok):5.1f}%  tokens/forward {summary['tokens_per_forward']:5.2f}  " +
+              "  ".join(f"{f} {100 * v:.0f}%" for f, v in per_family(ok, problems).items()), flush=True)
         print(f"{'':24s} first wrong token of the {sum(errs.values())} wrong answers: " +
               ", ".join(f"{kind} {n}" for kind, n in errs.items()), flush=True)
 
