@@ -1,22 +1,14 @@
 #!/usr/bin/env python
-"""Batch decoding of a file of prompts with SBD (or AR):
+"""Batch decoding of a file of prompts with SBD (or AR): `python decode.py --model DIR --input prompts.jsonl
+--output out.jsonl [options] [mesh.tensor=2 ...]`.
 
-  python decode.py --model DIR --input prompts.jsonl --output out.jsonl \\
-      [--mode sbd|ar] [--gamma 0.35] [--rule eb|threshold] [--block-size 16] [--batch-size 8] \\
-      [--max-new-tokens 256] [--temperature 0] [--top-k 0] [--top-p 1] [--seed 0] [--compare-ar] \\
-      [--resume | --overwrite] [--chat] [--mesh-data -1 --mesh-fsdp 1 --mesh-tensor 1 | mesh.tensor=2 ...]
-
-DIR is a local HF-layout checkpoint (config.json with mask_token_id for SBD, safetensors, and
-tokenizer.json for text prompts). Input lines: {"id", "prompt"} (text), {"id", "prompt_ids"} or
-{"id", "messages"} (chat template); see sbd_jax/decoding/prompts.py. Each completed prompt is
-appended to the output as one JSON line (id, tokens, text, n_tokens, nfe, tokens_per_forward, stop,
-and "ar" with --compare-ar); --resume skips ids already there. The summary (tokens/s, mean tokens per
-forward, with --compare-ar the measured speedup over AR on the same prompts) is printed at the end
-and, with --summary FILE, written as JSON.
-Mesh: the same options as train.py (`mesh.data=4 mesh.tensor=2`, or the --mesh-* flags): params are
-laid out by the training rules (tensor-parallel weights), the batch over data x fsdp, the KV cache
-to match. Multi-host: start the same command on every host; jax.distributed is initialised from the
-environment as for train.py; process 0 writes the output (multi-host is untested here).
+DIR is a local HF-layout checkpoint (config.json with mask_token_id for SBD, safetensors, tokenizer.json for
+text prompts). Input lines: {"id", "prompt"}, {"id", "prompt_ids"} or {"id", "messages"} (chat template;
+sbd_jax/decoding/prompts.py). Each completed prompt is appended to the output as one JSON line; --resume skips
+ids already there. The summary (tokens/s, tokens per forward, with --compare-ar the measured speedup over AR
+on the same prompts) is printed and, with --summary FILE, written as JSON. The mesh takes train.py's options
+(params laid out by the training rules, the batch over data x fsdp); on several hosts start the same command
+on each (jax.distributed is initialised from the environment); process 0 writes the output.
 """
 from __future__ import annotations
 

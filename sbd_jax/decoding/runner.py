@@ -1,19 +1,14 @@
-"""Offline batch decoding of many prompts (the engine of decode.py): length buckets, fixed batch
-shapes, ahead-of-time compilation timed apart from decoding, per-row results streamed to a callback,
-and a summary (tokens/s, tokens per forward, and with `compare_ar` the measured speedup over AR).
+"""Offline batch decoding of many prompts (the engine of decode.py and of the demo's evaluation).
 
-Choices:
-  * Buckets: prompts sorted by length, cut into batches of `batch_size`; a batch's prompt width is
-    its longest prompt rounded up to `pad_multiple` (fewer distinct shapes -> fewer compilations),
-    capped so that width + max_new_tokens fits the model's positions. The last batch is filled up
-    with copies of its first prompt (discarded) so every batch has the same row count.
-  * Randomness: row keys are fold_in(key(seed), crc32(id)), so a prompt's output does not depend on
-    its batch, its bucket or on resuming.
-  * Timing: compilation (once per (mode, batch width)) is measured apart; tokens/s count the real
-    rows' generated tokens over decoding time only. SBD and AR run the same batches in the same
-    process (`compare_ar`), one after the other.
-  * Sharding: params are expected already on `mesh` (`shard_params`); prompt arrays are laid out
-    over the batch axes with `batch_sharding`; multi-process outputs are all-gathered.
+  * Buckets: prompts sorted by length, cut into batches of `batch_size`; a batch's prompt width is its
+    longest prompt rounded up to `pad_multiple` (fewer shapes, fewer compilations), capped so that
+    width + max_new_tokens fits the model. The last batch is filled with copies of its first prompt.
+  * Randomness: row keys are fold_in(key(seed), crc32(id)): a prompt's output does not depend on its
+    batch, its bucket or on resuming.
+  * Timing: compilation (once per mode and width, ahead of time) is measured apart; tokens/s count the
+    real rows' tokens over decoding time. With `compare_ar`, AR decodes the same batches in turn.
+  * Sharding: params are expected on `mesh` (`shard_params`); prompts are laid out over the batch axes;
+    several processes all-gather the outputs.
 """
 from __future__ import annotations
 
@@ -164,6 +159,8 @@ def _host(x) -> np.ndarray:
 
 @dataclasses.dataclass
 class Totals:
+    """Sums over the decoded batches."""
+
     rows: int = 0
     tokens: int = 0
     nfe: int = 0
