@@ -54,8 +54,8 @@ def timeit(fn, *args, reps=10, warmup=2, name=None, loop=(4, 12)):
     Each measurement runs `fn` n times inside ONE jitted `fori_loop` (each iteration's first
     argument is perturbed by a runtime scalar carried from the previous output, so nothing is
     hoisted out of the loop or elided) and the time of n1 iterations is subtracted from the time of
-    n2: what is left is device time per call, free of the host's dispatch and sync cost (~0.1-0.2 ms
-    per jitted call here, more than a decode kernel takes). Median over `reps` pairs."""
+    n2: what is left is device time per call, free of the host's dispatch and sync cost (which can
+    exceed a decode kernel's time: BENCHMARKS.md "Pallas kernels on an H100"). Median over `reps` pairs."""
     n1, n2 = loop
 
     def looped(n):
@@ -108,7 +108,7 @@ def copy_bandwidth(gib=4.0):
     for _ in range(3):
         jax.block_until_ready(f(x))
     ts = []
-    for _ in range(10):  # per-call timing: ~2 ms per call, the host overhead is a few percent
+    for _ in range(10):  # per-call timing: a copy of GiBs takes long next to the host overhead
         t = time.perf_counter()
         jax.block_until_ready(f(x))
         ts.append(time.perf_counter() - t)

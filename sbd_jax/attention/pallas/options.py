@@ -184,15 +184,14 @@ def force_backend(backend: str, *, interpret: bool = False):
         _forced.pop()
 
 
+_PLATFORM_BACKENDS = {"cpu": "interpret", "gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "tpu"}
+
+
 def default_backend() -> str:
     plat = jax.default_backend()
-    if plat == "cpu":
-        return "interpret"
-    if plat in ("gpu", "cuda", "rocm"):
-        return "triton"
-    if plat == "tpu":
-        return "tpu"
-    raise PallasOptionsError(f"no Pallas backend for platform {plat!r}; pass backend='interpret'")
+    if plat not in _PLATFORM_BACKENDS:
+        raise PallasOptionsError(f"no Pallas backend for platform {plat!r}; pass backend='interpret'")
+    return _PLATFORM_BACKENDS[plat]
 
 
 def call_kwargs(opts: PallasOptions, semantics: tuple[str, ...] = ()) -> dict:
