@@ -1,34 +1,31 @@
 """The Pallas attention kernels on a device mesh: run per shard inside `jax.shard_map`.
 
-A `pallas_call` is opaque to XLA's SPMD partitioner: under a mesh, XLA would either gather its
-inputs onto every device (each device computing the whole attention) or fail. Attention is
-independent per (row, KV-head group), so the kernels run unchanged on each device's shard:
+A `pallas_call` is opaque to XLA's SPMD partitioner: under a mesh, XLA would gather its inputs onto
+every device (each computing the whole attention) or fail. Attention is independent per (row,
+KV-head group), so the kernels run unchanged on each device's shard:
 
-  * the mesh is the *ambient* one, `jax.sharding.get_abstract_mesh()`: set it with
-    `jax.set_mesh(mesh)` around a jitted call, or, inside a traced function,
-    `sbd_jax.sharding.mesh_context(mesh)` (what the training step and the decoder do when given a
-    mesh). No mesh (or a mesh whose axes are all of size 1 or already manual) -> the kernels are
-    called directly;
-  * batch: split over the batch axes of `sbd_jax.sharding.DEFAULT_RULES` ("data", "fsdp": those
-    present with size > 1), or replicated if the batch does not divide (as `batch_sharding`);
-  * heads: over the "tensor" axis (t devices), chosen from H query heads and K KV heads (GQA,
-    G = H // K query heads per KV head):
-      - K % t == 0: q heads and KV heads both split; each shard holds H/t query heads = whole
-        groups of its K/t KV heads (the layout of wq/wk/wv under the training rules);
-      - K % t != 0 but H % t == 0 and G % (H/t) == 0 (e.g. 8 KV heads on a tensor axis of 16): q
-        heads split, K/V replicated over "tensor" (as the rules leave wk/wv), and each shard
-        slices out the one KV head its H/t query heads share;
-      - otherwise (H % t != 0, or a shard would straddle KV groups): heads are NOT split over
-        "tensor" (replicated: every tensor device computes its batch shard's whole attention).
-        Correct, but no tensor parallelism for attention; `head_layout` reports "replicated";
-  * metadata ([B, T] int fields) is split over the batch axes only.
+  * the mesh is the ambient one, `jax.sharding.get_abstract_mesh()` (`jax.set_mesh(mesh)` around a
+    jitted call, or `sbd_jax.sharding.mesh_context(mesh)` inside a traced function, as the training
+    step and the decoder do). No mesh, or one whose axes are all of size 1 or already manual: the
+    kernels are called directly;
+  * batch and metadata ([B, T] int fields): split over the batch axes of
+    `sbd_jax.sharding.DEFAULT_RULES` ("data", "fsdp": those with size > 1), or replicated if the
+    batch does not divide (as `batch_sharding`);
+  * heads, over the "tensor" axis (t devices), from H query heads and K KV heads (G = H // K):
+      - K % t == 0: q and KV heads both split; each shard holds whole groups of its K/t KV heads
+        (the layout of wq/wk/wv under the training rules);
+      - else, if H % t == 0 and G % (H/t) == 0 (e.g. 8 KV heads on a tensor axis of 16): q heads
+        split, K/V replicated over "tensor" (as the rules leave wk/wv), and each shard slices out
+        the one KV head its query heads share;
+      - otherwise heads are replicated (every tensor device computes its batch shard's whole
+        attention: correct, no tensor parallelism); `head_layout` reports "replicated".
 
-The custom VJP of the kernels runs inside the shard_map, so gradients are per shard too.
-`check_vma=False`: the kernels' `pallas_call` out_shapes carry no varying-axes annotation (which
-check_vma=True demands); shard_map's transpose then sums the cotangent of any input not split
-over an axis (K/V replicated over "tensor", a replicated batch) over that axis, as it must.
-Results equal the unsharded kernels up to float summation order (the decode kernel's automatic
-split count can depend on the per-shard batch).
+The kernels' custom VJP runs inside the shard_map, so gradients are per shard too.
+`check_vma=False`: the kernels' out_shapes carry no varying-axes annotation (which check_vma=True
+demands); shard_map's transpose then sums the cotangent of any input not split over an axis (K/V
+replicated over "tensor", a replicated batch) over that axis, as it must. Results equal the
+unsharded kernels up to float summation order (the decode kernel's automatic split count can
+depend on the per-shard batch).
 """
 from __future__ import annotations
 

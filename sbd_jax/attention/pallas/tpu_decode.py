@@ -1,24 +1,16 @@
-"""Mosaic-TPU flash-decoding SBD attention: a decode window of queries (k or 2k tokens) against
-a KV cache with per-row valid lengths, plus the window's in-block SBD mask.
+"""Mosaic-TPU flash-decoding SBD attention: the contract and structure of `decode` (the window's
+queries as rows per KV head, the visible key tiles split evenly between `ns` splits, partial
+outputs merged by log-sum-exp), with TPU specifics:
 
-Same contract as `decode` (the Triton-style kernel): q [B, Tq, H, D], K/V parts
-[B, S_i, K, D] with metadata [B, S_i] (cache slots past a row's length carry segment 0, so the
-exact tile table drops them: they are never read), -> (o [B, Tq, H, D], lse [B, H, Tq]).
-
-One program = (row b, KV head, split s, row tile r, step), grid (B, K, ns, nr, steps):
-  * GQA/MQA: the query block holds the G query heads of the KV head as rows (row = (token,
-    head), R = Tq * G rows), so each K/V tile is DMA'd once for all G heads (once per row tile
-    when Tq * G exceeds `decode_block_rows`);
-  * flash-decoding: a row's visible key tiles (a compact list, scalar-prefetched to SMEM) are
-    divided evenly between the `ns` splits ("parallel": megacore cores take different splits);
-    step t of split s reads list entry lo_s + t through the K/V index maps; steps past the
-    split's share repeat the block index (no DMA) and skip the compute;
-  * each split writes a normalised partial output and its log-sum-exp; XLA merges the splits.
-The cache is read IN PLACE when head_dim % 128 == 0 (block (bk, D) of the free reshape
-[B, S, K * D]); other head dims use a transposed copy [B, K, S, D]. S need not be a multiple of
-the tile: the last block overhangs the array (Pallas pads the read with unspecified values),
-its columns are masked by the (padded, segment-0) metadata and its V rows are zeroed. A part
-shorter than one tile (the window's keys) is padded to 128 keys and read as one tile.
+  * grid (B, K, ns, nr, steps): the visible-tile list (scalar-prefetched to SMEM) drives the K/V
+    index maps, step t of split s reading entry lo_s + t; steps past the split's share repeat the
+    block index (no DMA) and skip the compute; the splits are "parallel" (megacore cores take
+    different splits);
+  * the cache is read IN PLACE when head_dim % 128 == 0 (block (bk, D) of the free reshape
+    [B, S, K * D]); other head dims use a transposed copy [B, K, S, D]. S need not be a multiple
+    of the tile: the last block overhangs the array (Pallas pads the read with unspecified
+    values), its columns are masked by the (padded, segment-0) metadata and its V rows zeroed;
+  * a part shorter than one tile (the window's keys) is padded to 128 keys and read as one tile.
 """
 from __future__ import annotations
 

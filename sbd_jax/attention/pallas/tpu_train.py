@@ -1,9 +1,6 @@
-"""Mosaic-TPU flash SBD attention over whole sequences (training: the doubled `[x ; x_hat]`
-input): forward, dq and dk/dv kernels, computing only the tile pairs the SBD mask can reach.
-
-Same contract as `flash_train` (the Triton-style kernels): q [B, Tq, H, D], k/v [B, Tk, K, D]
-with H = K * G (GQA/MQA: query head h reads KV head h // G through the index maps; K/V are
-never repeated), metadata [B, T]; forward -> (o, lse [B, H, Tq]); backward -> (dq, dk, dv).
+"""Mosaic-TPU flash SBD attention over whole sequences: the contract of `flash_train` (forward,
+dq and dk/dv kernels computing only the tile pairs the SBD mask can reach; query head h reads KV
+head h // G through the index maps).
 
 TPU structure (after jax's splash attention):
   forward  grid (B, H, nq, nk)        step j reads the j-th VISIBLE key tile of query tile i
