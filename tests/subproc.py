@@ -24,30 +24,15 @@ def run_on_8_devices(script: str, *args) -> dict:
 
 
 def train_setup():
-    """A tiny model config, its parameters (float32, numpy), one packed batch of 8 rows of 24 tokens
-    (two documents and padding per row) and AdamW (lr 1e-3, no warmup): (cfg, params, batch, tx, sched)."""
+    """The tiny model, parameters (numpy) and packed batch of tests/test_training_step.py (8 rows of 24
+    tokens: two documents and padding per row) and AdamW (lr 1e-3, no warmup): (cfg, params, batch,
+    tx, sched)."""
     import jax
     import numpy as np
+    from test_training_step import CFG, _batch, np_params
 
-    from sbd_jax.config import ModelConfig
-    from sbd_jax.models import param_shapes
     from sbd_jax.training.config import OptimConfig
-    from sbd_jax.training.examples import PackedBatch
     from sbd_jax.training.optim import make_optimizer
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, mask_token_id=3)
-    rng = np.random.default_rng(0)
-    params = jax.tree.map_with_path(
-        lambda path, s: (1.0 if path[-1].key.endswith("norm") else 0.0) + rng.normal(0, 0.05, s).astype(np.float32),
-        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    B, L = 8, 24
-    tok = rng.integers(4, 64, (B, L))
-    cut = rng.integers(6, L - 6, B)
-    ar = np.arange(L)
-    seg = np.where(ar < cut[:, None], 1, 2)
-    seg[:, -2:] = 0
-    pos = np.where(seg == 1, ar, ar - cut[:, None]) * (seg > 0)
-    batch = PackedBatch(*(a.astype(np.int32) for a in (tok * (seg > 0), seg, pos, (seg > 0).astype(int))))
     tx, sched = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0, eps=1e-6), 10)
-    return cfg, params, batch, tx, sched
+    return CFG, jax.tree.map(np.asarray, np_params(CFG)), _batch(), tx, sched
