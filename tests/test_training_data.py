@@ -145,6 +145,9 @@ def test_order_deterministic_from_seed_and_resumable():
             np.testing.assert_array_equal(x, y)
     with pytest.raises(DataError, match="seq_len"):
         PackedIterator(docs, 10, 2, seed=1).restore(state)
+    # a state with documents waiting for look-ahead packing (an option this version does not have)
+    with pytest.raises(DataError, match="look-ahead packing"):
+        d.restore({**state, "lookahead": 16, "pending": [[3, 0]]})
 
 
 # ---------------------------------------------------------------------------------------------- files

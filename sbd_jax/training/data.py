@@ -192,6 +192,9 @@ class PackedIterator:
                 self.L, self.seed, self.C):
             raise DataError(f"data iterator state {state} was saved with another seq_len/seed/copy_len "
                             f"(now seq_len={self.L}, seed={self.seed}, copy_len={self.C})")
+        if state.get("lookahead") or state.get("copy_reserve") or state.get("pending"):
+            raise DataError(f"data iterator state {state} was saved with look-ahead packing or a copy reserve, "
+                            "which this version does not have: resuming would drop or repack documents")
         self._epoch, self._cursor = int(state["epoch"]), int(state["cursor"])
         self._offset, self._rows = int(state["offset"]), int(state["rows"])
         self._perm = self._permutation(self._epoch)
