@@ -73,9 +73,10 @@ def run(args) -> int:
 
     from sbd_jax.decoding import DecodeError, DecodeSpec
     from sbd_jax.decoding.spec import check_model
-    from sbd_jax.decoding.prompts import Tokenizer, open_output, read_prompts, write_row
+    from sbd_jax.decoding.prompts import open_output, read_prompts, write_row
     from sbd_jax.decoding.runner import DecodeOptions, check_prompts, decode_prompts
     from sbd_jax.io.hf import from_pretrained
+    from sbd_jax.io.tokenizer import Tokenizer
     from sbd_jax.sharding import make_mesh, maybe_initialize_distributed, shard_params
 
     if args.resume and args.overwrite:
