@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..config import ConfigError, ModelConfig, load_config
+from ..config import ModelConfig, load_config
 from ..sharding import MeshConfig
-from .spec import StepOptions
+from .spec import StepOptions, require, require_choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,13 +25,10 @@ class ModelSource:
     add_mask_token: bool = False  # no free id: grow embed/lm_head by one row and use id = old vocab size
 
     def __post_init__(self):
-        if self.init_from is None and self.config is None:
-            raise ConfigError("model: set either model.init_from (a local HF directory) or model.config "
-                              "(an architecture for a random init)")
-        if self.init_from is not None and self.config is not None:
-            raise ConfigError("model: set only one of model.init_from and model.config")
-        if self.mask_token_id is not None and self.add_mask_token:
-            raise ConfigError("model: set only one of model.mask_token_id and model.add_mask_token")
+        require((self.init_from is None) != (self.config is None), "model: set exactly one of model.init_from "
+                "(a local HF directory) and model.config (an architecture for a random init)")
+        require(self.mask_token_id is None or not self.add_mask_token,
+                "model: set only one of model.mask_token_id and model.add_mask_token")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +68,11 @@ class DataConfig:
     num_proc: int | None = None  # tokenization workers
 
     def __post_init__(self):
-        if self.format not in ("auto", "json", "parquet", "arrow", "disk"):
-            raise ConfigError(f"data.format must be auto/json/parquet/arrow/disk, got {self.format!r}")
-        if self.mode not in ("auto", "text", "sft"):
-            raise ConfigError(f"data.mode must be auto/text/sft, got {self.mode!r}")
-        if self.seq_len < 2:
-            raise ConfigError(f"data.seq_len must be >= 2, got {self.seq_len}")
-        if self.copy_len is not None and not 1 <= self.copy_len <= self.seq_len:
-            raise ConfigError(f"data.copy_len must be in [1, seq_len={self.seq_len}] (or null), got {self.copy_len}")
+        require_choice("data.format", self.format, ("auto", "json", "parquet", "arrow", "disk"))
+        require_choice("data.mode", self.mode, ("auto", "text", "sft"))
+        require(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
+        require(self.copy_len is None or 1 <= self.copy_len <= self.seq_len,
+                f"data.copy_len must be in [1, seq_len={self.seq_len}] (or null), got {self.copy_len}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,14 +90,10 @@ class OptimConfig:
     grad_accum: int = 1  # microbatches per step (the batch is split, losses are exact global means)
 
     def __post_init__(self):
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise ConfigError(f"optim.schedule must be cosine/linear/constant, got {self.schedule!r}")
-        if self.grad_accum < 1:
-            raise ConfigError(f"optim.grad_accum must be >= 1, got {self.grad_accum}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.lr <= 0:
-            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        require_choice("optim.schedule", self.schedule, ("cosine", "linear", "constant"))
+        require(self.grad_accum >= 1, f"optim.grad_accum must be >= 1, got {self.grad_accum}")
+        require(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        require(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +105,7 @@ class CheckpointConfig:
     export_dtype: str | None = None  # dtype of the HF export (default: the master-weight dtype)
 
     def __post_init__(self):
-        if self.every < 1 or self.keep < 1:
-            raise ConfigError("checkpoint.every and checkpoint.keep must be >= 1")
+        require(self.every >= 1 and self.keep >= 1, "checkpoint.every and checkpoint.keep must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,23 +125,16 @@ class TrainConfig:
     progress: bool = True  # tqdm progress bar
 
     def __post_init__(self):
-        if self.steps < 1:
-            raise ConfigError(f"steps must be >= 1, got {self.steps}")
-        if self.batch_size < 1:
-            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.batch_size % self.optim.grad_accum:
-            raise ConfigError(f"batch_size ({self.batch_size}) must be a multiple of optim.grad_accum "
-                              f"({self.optim.grad_accum})")
-        if self.loss_chunk < 0:
-            raise ConfigError(f"loss_chunk must be >= 0, got {self.loss_chunk}")
-        if self.log_every < 1:
-            raise ConfigError(f"log_every must be >= 1, got {self.log_every}")
+        for key in ("steps", "batch_size", "log_every"):
+            require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
+        require(self.batch_size % self.optim.grad_accum == 0, f"batch_size ({self.batch_size}) must be a multiple "
+                f"of optim.grad_accum ({self.optim.grad_accum})")
+        require(self.loss_chunk >= 0, f"loss_chunk must be >= 0, got {self.loss_chunk}")
         spec = self.step_options()  # validates the example options
-        block = "sbd.k_max" if spec.block_size is None else "sbd.block_size"
+        block, largest = ("sbd.k_max", spec.k_max) if spec.block_size is None else ("sbd.block_size", spec.block_size)
         for key, n in (("data.seq_len", self.data.seq_len), ("data.copy_len", self.data.copy_len)):
-            if not spec.ntp_only and n is not None and n < spec.largest_block:
-                raise ConfigError(f"{key} ({n}) is shorter than {block} ({spec.largest_block}): a block "
-                                  "cannot be longer than a row or the copy stream")
+            require(spec.ntp_only or n is None or n >= largest, f"{key} ({n}) is shorter than {block} ({largest}): "
+                    "a block cannot be longer than a row or the copy stream")
 
     def step_options(self, mask_token_id: int | None = None) -> StepOptions:
         """The train step's options: the `sbd` section, data.copy_len, grad_accum and loss_chunk."""

@@ -1,14 +1,7 @@
-"""SBD training examples (SBD.md, training section): packed rows -> the doubled input `[x ; x_hat]` with
-its mask metadata, targets and per-term loss weights. Pure JAX, jittable, driven by a PRNG key.
-
-Input: a `PackedBatch` of B rows of L tokens (data.py), several documents per row: tokens, segment (0 =
-padding, 1.. = document), position (restarts at 0 in every document), loss_mask (1 = counted by the
-losses: every token of a text document, the response of an SFT document).
-
-Output (`Example`; T = 2L, L + copy_len with a compact copy stream, L for the NTP baseline): tokens (x,
-then x_hat = x with `<m>` at masked positions), meta (`sbd_jax.attention.mask`: `clean_meta`, then
-`copy_meta` with duplicated positions and block starts), targets (clean i -> x_{i+1}, copy i -> x_i),
-ntp_weight (the next token is in the same document and counted), matp_weight (the copy token is masked).
+"""SBD training examples (SBD.md, training section): packed rows (`PackedBatch`, data.py) -> the doubled
+input `[x ; x_hat]` (`Example`, T = 2L; L + copy_len with a compact copy stream; L for the NTP baseline)
+with its mask metadata (`sbd_jax.attention.mask`), targets (clean i -> x_{i+1}, copy i -> x_i) and per-term
+loss weights. Pure JAX, jittable, driven by a PRNG key.
 
 Choices (SBD.md marks these as ours): eta ~ U[0,1) per *document*, each counted token masked with
 probability eta (the prompt stays clean); one block size k per step, uniform on [2, k_max] or fixed, a
@@ -28,29 +21,20 @@ from .spec import ExampleSpec
 
 
 class PackedBatch(NamedTuple):
-    """B packed rows of L tokens (int32 arrays [B, L]); see the module docstring."""
+    """B packed rows of L tokens (int32 arrays [B, L]), several documents per row."""
 
     tokens: jnp.ndarray
-    segment: jnp.ndarray
-    position: jnp.ndarray
-    loss_mask: jnp.ndarray
+    segment: jnp.ndarray  # 0 = padding, 1.. = document
+    position: jnp.ndarray  # restarts at 0 in every document
+    loss_mask: jnp.ndarray  # 1 = counted by the losses: a text document's every token, an SFT document's response
 
 
 class Example(NamedTuple):
     tokens: jnp.ndarray  # [B, T] int32
     meta: TokenMeta  # [B, T]
     targets: jnp.ndarray  # [B, T] int32
-    ntp_weight: jnp.ndarray  # [B, T] float32
-    matp_weight: jnp.ndarray  # [B, T] float32
-
-
-def ntp_targets(batch: PackedBatch):
-    """Next-token targets and weights for the clean half: [B, L] int32, [B, L] float32.
-    Token i predicts x_{i+1} when i+1 is in the same (non-padding) document and is loss-counted."""
-    nxt = lambda a: jnp.concatenate([a[:, 1:], jnp.zeros_like(a[:, :1])], axis=1)
-    seg_next = nxt(batch.segment)
-    ok = (batch.segment > 0) & (seg_next == batch.segment) & (nxt(batch.loss_mask) > 0)
-    return nxt(batch.tokens).astype(jnp.int32), ok.astype(jnp.float32)
+    ntp_weight: jnp.ndarray  # [B, T] float32: the next token is in the same document and counted
+    matp_weight: jnp.ndarray  # [B, T] float32: the copy token is masked
 
 
 def response_start(batch: PackedBatch):
@@ -123,10 +107,12 @@ def _compact_copy_stream(copy, C: int, mask_token_id):
 
 
 def build_ntp_example(batch: PackedBatch) -> Example:
-    """The NTP baseline: only the clean half (L tokens), MATP weight 0 (same loss code path)."""
-    ntp_tgt, ntp_w = ntp_targets(batch)
+    """The clean half alone (the NTP baseline, MATP weight 0): token i predicts x_{i+1} when i+1 is in the same
+    (non-padding) document and is loss-counted."""
+    nxt = lambda a: jnp.concatenate([a[:, 1:], jnp.zeros_like(a[:, :1])], axis=1)
+    ntp_w = ((batch.segment > 0) & (nxt(batch.segment) == batch.segment) & (nxt(batch.loss_mask) > 0)).astype(jnp.float32)
     return Example(batch.tokens.astype(jnp.int32), clean_meta(batch.segment, batch.position.astype(jnp.int32)),
-                   ntp_tgt, ntp_w, jnp.zeros_like(ntp_w))
+                   nxt(batch.tokens).astype(jnp.int32), ntp_w, jnp.zeros_like(ntp_w))
 
 
 def make_example(key, batch: PackedBatch, spec: ExampleSpec):

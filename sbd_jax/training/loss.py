@@ -1,10 +1,7 @@
-"""The SBD dual loss: NTP cross-entropy on the clean half + MATP cross-entropy on the masked copy
-positions, each a mean over its own counted tokens, summed with weight 1 (SBD.md, eq. 14 with
-per-token means). The NTP-only baseline is the same function on an `Example` whose MATP weights are 0.
-
-Memory: with `chunk > 0` the lm_head projection and the cross-entropy run over time chunks inside a
-rematerialised scan, so the [B, 2L, V] float32 logits are never materialised at once (a 128k vocab
-at 2L = 64k tokens would be 32 GiB per row)."""
+"""The SBD dual loss: NTP cross-entropy on the clean half + MATP cross-entropy on the masked copy positions,
+each a mean over its own counted tokens, summed (SBD.md, eq. 14 with per-token means); the NTP baseline is
+the same function with MATP weights 0. With `chunk > 0`, lm_head + CE run over time chunks in a
+rematerialised scan, so the [B, T, V] float32 logits never exist at once."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -28,8 +25,7 @@ def _weighted_ce(params, cfg: ModelConfig, h_BTD, targets_BT, w_ntp_BT, w_matp_B
     logits = lm_head(params, cfg, h_BTD).astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     tgt = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
-    ce = lse - tgt
-    return jnp.sum(ce * w_ntp_BT), jnp.sum(ce * w_matp_BT)
+    return jnp.sum((lse - tgt) * w_ntp_BT), jnp.sum((lse - tgt) * w_matp_BT)
 
 
 def loss_sums(params, cfg: ModelConfig, ex: Example, *, chunk: int = 0, clean_prefix: int | None = None) -> LossSums:
@@ -50,8 +46,7 @@ def loss_sums(params, cfg: ModelConfig, ex: Example, *, chunk: int = 0, clean_pr
 
         @jax.checkpoint
         def body(carry, xs):
-            hc, tc, wn, wm = xs
-            a, b = _weighted_ce(params, cfg, hc, tc, wn, wm)
+            a, b = _weighted_ce(params, cfg, *xs)
             return (carry[0] + a, carry[1] + b), None
 
         zero = jnp.zeros((), jnp.float32)

@@ -7,6 +7,16 @@ import dataclasses
 from ..config import ConfigError
 
 
+def require(ok: bool, message: str) -> None:
+    """The configs' checks: ConfigError(message) unless `ok`."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def require_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    require(value in choices, f"{key} must be {'/'.join(choices)}, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExampleSpec:
     """How a step's examples are built. The messages name the config keys the fields come from."""
@@ -19,19 +29,12 @@ class ExampleSpec:
     copy_len: int | None = None  # C: a compact copy stream of C slots holding no prompt (None: the full L)
 
     def __post_init__(self):
-        if self.k_max < 2:
-            raise ConfigError(f"sbd.k_max must be >= 2 (blocks of 2..k_max), got {self.k_max}")
-        if self.block_size is not None and self.block_size < 1:
-            raise ConfigError(f"sbd.block_size must be >= 1, got {self.block_size}")
-        if self.block_align not in ("document", "response"):
-            raise ConfigError(f"sbd.block_align must be 'document' or 'response', got {self.block_align!r}")
-        if self.copy_len is not None and not self.ntp_only and self.block_align != "response":
-            raise ConfigError("data.copy_len (a copy stream without the prompts) needs sbd.block_align="
-                              "'response': with document-aligned blocks the prompts are part of the copy stream")
-
-    @property
-    def largest_block(self) -> int:
-        return self.block_size if self.block_size is not None else self.k_max
+        require(self.k_max >= 2, f"sbd.k_max must be >= 2 (blocks of 2..k_max), got {self.k_max}")
+        require(self.block_size is None or self.block_size >= 1, f"sbd.block_size must be >= 1, got {self.block_size}")
+        require_choice("sbd.block_align", self.block_align, ("document", "response"))
+        require(self.copy_len is None or self.ntp_only or self.block_align == "response",
+                "data.copy_len (a copy stream without the prompts) needs sbd.block_align='response': with "
+                "document-aligned blocks the prompts are part of the copy stream")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..config import ModelConfig
-from ..models.transformer import param_shapes
+from ..models.transformer import param_specs
 from ..sharding import batch_sharding, mesh_context, param_shardings
 from .examples import Example, PackedBatch, make_example
 from .loss import LossSums, combine, loss_sums, metrics_from_sums
@@ -39,8 +39,7 @@ def init_state(params, tx: optax.GradientTransformation, rng) -> TrainState:
 
 
 def state_initializer(tx: optax.GradientTransformation, shardings: TrainState):
-    """jitted (params, rng) -> the initial state laid out by `shardings` (every leaf committed to the mesh,
-    so the jitted step sees the same input types at every call). `params` is donated (no second copy)."""
+    """jitted (params, rng) -> the initial state committed to the mesh by `shardings`; `params` is donated."""
     return jax.jit(lambda p, r: init_state(p, tx, r), out_shardings=shardings, donate_argnums=(0,))
 
 
@@ -48,13 +47,11 @@ def create_state(params, tx: optax.GradientTransformation, rng, shardings: Train
     return state_initializer(tx, shardings)(params, jnp.asarray(rng, jnp.uint32))
 
 
-def _micro(x, A: int, mesh: Mesh | None, spec_axes):
-    """[B, ...] -> [A, B/A, ...] with microbatch j = rows j::A."""
-    B = x.shape[0]
-    y = jnp.swapaxes(x.reshape(B // A, A, *x.shape[1:]), 0, 1)
-    if spec_axes is not None and (B // A) % int(np.prod([mesh.shape[a] for a in np.atleast_1d(spec_axes)])) == 0:
-        y = jax.lax.with_sharding_constraint(
-            y, NamedSharding(mesh, P(None, spec_axes, *([None] * (x.ndim - 1)))))
+def _micro(x, A: int, mesh: Mesh | None):
+    """[B, ...] -> [A, B/A, ...] with microbatch j = rows j::A, each sharded like the batch when it divides."""
+    y = jnp.swapaxes(x.reshape(x.shape[0] // A, A, *x.shape[1:]), 0, 1)
+    if mesh is not None and (axes := batch_sharding(mesh, 1, y.shape[1]).spec[0]) is not None:
+        y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, axes)))
     return y
 
 
@@ -62,10 +59,6 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
                     schedule=None, mesh: Mesh | None = None):
     """-> step(state, batch: PackedBatch) -> (state, metrics). Pure; jit it with `jit_train_step`."""
     A = opts.grad_accum
-    spec_axes = None
-    if mesh is not None:
-        axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
-        spec_axes = (axes if len(axes) > 1 else axes[0]) if axes else None
 
     def loss_fn(params, ex: Example, totals, L: int):
         s = loss_sums(params, model_cfg, ex, chunk=opts.loss_chunk, clean_prefix=None if opts.ntp_only else L)
@@ -75,43 +68,34 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
 
     def step(state: TrainState, batch: PackedBatch):
         with mesh_context(mesh):  # ambient while tracing: attention_impl="pallas" then runs per shard
-            return _step(state, batch)
+            rng, key = jax.random.split(state.rng)
+            ex, k = make_example(key, batch, opts)
+            L = batch.tokens.shape[1]
+            totals = (jnp.sum(ex.ntp_weight), jnp.sum(ex.matp_weight))
+            if A == 1:
+                (loss, sums), grads = grad_fn(state.params, ex, totals, L)
+            else:
+                if batch.tokens.shape[0] % A:
+                    raise ValueError(f"batch of {batch.tokens.shape[0]} rows does not split into {A} microbatches")
+                micro = jax.tree.map(lambda x: _micro(x, A, mesh), ex)
 
-    def _step(state: TrainState, batch: PackedBatch):
-        rng, key = jax.random.split(state.rng)
-        ex, k = make_example(key, batch, opts)
-        L = batch.tokens.shape[1]
-        totals = (jnp.sum(ex.ntp_weight), jnp.sum(ex.matp_weight))
-        if A == 1:
-            (loss, sums), grads = grad_fn(state.params, ex, totals, L)
-        else:
-            if batch.tokens.shape[0] % A:
-                raise ValueError(f"batch of {batch.tokens.shape[0]} rows does not split into {A} microbatches")
-            micro = jax.tree.map(lambda x: _micro(x, A, mesh, spec_axes), ex)
+                def body(acc, mex):
+                    (l, s), g = grad_fn(state.params, mex, totals, L)
+                    return jax.tree.map(jnp.add, acc, (g, l, s)), None
 
-            def body(carry, mex):
-                g_acc, l_acc, s_acc = carry
-                (l, s), g = grad_fn(state.params, mex, totals, L)
-                return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, jax.tree.map(jnp.add, s_acc, s)), None
-
-            zeros_g = jax.tree.map(jnp.zeros_like, state.params)
-            z = jnp.zeros((), jnp.float32)
-            (grads, loss, sums), _ = jax.lax.scan(body, (zeros_g, z, LossSums(z, z, z, z)), micro)
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics_from_sums(sums), loss=loss, grad_norm=grad_norm, k=k,
-                       tokens=jnp.sum(batch.segment > 0).astype(jnp.float32))
-        if schedule is not None:
-            metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
-        return TrainState(state.step + 1, params, opt_state, rng), metrics
+                zeros_g = jax.tree.map(jnp.zeros_like, state.params)
+                z = jnp.zeros((), jnp.float32)
+                (grads, loss, sums), _ = jax.lax.scan(body, (zeros_g, z, LossSums(z, z, z, z)), micro)
+            grad_norm = optax.tree.norm(grads)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            metrics = dict(metrics_from_sums(sums), loss=loss, grad_norm=grad_norm, k=k,
+                           tokens=jnp.sum(batch.segment > 0).astype(jnp.float32))
+            if schedule is not None:
+                metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
+            return TrainState(state.step + 1, params, opt_state, rng), metrics
 
     return step
-
-
-def _abstract_params(model_cfg: ModelConfig):
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(model_cfg.param_dtype)),
-                        param_shapes(model_cfg), is_leaf=lambda x: isinstance(x, tuple))
 
 
 def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules=None):
@@ -119,8 +103,7 @@ def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, me
     their parameters, scalars (step, counts, rng) replicated."""
     psh = param_shardings(model_cfg, mesh, rules)
     repl = NamedSharding(mesh, P())
-    abstract_opt = jax.eval_shape(tx.init, _abstract_params(model_cfg))
-    osh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, psh,
+    osh = optax.tree_map_params(tx, lambda _, s: s, abstract_state(model_cfg, tx).opt_state, psh,
                                 transform_non_params=lambda _: repl,
                                 is_leaf=lambda x: isinstance(x, NamedSharding))
     return TrainState(repl, psh, osh, repl)
@@ -128,15 +111,15 @@ def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, me
 
 def abstract_state(model_cfg: ModelConfig, tx, shardings: TrainState | None = None) -> TrainState:
     """ShapeDtypeStructs of the TrainState (with shardings when given): the restore target."""
-    st = jax.eval_shape(lambda p: init_state(p, tx, jnp.zeros((2,), jnp.uint32)), _abstract_params(model_cfg))
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape(model_cfg), model_cfg.param_dtype), param_specs(model_cfg))
+    st = jax.eval_shape(lambda p: init_state(p, tx, jnp.zeros((2,), jnp.uint32)), params)
     if shardings is None:
         return st
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), st, shardings)
 
 
 def batch_shardings(mesh: Mesh, batch_size: int) -> PackedBatch:
-    bsh = batch_sharding(mesh, 2, batch_size)
-    return PackedBatch(bsh, bsh, bsh, bsh)
+    return PackedBatch(*[batch_sharding(mesh, 2, batch_size)] * 4)
 
 
 def jit_train_step(step_fn, mesh: Mesh, state_sh: TrainState, batch_size: int):
