@@ -1,9 +1,5 @@
-"""Frozen-dataclass configs: construction from dicts/YAML with strict key checking and
-`key=value` command-line overrides.
-
-Every config in the project goes through `from_dict`, so an unknown key is always an error that
-names the key and lists the valid ones (never a silently ignored typo).
-"""
+"""Frozen-dataclass configs from dicts/YAML plus `key=value` command-line overrides. Every config goes through
+`from_dict`, so an unknown key is always an error naming it and the valid ones (never an ignored typo)."""
 from __future__ import annotations
 
 import dataclasses
@@ -105,12 +101,16 @@ class ModelConfig:
         return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
 
 
+_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+_BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
 def _coerce(tp: Any, value: Any, where: str) -> Any:
-    """Convert `value` to the annotated type `tp` (handles Optional, nested dataclasses, tuples)."""
-    origin = typing.get_origin(tp)
+    """`value` as the annotated type `tp`: Optional/unions, nested dataclasses from mappings, tuples from lists,
+    numbers from strings (YAML reads `1e-3` as one), booleans from true/false/yes/no/1/0."""
     args = typing.get_args(tp)
     if value is None:
-        if tp is type(None) or type(None) in args or tp is Any:
+        if type(None) in args or tp is Any:
             return None
         raise ConfigError(f"{where} may not be null")
     if dataclasses.is_dataclass(tp):
@@ -119,40 +119,33 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where} must be a mapping, got {value!r}")
         return from_dict(tp, value, where=where)
-    if origin in (typing.Union, types.UnionType):
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
         errors = []
-        for a in args:
-            if a is type(None):
-                continue
+        for a in (a for a in args if a is not type(None)):
             try:
                 return _coerce(a, value, where)
             except (ConfigError, TypeError, ValueError) as e:
                 errors.append(str(e))
         raise ConfigError(f"{where}: cannot interpret {value!r} ({'; '.join(errors)})")
-    if origin is tuple:
+    if typing.get_origin(tp) is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where} must be a list, got {value!r}")
-        inner = args[0] if args else Any
-        return tuple(_coerce(inner, v, where) for v in value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{where} must be a boolean, got {value!r}")
-    if tp in (int, float):
-        kind = "an integer" if tp is int else "a number"
-        if tp is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
-            raise ConfigError(f"{where} must be {kind}, got {value!r}")
-        try:
-            return tp(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where} must be {kind}, got {value!r}") from None
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return tuple(_coerce(args[0] if args else Any, v, where) for v in value)
+    if tp not in _KINDS:
         return value
-    return value
+    bad = ConfigError(f"{where} must be {_KINDS[tp]}, got {value!r}")
+    if tp in (bool, str):
+        if isinstance(value, tp):
+            return value
+        if tp is bool and isinstance(value, str) and value.lower() in _BOOLS:
+            return _BOOLS[value.lower()]
+        raise bad
+    if tp is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
+        raise bad
+    try:
+        return tp(value)
+    except (TypeError, ValueError):
+        raise bad from None
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str | None = None) -> T:

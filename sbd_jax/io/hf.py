@@ -19,6 +19,7 @@ from ..config import ConfigError, ModelConfig
 from ..models.hf_config import KNOWN_KEYS, config_from_hf, config_to_hf
 from ..models.transformer import ParamSpec, axis_sizes, param_specs
 
+
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded as asked (missing/truncated file, bad shape...)."""
 
@@ -49,14 +50,6 @@ def _hf_shape(s: ParamSpec, cfg: ModelConfig) -> tuple[int, ...]:
     sizes = axis_sizes(cfg)
     groups = tuple(math.prod(sizes[a] for a in g.split("*")) for g in s.axes.split())
     return groups[::-1] if s.hf_t else groups
-
-
-def _to_hf(s: ParamSpec, cfg: ModelConfig, w):
-    return w.reshape(_hf_shape(s, cfg)[::-1]).T if s.hf_t else w.reshape(_hf_shape(s, cfg))
-
-
-def _to_ours(s: ParamSpec, cfg: ModelConfig, w):
-    return (w.T if s.hf_t else w).reshape(s.shape(cfg)[1:] if s.stacked else s.shape(cfg))
 
 
 def _weight_files(model_dir: Path) -> dict[str, Path]:
@@ -107,7 +100,8 @@ def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = N
         return jnp.asarray(t).astype(pdt)
 
     def load(s: ParamSpec):
-        ws = [_to_ours(s, cfg, get(name, _hf_shape(s, cfg))) for name in _hf_names(s, cfg)]
+        ws = [get(name, _hf_shape(s, cfg)) for name in _hf_names(s, cfg)]  # a Linear weight transposed back
+        ws = [(w.T if s.hf_t else w).reshape(s.shape(cfg)[s.stacked:]) for w in ws]
         return jnp.stack(ws) if s.stacked else ws[0]
     return cfg, jax.tree.map(load, param_specs(cfg))
 
@@ -117,8 +111,9 @@ def hf_state_dict(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     params, out = jax.device_get(params), {}
     for s in jax.tree.leaves(param_specs(cfg)):
         w = np.asarray(functools.reduce(lambda tree, key: tree[key], s.name.split("/"), params))
+        shape = _hf_shape(s, cfg)
         for name, layer_w in zip(_hf_names(s, cfg), w if s.stacked else [w]):
-            out[name] = np.ascontiguousarray(_to_hf(s, cfg, layer_w))
+            out[name] = np.ascontiguousarray(layer_w.reshape(shape[::-1]).T if s.hf_t else layer_w.reshape(shape))
     return out
 
 

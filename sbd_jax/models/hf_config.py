@@ -2,6 +2,8 @@
 `qk_norm`). The math of both lives in transformer.py."""
 from __future__ import annotations
 
+import dataclasses
+
 from ..config import ConfigError, ModelConfig, RopeScaling
 
 # keys of a HF config.json (transformers 4.x and 5.x) that we read or that cannot change the math
@@ -59,10 +61,7 @@ def config_from_hf(d: dict, *, allow_unknown_keys: bool = False, **overrides) ->
     for req in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if req not in d:
             raise ConfigError(f"config.json lacks the required key {req!r}")
-    head_dim = d.get("head_dim")
-    if head_dim is None and mt == "qwen3":
-        head_dim = 128  # Qwen3Config default
-    eos = d.get("eos_token_id")
+    head_dim = d.get("head_dim") or (128 if mt == "qwen3" else None)  # 128: the Qwen3Config default
     return ModelConfig(**{**dict(
         model_type=mt, qk_norm=mt == "qwen3",
         vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
@@ -72,7 +71,7 @@ def config_from_hf(d: dict, *, allow_unknown_keys: bool = False, **overrides) ->
         rope_scaling=scaling, max_position_embeddings=d.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         attention_bias=bool(d.get("attention_bias", False)), mask_token_id=d.get("mask_token_id"),
-        bos_token_id=d.get("bos_token_id"), eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
         pad_token_id=d.get("pad_token_id")), **overrides})
 
 
@@ -83,7 +82,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "model_type": cfg.model_type, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.resolved_head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
         "attention_dropout": 0.0, "mlp_bias": False, "torch_dtype": cfg.param_dtype,
@@ -92,10 +91,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "mask_token_id": cfg.mask_token_id, "use_cache": True,
     }
     rs = cfg.rope_scaling
-    d["rope_scaling"] = None if rs is None else {
-        "rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
-        "high_freq_factor": rs.high_freq_factor,
-        "original_max_position_embeddings": rs.original_max_position_embeddings}
+    d["rope_scaling"] = None if rs is None else {**dataclasses.asdict(rs), "rope_type": "llama3"}
     if cfg.model_type == "qwen3":
         d.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_hidden_layers)
     return d

@@ -19,7 +19,7 @@ def rms_norm(x, weight, eps):
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Inverse frequencies [head_dim // 2] (float64 numpy: computed once, exactly as HF does)."""
-    dim = cfg.resolved_head_dim
+    dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
     rs = cfg.rope_scaling
     if rs is None:

@@ -25,16 +25,17 @@ def axis_sizes(cfg: ModelConfig) -> dict[str, int]:
     """Size of each logical axis (the names sbd_jax.sharding maps onto mesh axes)."""
     return {"vocab": cfg.vocab_size, "embed": cfg.hidden_size, "norm": cfg.hidden_size,
             "mlp": cfg.intermediate_size, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
-            "head_dim": cfg.resolved_head_dim, "layers": cfg.num_hidden_layers}
+            "head_dim": cfg.head_dim, "layers": cfg.num_hidden_layers}
 
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
     """One weight. `name`: its key in the tree ("layers/<key>": one per layer, stacked on a leading "layers"
     axis). `axes`: the dims of one layer's weight by logical axis, which also sets their sizes (`axis_sizes`).
-    `init`: "normal" (the std given to `init_params`), "ones" or "zeros", as HF initialises. `hf`: the HF
-    tensor name (after `model.layers.{i}.` when per layer); HF stores the dims joined by `*` as one, and a
-    torch Linear weight (`hf_t`) transposed, [out, in]. `when`: the configs that have the weight (None: all)."""
+    `init`: "normal" (the std given to `init_params`; only these get weight decay), "ones" or "zeros", as HF
+    initialises. `hf`: the HF tensor name (after `model.layers.{i}.` when per layer); HF stores the dims joined
+    by `*` as one, and a torch Linear weight (`hf_t`) transposed, [out, in]. `when`: the configs that have the
+    weight (None: all)."""
 
     name: str
     axes: str
@@ -46,11 +47,6 @@ class ParamSpec:
     @property
     def stacked(self) -> bool:
         return self.name.startswith("layers/")
-
-    @property
-    def decay(self) -> bool:
-        """Weight decay applies to matrices and embeddings, not to norms (init ones) or biases (zeros)."""
-        return self.init == "normal"
 
     @property
     def logical_axes(self) -> tuple[str, ...]:
@@ -123,13 +119,9 @@ class KVCache(NamedTuple):
     v: jnp.ndarray
     lengths: jnp.ndarray
 
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
-
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.resolved_head_dim)
+    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
     dtype = jnp.dtype(dtype or cfg.dtype)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
@@ -141,16 +133,13 @@ def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, wri
     p = jax.tree.map(lambda a: a.astype(dt), lp)
     with jax.named_scope("attention"):
         x = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
-        q = jnp.einsum("btd,dhk->bthk", x, p["wq"])
-        k = jnp.einsum("btd,dhk->bthk", x, p["wk"])
-        v = jnp.einsum("btd,dhk->bthk", x, p["wv"])
+        q, k, v = (jnp.einsum("btd,dhk->bthk", x, p[w]) for w in ("wq", "wk", "wv"))
         if cfg.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         if cfg.qk_norm:
             q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, meta.position, inv_freq)
-        k = apply_rope(k, meta.position, inv_freq)
+        q, k = (apply_rope(t, meta.position, inv_freq) for t in (q, k))
         if cache_kv is None:
             new_cache_kv = None
             if clean_prefix:
@@ -218,10 +207,11 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
         new_cache = None
     else:
         writes = (meta.stream == CLEAN) & (meta.segment > 0)
-        write_slot = jnp.where(writes, meta.position, cache.max_len)  # out of range -> dropped
+        S = cache.k.shape[2]  # cache slots; a write to slot S is out of range, so dropped
+        write_slot = jnp.where(writes, meta.position, S)
         new_len = jnp.maximum(cache.lengths, jnp.max(jnp.where(writes, meta.position + 1, 0), axis=1))
         window_keys = meta._replace(segment=jnp.where(meta.stream == CLEAN, 0, meta.segment))
-        cmeta = causal_meta(new_len, cache.max_len)  # the cache slots as keys: clean, position = slot
+        cmeta = causal_meta(new_len, S)  # the cache slots as keys: clean, position = slot
         kv_meta = (cmeta, window_keys, concat_meta(cmeta, window_keys))  # built once, not per layer
 
         def body(carry, xs):
@@ -234,18 +224,14 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
         new_cache = KVCache(ks, vs, new_len)
 
     h = rms_norm(h, params["final_norm"].astype(dt), cfg.rms_norm_eps)
-    if return_hidden:
-        return h, new_cache
-    return lm_head(params, cfg, h), new_cache
+    return (h if return_hidden else lm_head(params, cfg, h)), new_cache
 
 
 @jax.named_scope("lm_head")
 def lm_head(params: dict, cfg: ModelConfig, h_BTD):
     """Logits [B, T, V] in float32 (the tied head reuses the embedding)."""
-    dt = jnp.dtype(cfg.dtype)
-    if cfg.tie_word_embeddings:
-        return jnp.einsum("btd,vd->btv", h_BTD, params["embed"].astype(dt), preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", h_BTD, params["lm_head"].astype(dt), preferred_element_type=jnp.float32)
+    w, spec = (params["embed"], "btd,vd->btv") if cfg.tie_word_embeddings else (params["lm_head"], "btd,dv->btv")
+    return jnp.einsum(spec, h_BTD, w.astype(cfg.dtype), preferred_element_type=jnp.float32)
 
 
 def causal_meta(lengths_B, T: int) -> TokenMeta:
