@@ -1,12 +1,7 @@
-"""Device meshes and logical-axis sharding rules, shared by training and decoding.
-
-Parameters carry logical axis names (`ParamSpec.axes` in sbd_jax/models/transformer.py); `DEFAULT_RULES` maps
-them onto the mesh axes ("data", "fsdp", "tensor"). A dimension whose size the mesh axis does not
-divide is replicated instead (so e.g. 8 KV heads on a tensor axis of 16 still works).
-
-`mesh_context(mesh)` makes a mesh ambient while tracing (the training step and the decoder enter it
-when given a mesh); the Pallas attention kernels, opaque to XLA's partitioner, read it to run per
-shard inside `jax.shard_map` (sbd_jax/attention/sharded.py)."""
+"""Device meshes and logical-axis sharding rules, shared by training and decoding. Parameters carry logical
+axis names (`ParamSpec.axes` in sbd_jax/models/transformer.py); `DEFAULT_RULES` maps them onto the mesh axes
+("data", "fsdp", "tensor"). A dimension whose size the mesh axis does not divide is replicated instead (so
+e.g. 8 KV heads on a tensor axis of 16 still works). `mesh_context` makes a mesh ambient for the Pallas kernels."""
 from __future__ import annotations
 
 import contextlib
@@ -45,11 +40,9 @@ def maybe_initialize_distributed() -> bool:
     explicitly), a SLURM job with more than one task, or an Open MPI / PMIx launch with more than one rank.
     SBD_DISTRIBUTED=0 disables it."""
     env = os.environ
-    if env.get("SBD_DISTRIBUTED") == "0":
-        return False
-    multi = (env.get("SBD_DISTRIBUTED") == "1" or "JAX_COORDINATOR_ADDRESS" in env
-             or int(env.get("SLURM_NTASKS", "1")) > 1
-             or int(env.get("OMPI_COMM_WORLD_SIZE", env.get("PMIX_SIZE", "1"))) > 1)
+    multi = env.get("SBD_DISTRIBUTED") != "0" and (
+        env.get("SBD_DISTRIBUTED") == "1" or "JAX_COORDINATOR_ADDRESS" in env
+        or int(env.get("SLURM_NTASKS", "1")) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", env.get("PMIX_SIZE", "1"))) > 1)
     if not multi:
         return False
     kwargs = {}
@@ -122,6 +115,4 @@ def mesh_context(mesh: Mesh | None):
     """Context manager making `mesh` the ambient mesh (`jax.sharding.get_abstract_mesh()`) while
     tracing; usable inside `jax.jit` (unlike `jax.set_mesh`). A no-op for None. Set by the training
     step and the decoder so that `attention_impl="pallas"` runs per shard (sbd_jax/attention/sharded.py)."""
-    if mesh is None:
-        return contextlib.nullcontext()
-    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)

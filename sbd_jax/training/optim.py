@@ -1,5 +1,5 @@
 """optax AdamW with linear warmup + cosine/linear/constant decay and global-norm clipping. Weight decay
-follows the parameter table (`ParamSpec.decay`: not norms or biases). Gradient accumulation is done in the
+follows the parameter table: matrices and embeddings (`ParamSpec.init` "normal"), not norms or biases. Gradient accumulation is done in the
 train step (a scan over microbatches with exact global-token means, see step.py), not by the optimizer."""
 from __future__ import annotations
 
@@ -9,17 +9,15 @@ import optax
 from ..models.transformer import PARAM_SPECS
 from .config import OptimConfig
 
-_NO_DECAY = frozenset(s.name.split("/")[-1] for s in PARAM_SPECS if not s.decay)
+_NO_DECAY = frozenset(s.name.split("/")[-1] for s in PARAM_SPECS if s.init != "normal")
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    decay_steps = cfg.decay_steps if cfg.decay_steps is not None else total_steps
-    decay_steps = max(decay_steps - cfg.warmup_steps, 1)
-    end = cfg.lr * cfg.min_lr_ratio
+    decay_steps = max((total_steps if cfg.decay_steps is None else cfg.decay_steps) - cfg.warmup_steps, 1)
     if cfg.schedule == "cosine":
         decay = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.min_lr_ratio)
     elif cfg.schedule == "linear":
-        decay = optax.linear_schedule(cfg.lr, end, decay_steps)
+        decay = optax.linear_schedule(cfg.lr, cfg.lr * cfg.min_lr_ratio, decay_steps)
     else:
         decay = optax.constant_schedule(cfg.lr)
     if cfg.warmup_steps == 0:
@@ -37,9 +35,6 @@ def decay_mask(params):
 def make_optimizer(cfg: OptimConfig, total_steps: int):
     """-> (optax.GradientTransformation, schedule)."""
     schedule = make_schedule(cfg, total_steps)
-    parts = []
-    if cfg.clip_norm is not None:
-        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
-    parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             mask=decay_mask))
-    return optax.chain(*parts), schedule
+    clip = [] if cfg.clip_norm is None else [optax.clip_by_global_norm(cfg.clip_norm)]
+    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+    return optax.chain(*clip, adamw), schedule
