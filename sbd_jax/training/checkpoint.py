@@ -1,12 +1,6 @@
-"""orbax checkpoints of the whole training state (params, optimizer state, step, PRNG key) plus the
-data iterator position (JSON), every N steps and at the end, keeping the last K; and the final
-export to HF layout.
-
-Atomicity: orbax writes a step into a temporary directory and renames it to `<step>` only once
-every file is written (and the commit marker is in place), so a process killed mid-save leaves at
-most a stray temporary directory that `latest_step()` ignores; the previous complete step stays
-restorable. tests/test_training_loop.py checks this with a SIGKILL.
-"""
+"""orbax checkpoints of the TrainState plus the data iterator position (JSON), keeping the last K; and the
+final export to HF layout. orbax renames a step's temporary directory to `<step>` only once it is complete,
+so a process killed mid-save leaves the previous step restorable (tests/test_training_loop.py, SIGKILL)."""
 from __future__ import annotations
 
 import os
@@ -18,10 +12,6 @@ import orbax.checkpoint as ocp
 from ..config import ModelConfig
 from ..io.hf import save_pretrained
 from .step import TrainState
-
-
-def _state_dict(state: TrainState) -> dict:
-    return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng}
 
 
 class Checkpointer:
@@ -41,25 +31,20 @@ class Checkpointer:
 
     def save(self, step: int, state: TrainState, data_state: dict, *, force: bool = False) -> bool:
         """Save if `step` is on the interval (or `force`). Returns whether a save started."""
-        return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_state_dict(state)),
+        return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state._asdict()),
                                                                data=ocp.args.JsonSave(data_state)),
                                  force=force)
 
-    def restore(self, abstract: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
-        """Restore into the structure/shardings of `abstract` (ShapeDtypeStructs with shardings)."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {str(self.directory)!r}")
+    def restore(self, abstract: TrainState, step: int) -> tuple[TrainState, dict]:
+        """Restore `step` into the structure/shardings of `abstract` (ShapeDtypeStructs with shardings)."""
         out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_state_dict(abstract)), data=ocp.args.JsonRestore()))
-        s = out["state"]
-        return TrainState(s["step"], s["params"], s["opt_state"], s["rng"]), dict(out["data"])
+            state=ocp.args.StandardRestore(abstract._asdict()), data=ocp.args.JsonRestore()))
+        return TrainState(**out["state"]), dict(out["data"])
 
     def restore_data(self, step: int | None = None) -> dict:
         """Only the data iterator position saved with `step` (default: the latest)."""
         step = self.latest_step() if step is None else step
-        out = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
-        return dict(out["data"])
+        return dict(self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"])
 
     def close(self) -> None:
         self.manager.wait_until_finished()

@@ -56,10 +56,8 @@ class DataConfig:
     chat_template: bool = True  # SFT: wrap prompt/response with the tokenizer's chat template when it has one
     add_eos: bool = True  # append EOS to every document (not with a chat template: it ends the turn itself)
     seq_len: int = 512  # L: the packed row length (the SBD input is 2L)
-    # C: static length of the SBD copy stream (None: C = L, the paper's [x ; x_hat]). With C < L the copy
-    # stream holds only each document's tokens from its response start on (not the prompts), packed to the
-    # front: the input is L + C tokens instead of 2L, and a row takes no more documents than fit C such
-    # tokens (data.py); needs sbd.block_align=response
+    # C: static length of the SBD copy stream, which then holds no prompt (input L + C tokens instead of 2L;
+    # None: C = L, the paper's [x ; x_hat]); the packer fits the rows to it (data.py). Needs sbd.block_align=response
     copy_len: int | None = None
     shuffle: bool = True
     seed: int = 0  # document order (per epoch) is a pure function of (seed, epoch)

@@ -1,24 +1,22 @@
 """Training data: local files through `datasets` -> tokenized documents -> packed rows of L tokens, in a
 deterministic, resumable order.
 
-- Sources: jsonl/json, parquet, arrow files (a path, a glob, or a directory of such files), or a directory
-  written by `Dataset(Dict).save_to_disk`. Records: plain text (`text_field`) or prompt/response, wrapped
-  by the tokenizer's chat template when it has one (`sbd_jax.io.tokenizer`; or any callable text -> ids);
-  the prompt's tokens are loss-masked out.
+- Records: plain text (`text_field`) or prompt/response, wrapped by the tokenizer's chat template when it
+  has one (`sbd_jax.io.tokenizer`; or any callable text -> ids); the prompt's tokens are loss-masked out.
 - Packing: documents in a per-epoch permutation (a pure function of (seed, epoch)) are placed whole, in
   order, into rows of L tokens; a document that does not fit the rest of a row starts the next row (the
   rest is padding, segment 0). Text longer than L is cut into L-token pieces, each its own document; a
   prompt/response pair longer than L is truncated (dropped when no response token fits). Pieces shorter
   than `min_doc_tokens` are dropped.
-- `copy_len` C (SBD choice, an efficiency; needs response-aligned blocks): no row holds more than C tokens
-  from a response start on (longer responses and text pieces are cut to C tokens), so the SBD example's
-  copy stream (examples.py) needs only C slots and no prompt. For SFT data C ~ L x (response share) keeps
-  the rows about as full as without it.
+- `copy_len` C (SBD choice; needs response-aligned blocks): no row holds more than C tokens from a response
+  start on (longer responses and text pieces are cut to C tokens), so the SBD example's copy stream
+  (examples.py) needs only C slots and no prompt.
 - Iterator state {epoch, cursor, offset, rows} (JSON) is saved with each checkpoint; `restore` continues
   with exactly the rows an uninterrupted run would have produced.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +38,7 @@ class DataError(ConfigError):
 
 
 _EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+_SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # a `save_to_disk` directory
 
 
 def load_records(cfg: DataConfig):
@@ -48,23 +47,7 @@ def load_records(cfg: DataConfig):
     if not cfg.path:
         raise DataError("data.path is not set (a local jsonl/json/parquet/arrow file or a saved dataset dir)")
     p = Path(cfg.path)
-    fmt, files = cfg.format, []
-    if fmt != "disk":
-        if p.is_dir() and any((p / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
-            fmt = "disk"
-        elif p.is_dir():
-            files = sorted(str(f) for f in p.iterdir() if f.suffix in _EXT)
-        else:
-            files = sorted(glob.glob(str(p))) if any(c in str(p) for c in "*?[") else [str(p)] if p.is_file() else []
-        if fmt != "disk" and not files:
-            raise DataError(f"data.path {cfg.path!r} does not exist or holds no jsonl/json/parquet/arrow files")
-        if fmt == "auto" and files:
-            kinds = {_EXT.get(Path(f).suffix) for f in files}
-            if None in kinds or len(kinds) != 1:
-                raise DataError(f"data.path {cfg.path!r}: cannot infer one format from {files[:5]}; "
-                                "set data.format")
-            fmt = kinds.pop()
-    if fmt == "disk":
+    if cfg.format == "disk" or (p.is_dir() and any((p / f).exists() for f in _SAVED_MARKERS)):
         if not p.is_dir():
             raise DataError(f"data.path {cfg.path!r} is not a saved dataset directory")
         ds = datasets.load_from_disk(str(p))
@@ -73,6 +56,15 @@ def load_records(cfg: DataConfig):
                 raise DataError(f"split {cfg.split!r} is not in {cfg.path!r} (splits: {sorted(ds)})")
             ds = ds[cfg.split]
         return ds
+    files = sorted(str(f) for f in p.iterdir() if f.suffix in _EXT) if p.is_dir() else sorted(glob.glob(str(p)))
+    if not files:
+        raise DataError(f"data.path {cfg.path!r} does not exist or holds no jsonl/json/parquet/arrow files")
+    fmt = cfg.format
+    if fmt == "auto":
+        kinds = {_EXT.get(Path(f).suffix) for f in files}
+        if None in kinds or len(kinds) != 1:
+            raise DataError(f"data.path {cfg.path!r}: cannot infer one format from {files[:5]}; set data.format")
+        fmt = kinds.pop()
     return datasets.load_dataset(fmt, data_files=files, split="train", cache_dir=cfg.cache_dir)
 
 
@@ -89,29 +81,22 @@ def _resolve_mode(cfg: DataConfig, columns: list[str]) -> str:
     return "sft"
 
 
+@dataclasses.dataclass(frozen=True)
 class Documents:
-    """Tokenized documents as one flat int32 array + offsets; `n_prompt[i]` = loss-masked prefix."""
+    """Tokenized documents in one flat array: document i is values[offsets[i]:offsets[i + 1]]."""
 
-    def __init__(self, values: np.ndarray, offsets: np.ndarray, n_prompt: np.ndarray):
-        self.values = np.asarray(values, np.int32)
-        self.offsets = np.asarray(offsets, np.int64)
-        self.n_prompt = np.asarray(n_prompt, np.int64)
+    values: np.ndarray  # int32
+    offsets: np.ndarray  # int64 [n + 1]
+    n_prompt: np.ndarray  # int64 [n]: each document's loss-masked prefix
 
     def __len__(self) -> int:
         return len(self.n_prompt)
 
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def doc(self, i: int) -> np.ndarray:
-        return self.values[self.offsets[i]:self.offsets[i + 1]]
-
     @classmethod
     def from_lists(cls, docs: list[list[int]], n_prompt: list[int] | None = None) -> Documents:
-        lens = np.array([len(d) for d in docs], np.int64)
-        offsets = np.concatenate([[0], np.cumsum(lens)])
         values = np.concatenate([np.asarray(d, np.int32) for d in docs]) if docs else np.zeros(0, np.int32)
-        return cls(values, offsets, np.zeros(len(docs), np.int64) if n_prompt is None else n_prompt)
+        offsets = np.cumsum([0] + [len(d) for d in docs], dtype=np.int64)
+        return cls(values, offsets, np.asarray(np.zeros(len(docs)) if n_prompt is None else n_prompt, np.int64))
 
 
 def tokenize_records(ds, cfg: DataConfig, tok: Tokenizer) -> Documents:
@@ -167,7 +152,7 @@ def tokenize_records(ds, cfg: DataConfig, tok: Tokenizer) -> Documents:
 
 
 class PackedIterator:
-    """Endless iterator of `PackedBatch` (numpy int32 [batch_size, seq_len]) over `docs`."""
+    """Endless source of `PackedBatch` (numpy int32 [batch_size, seq_len]) over `docs`: `next_batch()`."""
 
     def __init__(self, docs: Documents, seq_len: int, batch_size: int, *, seed: int = 0, shuffle: bool = True,
                  min_doc_tokens: int = 2, source: str = "the dataset", copy_len: int | None = None):
@@ -202,12 +187,10 @@ class PackedIterator:
     # -- pieces -------------------------------------------------------------------------------
     def _permutation(self, epoch: int) -> np.ndarray:
         n = len(self.docs)
-        if not self.shuffle:
-            return np.arange(n)
-        return np.random.default_rng([self.seed, epoch]).permutation(n)
+        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
 
     def _count_usable(self) -> int:
-        lens, n_prompt = self.docs.lengths(), self.docs.n_prompt
+        lens, n_prompt = np.diff(self.docs.offsets), self.docs.n_prompt
         n_text = lens // self.W * (self.W >= self.min_tokens) + (lens % self.W >= self.min_tokens)
         sft_ok = (n_prompt < np.minimum(self.L, lens)) & (np.minimum(lens, self.L) >= self.min_tokens)
         return int(np.sum(np.where(n_prompt == 0, n_text, sft_ok)))
@@ -215,7 +198,7 @@ class PackedIterator:
     def _piece(self, i: int, offset: int):
         """Piece of document i starting at token `offset` -> (tokens, loss mask, next_offset); tokens is None
         for an unusable piece."""
-        d, n_prompt = self.docs.doc(i), int(self.docs.n_prompt[i])
+        d, n_prompt = self.docs.values[self.docs.offsets[i]:self.docs.offsets[i + 1]], int(self.docs.n_prompt[i])
         if n_prompt == 0:
             piece = d[offset:offset + self.W]
             nxt = offset + self.W if offset + self.W < len(d) else None
@@ -256,12 +239,6 @@ class PackedIterator:
     def next_batch(self) -> PackedBatch:
         rows = [self._row() for _ in range(self.B)]
         return PackedBatch(*(np.stack(f) for f in zip(*rows)))
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> PackedBatch:
-        return self.next_batch()
 
 
 def build_iterator(cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | Callable | None = None,

@@ -40,16 +40,11 @@ class Example(NamedTuple):
 def response_start(batch: PackedBatch):
     """[B, L] int32: for every token, the position of the first loss-counted token of its document
     (0 for text documents; the response start for SFT documents)."""
-    L = batch.tokens.shape[1]
     big = jnp.int32(2 ** 30)
-    cand = jnp.where((batch.loss_mask > 0) & (batch.segment > 0), batch.position, big)
-
-    def row(seg, c):
-        first = jnp.full((L + 1,), big, jnp.int32).at[seg].min(c)
-        return first[seg]
-
-    start = jax.vmap(row)(batch.segment.astype(jnp.int32), cand.astype(jnp.int32))
-    return jnp.where(start == big, 0, start).astype(jnp.int32)
+    cand = jnp.where((batch.loss_mask > 0) & (batch.segment > 0), batch.position, big).astype(jnp.int32)
+    n_seg = batch.tokens.shape[1] + 1
+    start = jax.vmap(lambda c, s: jax.ops.segment_min(c, s, n_seg)[s])(cand, batch.segment.astype(jnp.int32))
+    return jnp.where(start == big, 0, start)
 
 
 def sample_block_size(key, k_max: int, fixed: int | None = None):

@@ -4,10 +4,9 @@
     result = train(train_cfg, data=my_iterator,     # or bring your own data / tokenizer / model
                    model=(model_cfg, params), out_dir="runs/x")
 
-It resumes from the latest complete checkpoint in `<out_dir>/checkpoints` when there is one
-(params, optimizer state, step, PRNG key, data position), logs metrics to `<out_dir>/metrics.jsonl`,
-saves every `checkpoint.every` steps and at the end (keeping the last `checkpoint.keep`), and exports
-the final weights in HF layout to `<out_dir>/hf`.
+It resumes from the latest complete checkpoint in `<out_dir>/checkpoints`, logs metrics to
+`<out_dir>/metrics.jsonl`, saves every `checkpoint.every` steps and at the end, and exports the final
+weights in HF layout to `<out_dir>/hf`.
 """
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ from ..sharding import make_mesh, param_shardings, shard_params
 from .checkpoint import Checkpointer, export_hf
 from .config import ModelSource, TrainConfig
 from .data import DataError, build_iterator
-from .examples import PackedBatch
 from .optim import make_optimizer
 from .spec import StepOptions
 from .step import (TrainState, abstract_state, jit_train_step, make_train_step, put_batch, state_initializer,
@@ -121,12 +119,6 @@ def _init_fn(cfg: ModelConfig, std: float, mesh):
     return jax.jit(lambda k: init_params(cfg, k, std=std), out_shardings=param_shardings(cfg, mesh))
 
 
-def _check_batch(batch: PackedBatch, cfg: TrainConfig) -> None:
-    shape = np.shape(batch.tokens)
-    if len(shape) != 2 or shape[0] != cfg.batch_size:
-        raise DataError(f"the data iterator yields batches of shape {shape}, expected [batch_size={cfg.batch_size}, L]")
-
-
 def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConfig, dict] | None = None,
           out_dir: str | Path | None = None, stop_after: int | None = None, devices=None,
           on_log: Callable[[dict], Any] | None = None) -> TrainResult:
@@ -199,8 +191,9 @@ def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, s
               disable=not (cfg.progress and lead and start < end)) as pbar:
         for i in range(start, end):
             batch_np = data.next_batch()
-            if i == start:
-                _check_batch(batch_np, cfg)
+            if i == start and (np.ndim(batch_np.tokens) != 2 or len(batch_np.tokens) != cfg.batch_size):
+                raise DataError(f"the data iterator yields batches of shape {np.shape(batch_np.tokens)}, "
+                                f"expected [batch_size={cfg.batch_size}, L]")
             state, m = step_fn(state, put_batch(batch_np, mesh, cfg.batch_size))
             step = i + 1
             window_tokens += float(np.sum(np.asarray(batch_np.segment) > 0))

@@ -1,12 +1,10 @@
-"""The train step: the step's examples from a packed batch (PRNG from the state), dual loss, gradient
-accumulation, AdamW. `jit_train_step` compiles it for a device mesh (parameters sharded by the
-logical-axis rules, the batch over (data, fsdp), the state donated); it traces under `mesh_context(mesh)`,
-so attention_impl="pallas" runs per shard (sbd_jax/attention/sharded.py).
+"""The train step: examples from a packed batch (PRNG from the state), dual loss, gradient accumulation,
+the optimizer. `jit_train_step` compiles it for a device mesh (parameters by the logical-axis rules, the
+batch over (data, fsdp), the state donated).
 
-Gradient accumulation: the whole batch's examples are built first (cheap integer work), so each
-microbatch contributes ntp_sum / N_ntp + matp_sum / N_matp with the *global* token counts: the summed
-gradient is the full batch's (up to summation order). Microbatch j takes rows j::A, so a batch sharded
-in contiguous row blocks splits without moving data.
+Gradient accumulation: the whole batch's examples are built first, so each microbatch's loss divides by the
+*global* token counts and the summed gradient is the full batch's (up to summation order). Microbatch j
+takes rows j::A, so a batch sharded in contiguous row blocks splits without moving data.
 """
 from __future__ import annotations
 
