@@ -26,15 +26,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/layouts.py: the shared fixtures
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sbd_jax.attention import concat_meta, dense_mask, reference_attention
-from sbd_jax.attention.layouts import decode_meta, random_qkv, training_meta
 from sbd_jax.attention.pallas import pallas_attention, pallas_attention_parts
 from sbd_jax.attention.pallas.tiling import tile_visibility
+from layouts import decode_meta, random_qkv, training_meta
 
 H, K, D = 32, 8, 128
 DTYPE = jnp.bfloat16

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from sbd_jax.attention import TokenMeta, clean_meta, concat_meta, copy_meta, dense_mask, reference_attention
-from sbd_jax.attention.layouts import training_meta
+from layouts import training_meta
 
 
 def doubled_layout(doc_lengths, pad, k):

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from sbd_jax.attention import TokenMeta, clean_meta, concat_meta, dense_mask, reference_attention
-from sbd_jax.attention.layouts import decode_meta, random_qkv, training_meta
+from layouts import decode_meta, random_qkv, training_meta
 from sbd_jax.attention.pallas import (
     DEFAULT_BLOCKS,
     BlockSizes,

@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from sbd_jax.attention import clean_meta, concat_meta
-from sbd_jax.attention.layouts import decode_meta, training_meta
+from layouts import decode_meta, training_meta
 from sbd_jax.attention.pallas import DEFAULT_BLOCKS, PallasOptions, pallas_attention, pallas_attention_parts
 
 H100 = AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")

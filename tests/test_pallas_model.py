@@ -11,7 +11,7 @@ import numpy as np
 
 import sbd_jax
 from sbd_jax.attention import clean_meta, concat_meta, copy_meta
-from sbd_jax.attention.layouts import training_meta
+from layouts import training_meta
 from sbd_jax.attention.pallas import force_backend
 from sbd_jax.models import init_cache
 

@@ -11,12 +11,7 @@ from .reference import reference_attention
 
 def attention(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta, *, impl: str = "xla"):
     """Dispatch on `impl` ("xla" reference, or "pallas" fused kernels)."""
-    if impl == "xla":
-        return reference_attention(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta)
-    if impl == "pallas":  # the kernels (imported lazily, they are optional), per shard under a mesh
-        from .sharded import pallas_attention
-        return pallas_attention(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta)
-    raise ValueError(f"unknown attention_impl {impl!r} (expected 'xla' or 'pallas')")
+    return attention_parts(q_BTHD, [(k_BSKD, v_BSKD, kv_meta)], q_meta, impl=impl, kv_meta=kv_meta)
 
 
 def attention_parts(q_BTHD, kv_parts, q_meta, *, impl: str = "xla", kv_meta=None):
@@ -24,7 +19,7 @@ def attention_parts(q_BTHD, kv_parts, q_meta, *, impl: str = "xla", kv_meta=None
     means k = concat(k_i) along time. "pallas" reads the parts in place (decoding reads its cache
     without a concatenated copy per layer); "xla" concatenates (`kv_meta`: the concatenated
     metadata if the caller has it already)."""
-    if impl == "pallas":
+    if impl == "pallas":  # the kernels (imported lazily, they are optional), per shard under a mesh
         from .sharded import pallas_attention_parts
         return pallas_attention_parts(q_BTHD, kv_parts, q_meta)
     if impl != "xla":

@@ -22,8 +22,7 @@ def reference_attention(q_BTHD, k_BSKD, v_BSKD, q_meta: TokenMeta, kv_meta: Toke
     q_BTKGD = q_BTHD.reshape(B, T, K, G, D)
     s_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD,
                          preferred_element_type=jnp.float32) * scale
-    mask_BTS = dense_mask(q_meta, kv_meta)
-    mask_B11TS = mask_BTS[:, None, None]
+    mask_B11TS = dense_mask(q_meta, kv_meta)[:, None, None]
     s_BKGTS = jnp.where(mask_B11TS, s_BKGTS, -jnp.inf)
     m = jnp.max(s_BKGTS, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)

@@ -1,31 +1,22 @@
 """The Pallas attention kernels on a device mesh: run per shard inside `jax.shard_map`.
 
 A `pallas_call` is opaque to XLA's SPMD partitioner: under a mesh, XLA would gather its inputs onto
-every device (each computing the whole attention) or fail. Attention is independent per (row,
-KV-head group), so the kernels run unchanged on each device's shard:
+every device or fail. Attention is independent per (row, KV-head group), so the kernels run
+unchanged on each shard of the ambient mesh (`jax.sharding.get_abstract_mesh()`; none, or all axes
+of size 1 or already manual: the kernels are called directly):
 
-  * the mesh is the ambient one, `jax.sharding.get_abstract_mesh()` (`jax.set_mesh(mesh)` around a
-    jitted call, or `sbd_jax.sharding.mesh_context(mesh)` inside a traced function, as the training
-    step and the decoder do). No mesh, or one whose axes are all of size 1 or already manual: the
-    kernels are called directly;
-  * batch and metadata ([B, T] int fields): split over the batch axes of
-    `sbd_jax.sharding.DEFAULT_RULES` ("data", "fsdp": those with size > 1), or replicated if the
-    batch does not divide (as `batch_sharding`);
+  * batch and metadata: split over the batch axes ("data", "fsdp": those with size > 1), or
+    replicated if the batch does not divide (as `batch_sharding`);
   * heads, over the "tensor" axis (t devices), from H query heads and K KV heads (G = H // K):
-      - K % t == 0: q and KV heads both split; each shard holds whole groups of its K/t KV heads
-        (the layout of wq/wk/wv under the training rules);
+      - K % t == 0: q and KV heads both split (the layout of wq/wk/wv under the training rules);
       - else, if H % t == 0 and G % (H/t) == 0 (e.g. 8 KV heads on a tensor axis of 16): q heads
-        split, K/V replicated over "tensor" (as the rules leave wk/wv), and each shard slices out
-        the one KV head its query heads share;
-      - otherwise heads are replicated (every tensor device computes its batch shard's whole
-        attention: correct, no tensor parallelism); `head_layout` reports "replicated".
+        split, K/V replicated over "tensor", each shard slicing out its query heads' KV head;
+      - otherwise heads are replicated (correct, no tensor parallelism).
 
-The kernels' custom VJP runs inside the shard_map, so gradients are per shard too.
-`check_vma=False`: the kernels' out_shapes carry no varying-axes annotation (which check_vma=True
-demands); shard_map's transpose then sums the cotangent of any input not split over an axis (K/V
-replicated over "tensor", a replicated batch) over that axis, as it must. Results equal the
-unsharded kernels up to float summation order (the decode kernel's automatic split count can
-depend on the per-shard batch).
+The custom VJP runs inside the shard_map, so gradients are per shard too. `check_vma=False`: the
+kernels' out_shapes carry no varying-axes annotation; shard_map's transpose then sums the cotangent
+of any input not split over an axis (K/V replicated over "tensor", a replicated batch) over that
+axis, as it must. Results equal the unsharded kernels up to float summation order.
 """
 from __future__ import annotations
 

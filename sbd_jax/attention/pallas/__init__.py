@@ -37,16 +37,14 @@ class PallasAttentionError(ValueError):
 
 
 def choose_kernel(Tq: int, Tk: int, opts: PallasOptions) -> str:
-    """"decode" when there are more keys than queries (a KV cache in front of the window) and
-    the window is small; otherwise "train". Overridden by opts.kernel != "auto"."""
+    """The kernel to run (the rule for kernel="auto": `PallasOptions`)."""
     if opts.kernel != "auto":
         return opts.kernel
     return "decode" if (Tk > Tq and Tq <= opts.decode_max_q) else "train"
 
 
 def _family(opts: PallasOptions):
-    """(training kernels, decode kernels): the Mosaic-TPU ones for backend "tpu", the Triton-style
-    ones for "triton" and "interpret"."""
+    """(training kernels, decode kernels) of the backend's family."""
     return (tpu_train, tpu_decode) if opts.backend == "tpu" else (flash_train, decode)
 
 
@@ -125,21 +123,11 @@ def _as_meta(m) -> TokenMeta:
     return TokenMeta(*(jnp.asarray(f, jnp.int32) for f in m))
 
 
-def pallas_attention(q_BTHD, k_BSKD, v_BSKD, q_meta: TokenMeta, kv_meta: TokenMeta, *,
-                     kernel: str = "auto", backend: str | None = None,
-                     blocks: BlockSizes | None = None, scale: float | None = None,
-                     interpret: bool | None = None, options: PallasOptions | None = None):
-    """SBD attention with Pallas kernels; drop-in for `reference_attention`.
-
-    q_BTHD [B, T, H, D]; k/v_BSKD [B, S, K, D] (H a multiple of K); metadata [B, T] / [B, S].
-    `kernel`: "auto" | "train" | "decode"; `backend`: None (from jax.default_backend()) |
-    "interpret" | "triton" | "tpu"; `blocks`: tile sizes (None: per-backend defaults);
-    `interpret`: with backend "tpu", run the Mosaic-TPU kernels in TPU interpret mode (CPU);
-    or pass a whole `options` (then the other keywords must be left at their defaults).
-    """
-    return pallas_attention_parts(q_BTHD, [(k_BSKD, v_BSKD, kv_meta)], q_meta, kernel=kernel,
-                                  backend=backend, blocks=blocks, scale=scale, interpret=interpret,
-                                  options=options)
+def pallas_attention(q_BTHD, k_BSKD, v_BSKD, q_meta: TokenMeta, kv_meta: TokenMeta, **options):
+    """SBD attention with Pallas kernels; drop-in for `reference_attention`: q_BTHD [B, T, H, D],
+    k/v_BSKD [B, S, K, D] (H a multiple of K), metadata [B, T] / [B, S]. Keywords (`kernel`,
+    `backend`, `blocks`, `scale`, `interpret`, or a whole `options`): `pallas_attention_parts`."""
+    return pallas_attention_parts(q_BTHD, [(k_BSKD, v_BSKD, kv_meta)], q_meta, **options)
 
 
 def pallas_attention_parts(q_BTHD, kv_parts, q_meta: TokenMeta, *, kernel: str = "auto",
@@ -148,11 +136,11 @@ def pallas_attention_parts(q_BTHD, kv_parts, q_meta: TokenMeta, *, kernel: str =
                            options: PallasOptions | None = None):
     """`pallas_attention` over keys/values given as parts of one sequence, WITHOUT concatenating
     them: kv_parts = [(k_BSKD, v_BSKD, kv_meta), ...] means k = concat(k_i), kv_meta =
-    concat(meta_i) along time. Meant for decoding: [(cache_k, cache_v, cache_meta),
-    (window_k, window_v, window_key_meta)] reads the cache in place instead of copying it into
-    a concatenated array every layer. The decode kernel runs once per part and the partial
-    softmaxes are merged. If the shapes call for the training kernel (long prefill), the parts
-    are concatenated.
+    concat(meta_i) along time. The decode kernel runs once per part (decoding reads its cache in
+    place) and the partial softmaxes are merged; the training kernel takes the parts concatenated.
+    The keywords are the fields of `PallasOptions` (kernel "auto" | "train" | "decode"; backend
+    None | "interpret" | "triton" | "tpu"; blocks None: per-backend defaults); or pass a whole
+    `options` (then the other keywords must be left at their defaults).
     """
     if options is None:
         options = PallasOptions(kernel=kernel, backend=backend, blocks=blocks, scale=scale,

@@ -1,18 +1,14 @@
 """Flash-decoding SBD attention: a decode window of queries (k or 2k tokens) against a static
 KV cache with per-row valid lengths plus the window's in-block SBD mask.
 
-Layouts: q [B, Tq, H, D] (small), K/V in parts [B, S_i, K, D] (the cache slots; the window's
-keys), metadata [B, Tq] / [B, S_i]. Per-row valid lengths need no special argument: cache
-slots past a row's length carry segment 0 in their metadata, so the exact tile table (`tiling`,
-from `sbd_mask`) drops those tiles and they are never read.
+K/V come in parts [B, S_i, K, D] (the cache slots; the window's keys). Cache slots past a row's
+length carry segment 0, so the exact tile table drops those tiles and they are never read.
 
 One program = (row b, KV head, split s, row tile r), grid (B, K, num_splits, nr):
-  * GQA/MQA: its query block holds the G query heads of the KV head, as rows
-    (row = (token, head): R = Tq * G rows, padded to a power-of-two tile `decode_block_rows`),
-    so a K/V tile is read once for all G heads (once per row tile when Tq * G exceeds a tile);
-  * flash-decoding: a row's visible key tiles (a compact list) are divided evenly between the
-    splits, so batch 1 still gives K * num_splits programs and ragged lengths stay balanced;
-  * each split writes a normalised partial output and its log-sum-exp; XLA merges the splits.
+  * GQA/MQA: its query rows are (token, query head of the KV head), R = Tq * G padded to tiles
+    of `decode_block_rows`, so a K/V tile is read once for all G heads (per row tile);
+  * flash-decoding: a row's visible key tiles are divided evenly between the splits (batch 1
+    still fills the device); each split's normalised partial output and log-sum-exp are merged.
 K/V are read in place (no padding copy of the cache) unless S < block: the last tile starts at
 S - block and only its columns >= j * block count ("fresh" columns), so no load is out of bounds.
 """

@@ -1,9 +1,8 @@
 """Flash-style SBD attention over whole sequences (training: the doubled `[x ; x_hat]` input),
 forward and backward, computing only the tile pairs the SBD mask can reach.
 
-Layouts: q [B, Tq, H, D], k/v [B, Tk, K, D] with H = K * G (GQA/MQA: a query head h reads KV
-head h // G through the BlockSpec index map; K/V are never repeated in memory). Metadata is
-packed to int32 [B, 4, T]. Tile lists come from `tiling` (exact, from `sbd_mask`).
+GQA/MQA (H = K * G): query head h reads KV head h // G through the BlockSpec index map (K/V
+are never repeated in memory). Metadata is packed to int32 [B, 4, T].
 
 Kernels (grid, loop):
   forward  grid (B, H, nq)  loop over the visible key tiles of its query tile  -> o, lse

@@ -1,12 +1,9 @@
 """Backend choice, tile sizes and the lowerings' rules for the SBD Pallas kernels.
 
 Backends (`PallasOptions.backend`; None follows `force_backend`, else `jax.default_backend()`):
-  "interpret" (CPU): the Triton-style kernels (`flash_train`, `decode`) in Pallas interpret mode;
-  "triton" (GPU):    the same kernels through the Triton lowering, selected explicitly by passing
-                     `jax.experimental.pallas.triton.CompilerParams` (Mosaic GPU would need its
-                     own kernel style);
-  "tpu":             the Mosaic-TPU kernels (`tpu_train`, `tpu_decode`); with `interpret=True`
-                     they run in TPU interpret mode on the host.
+"interpret" (CPU) runs the Triton-style kernels (`flash_train`, `decode`) in interpret mode;
+"triton" (GPU) the same kernels through the Triton lowering (chosen by passing its CompilerParams);
+"tpu" the Mosaic-TPU kernels (`tpu_train`, `tpu_decode`), with `interpret=True` on the host.
 """
 from __future__ import annotations
 
@@ -41,18 +38,11 @@ TPU_SUBLANE_FIELDS = ("block_k_dkv", "decode_block_rows")
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes (all powers of two).
-
-    block_q / block_k:           training forward and dq kernels (query tile x key tile)
-    block_q_dkv / block_k_dkv:   dk/dv kernel
-    decode_block_k:              decode kernel key tile
-    decode_block_rows:           decode kernel query tile, in rows of (window token, query head
-                                 of the KV head); the window's Tq * G rows are split into tiles
-                                 of this size (one K/V read per tile)
-    num_splits:                  decode: programs per (row, KV head) along the cache
-                                 (flash-decoding); None = chosen from batch, heads and device
-    num_warps / num_stages:      Triton only
-    """
+    """Tile sizes (powers of two): block_q x block_k for the training forward and dq kernels,
+    block_q_dkv x block_k_dkv for dk/dv; decode_block_k (keys) x decode_block_rows (rows of (window
+    token, query head of the KV head): one K/V read per row tile) for decode. num_splits: decode
+    programs per (row, KV head) along the cache (None: from batch, heads and device).
+    num_warps / num_stages: Triton only."""
 
     block_q: int = 64
     block_k: int = 64
@@ -77,9 +67,7 @@ DEFAULT_BLOCKS = {
     "interpret": BlockSizes(block_q=32, block_k=32, block_q_dkv=32, block_k_dkv=32,
                             decode_block_k=32, decode_block_rows=64, num_splits=2),
     # decode tiles from bench/tune_decode.py (BENCHMARKS.md "Decode tile sweep"); training tiles untuned
-    "triton": BlockSizes(block_q=64, block_k=64, block_q_dkv=64, block_k_dkv=64,
-                         decode_block_k=64, decode_block_rows=64, num_splits=None,
-                         num_warps=4, num_stages=2),
+    "triton": BlockSizes(decode_block_rows=64),  # the other fields: the class defaults
     # untuned, in the range of jax's splash attention defaults; lane-side tiles are multiples of
     # 128, sublane-side ones of 16; 2 splits give both TensorCores of a megacore chip work at batch 1
     "tpu": BlockSizes(block_q=256, block_k=512, block_q_dkv=512, block_k_dkv=256,
@@ -92,14 +80,11 @@ class PallasOptions:
     """Everything static about one kernel call (hashable: used as a custom_vjp static argument).
 
     kernel:  "auto" picks "decode" when there are more keys than queries (a KV cache) and at
-             most `decode_max_q` queries, else "train". Both kernels accept any metadata, so the
-             choice only affects speed; both share the same backward pass.
-    backend: None (see the module docstring) or one of "interpret", "triton", "tpu".
-    blocks:  None -> DEFAULT_BLOCKS[backend].
+             most `decode_max_q` queries, else "train" (only speed differs; one backward pass).
+    backend: None (see the module docstring) or one of BACKENDS; blocks: None -> DEFAULT_BLOCKS.
     scale:   softmax scale; None -> head_dim ** -0.5 (as the reference).
-    interpret: run the chosen backend's kernels in Pallas interpret mode on the host. Only
-             meaningful with backend "tpu" (backend "interpret" always interprets). None ->
-             False, or what `force_backend` set.
+    interpret: with backend "tpu", run its kernels in interpret mode on the host (None -> False,
+             or what `force_backend` set).
     """
 
     kernel: str = "auto"
@@ -136,34 +121,30 @@ class PallasOptions:
         return opts
 
     def _check(self, head_dim):
-        b, backend = self.blocks, self.backend
-        if backend == "triton":
-            if head_dim is not None and not _is_pow2(head_dim):
-                raise PallasOptionsError(
-                    f"the Triton lowering needs a power-of-two head_dim, got {head_dim} (use impl='xla')")
-            for f in TILE_FIELDS:
-                if getattr(b, f) < 16:
-                    raise PallasOptionsError(f"Triton dots need tiles >= 16, got {f}={getattr(b, f)}")
-        if backend != "tpu":
-            return
-        # Mosaic's block rules for tiles that do not cover a whole axis (one that does is the full
-        # array dim, always legal). Interpret mode accepts any tile >= 8, so that CPU tests cross
-        # many tiles on short sequences.
-        for f in TPU_LANE_FIELDS + TPU_SUBLANE_FIELDS:
-            if getattr(b, f) < 8:
-                raise PallasOptionsError(f"TPU kernels need tiles >= 8, got {f}={getattr(b, f)}")
-        if self.interpret:
-            return
-        for f in TPU_LANE_FIELDS:
-            if getattr(b, f) % 128:
-                raise PallasOptionsError(
-                    f"Mosaic TPU: {f} sits on the lane axis and must be a multiple of 128, got "
-                    f"{getattr(b, f)} (any tile >= 8 is accepted in interpret mode only)")
-        for f in TPU_SUBLANE_FIELDS:
-            if getattr(b, f) < 16:
-                raise PallasOptionsError(
-                    f"Mosaic TPU: {f} sits on the sublane axis and must be >= 16 (bf16 packs 16 "
-                    f"rows per tile), got {getattr(b, f)}")
+        if self.backend == "triton" and head_dim is not None and not _is_pow2(head_dim):
+            raise PallasOptionsError(
+                f"the Triton lowering needs a power-of-two head_dim, got {head_dim} (use impl='xla')")
+        for backend, compiled_only, fields, bad, msg in _TILE_RULES:
+            if backend != self.backend or (compiled_only and self.interpret):
+                continue
+            for f in fields:
+                if bad(getattr(self.blocks, f)):
+                    raise PallasOptionsError(msg.format(f=f, v=getattr(self.blocks, f)))
+
+
+# The lowerings' tile rules: (backend, compiled only, fields, is_bad(tile), message). Mosaic's rules
+# are for tiles that do not cover a whole axis (one that does is the full array dim, always legal).
+# TPU interpret mode accepts any tile >= 8, so that CPU tests cross many tiles on short sequences.
+_TILE_RULES = (
+    ("triton", False, TILE_FIELDS, lambda v: v < 16, "Triton dots need tiles >= 16, got {f}={v}"),
+    ("tpu", False, TPU_LANE_FIELDS + TPU_SUBLANE_FIELDS, lambda v: v < 8,
+     "TPU kernels need tiles >= 8, got {f}={v}"),
+    ("tpu", True, TPU_LANE_FIELDS, lambda v: v % 128,
+     "Mosaic TPU: {f} sits on the lane axis and must be a multiple of 128, got {v} "
+     "(any tile >= 8 is accepted in interpret mode only)"),
+    ("tpu", True, TPU_SUBLANE_FIELDS, lambda v: v < 16,
+     "Mosaic TPU: {f} sits on the sublane axis and must be >= 16 (bf16 packs 16 rows per tile), got {v}"),
+)
 
 
 _forced: list[tuple[str, bool]] = []
@@ -172,9 +153,8 @@ _forced: list[tuple[str, bool]] = []
 @contextlib.contextmanager
 def force_backend(backend: str, *, interpret: bool = False):
     """Within the block, options with backend=None (e.g. the model's attention_impl="pallas")
-    resolve to `backend` (and `interpret`) instead of following jax.default_backend(). Read when
-    a call is TRACED: trace (first-call) jitted functions inside the block. E.g.
-    `with force_backend("tpu", interpret=True):` runs the Mosaic-TPU kernels on CPU."""
+    resolve to `backend` (and `interpret`), e.g. `force_backend("tpu", interpret=True)` runs the
+    Mosaic-TPU kernels on CPU. Read when a call is TRACED: trace jitted functions inside the block."""
     if backend not in BACKENDS:
         raise PallasOptionsError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _forced.append((backend, bool(interpret)))

@@ -1,16 +1,11 @@
 """Which (query tile, key tile) pairs the SBD mask can reach, as tile lists for the kernels, and the
 padding of sequences to whole tiles.
 
-The tile table is EXACT and uses THE mask definition: tile pair (i, j) is visible iff `sbd_mask`
-is true for at least one (query in tile i, key in tile j). It is computed in XLA from the int32
-metadata only, in chunks of query tiles so that its working memory is bounded by `budget` mask
-elements (no O(T^2) buffer for long sequences); its cost is about 1 / (4 * head_dim * heads) of
-the attention FLOPs.
-
-The kernels read compact lists: `lists[..., 0]` = number of visible tiles, `lists[..., 1 : 1 +
-count]` = their indices, ascending. The Triton-style kernels take them padded to a power of two
-(Triton block shapes must be); the TPU kernels take them unpadded and flattened to 1-D
-(`flat_tile_lists`), scalar-prefetched into SMEM.
+The tile table is EXACT: tile pair (i, j) is visible iff `sbd_mask` holds for some (query in tile
+i, key in tile j). It is computed in XLA from the metadata, in chunks of query tiles (no O(T^2)
+buffer), at about 1 / (4 * head_dim * heads) of the attention FLOPs. The kernels read compact
+lists (`compact_tiles`): padded to a power of two for Triton-style kernels (Triton block shapes
+must be), unpadded and flattened to 1-D for the TPU kernels' SMEM (`flat_tile_lists`).
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """Layouts and in-kernel helpers shared by the Mosaic-TPU kernels (`tpu_train`, `tpu_decode`).
 
-TPU rules these follow (as jax's own TPU flash / splash attention kernels do):
-  * the last two dims of every VMEM block are multiples of (8, 128) or equal the array's dims;
-  * metadata on the sublane side of a score tile is broadcast along 128 lanes ("rows" layout,
-    [B, 4, T, 128]), metadata on the lane side is a [B, 4, 8, T] array read as `ref[f, :1, :]`
-    ("cols" layout, as splash's kv segment ids);
-  * per-row statistics live in [rows, 128] f32 VMEM scratch and are widened with `jnp.tile`;
-  * tile lists are scalar-prefetched into SMEM (flattened to 1-D: no SMEM padding of 2-D arrays).
+TPU rules these follow (as jax's splash attention does): the last two dims of every VMEM block are
+multiples of (8, 128) or the array's dims; metadata on the sublane side of a score tile is
+broadcast along 128 lanes ("rows" layout, [B, 4, T, 128]), on the lane side it is [B, 4, 8, T]
+read as `ref[f, :1, :]` ("cols" layout); per-row statistics live in [rows, 128] f32 VMEM scratch.
 
-The mask is THE mask: `sbd_mask` from `mask.py`, evaluated on broadcast [rows, cols] tiles.
-
-Activations [B, T, N, D] reach the kernels as a `HeadsLayout`:
-  * D % 128 == 0: the free reshape [B, T, N * D], block (t_tile, D) at (b, t, n): read in place
-    (no transpose; a strided DMA per tile) - the Llama/Qwen case (D = 128);
-  * otherwise:    a transposed copy [B, N, T, D], block (t_tile, D) with D the full dim.
+Activations [B, T, N, D] reach the kernels as a `HeadsLayout`: for D % 128 == 0 the free reshape
+[B, T, N * D], read in place (a strided DMA per tile; Llama/Qwen's D = 128); otherwise a
+transposed copy [B, N, T, D].
 """
 from __future__ import annotations
 
@@ -142,10 +136,7 @@ class HeadsLayout:
         return x.reshape(B, T, N * D) if self.fused else jnp.transpose(x, (0, 2, 1, 3))
 
     def from_kernel(self, y, N: int, D: int):
-        if self.fused:
-            B, T, _ = y.shape
-            return y.reshape(B, T, N, D)
-        return jnp.transpose(y, (0, 2, 1, 3))
+        return y.reshape(*y.shape[:2], N, D) if self.fused else jnp.transpose(y, (0, 2, 1, 3))
 
     def shape(self, B: int, T: int, N: int, D: int):
         return (B, T, N * D) if self.fused else (B, N, T, D)

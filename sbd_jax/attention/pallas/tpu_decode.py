@@ -2,14 +2,11 @@
 queries as rows per KV head, the visible key tiles split evenly between `ns` splits, partial
 outputs merged by log-sum-exp), with TPU specifics:
 
-  * grid (B, K, ns, nr, steps): the visible-tile list (scalar-prefetched to SMEM) drives the K/V
-    index maps, step t of split s reading entry lo_s + t; steps past the split's share repeat the
-    block index (no DMA) and skip the compute; the splits are "parallel" (megacore cores take
-    different splits);
-  * the cache is read IN PLACE when head_dim % 128 == 0 (block (bk, D) of the free reshape
-    [B, S, K * D]); other head dims use a transposed copy [B, K, S, D]. S need not be a multiple
-    of the tile: the last block overhangs the array (Pallas pads the read with unspecified
-    values), its columns are masked by the (padded, segment-0) metadata and its V rows zeroed;
+  * grid (B, K, ns, nr, steps): step t of split s reads entry lo_s + t of the scalar-prefetched
+    tile list; steps past the split's share repeat the block index (no DMA) and skip the compute;
+  * the cache is read in place for head_dim % 128 == 0 (`HeadsLayout`). S need not be a multiple
+    of the tile: the last block overhangs the array (unspecified values), its columns are masked
+    by the padded metadata and its V rows zeroed;
   * a part shorter than one tile (the window's keys) is padded to 128 keys and read as one tile.
 """
 from __future__ import annotations

@@ -8,17 +8,12 @@ TPU structure (after jax's splash attention):
   dk/dv    grid (B, K, nk', G, nq')   step n reads the n-th visible query tile of key tile j'
                                       for query head g of the KV head; dk/dv accumulate over
                                       (g, n) in VMEM scratch (no atomics, no per-q-head dk)
-The visible-tile lists (exact, from `sbd_mask`, `tiling`) are scalar-prefetched to SMEM; the
-K/V (or Q) index maps read them, so only visible tiles are DMA'd. Steps past a tile's count
-repeat the last block index (Pallas skips the copy) and skip the compute (`pl.when`): a masked
-tile costs one grid step of overhead, no DMA and no FLOPs. The last grid axis is "arbitrary"
-(accumulation), the others "parallel" (megacore may split them). f32 accumulators live in VMEM
-scratch. Sequences are padded to a multiple of the tile (padding = segment 0: never visible);
-an axis shorter than its tile is padded to a multiple of 128 and taken as one tile (both the
-query and the key axis land on lanes in some kernel: lse / dk-dv's transposed scores).
-
-The forward writes lse transposed to lanes ([B, H, 1, T] blocks (1, bq)) so it costs 4 bytes
-per (head, token), not 512 as a lane-broadcast [.., T, 128] output would.
+The scalar-prefetched tile lists drive the K/V (or Q) index maps, so only visible tiles are
+DMA'd; steps past a tile's count repeat the last block index (no copy) and skip the compute
+(`pl.when`). The accumulation axes are "arbitrary", the others "parallel" (megacore may split
+them). An axis shorter than its tile is padded to a multiple of 128 and taken as one tile (both
+axes land on lanes in some kernel). lse is written along lanes ([B, H, 1, T]): 4 bytes per
+(head, token), not 512 as a lane-broadcast [.., T, 128] output.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .mask import TokenMeta, block_starts, clean_meta, concat_meta, copy_meta
+from sbd_jax.attention.mask import TokenMeta, block_starts, clean_meta, concat_meta, copy_meta
 
 
 def training_meta(rows, L: int, k: int) -> TokenMeta:
