@@ -43,9 +43,8 @@ class DemoConfig:
     intermediate_size: int = 384
     # training
     seq_len: int = 128
-    # fine-tunes: the SBD copy stream holds the responses only (data.copy_len): 80 slots keep the rows as full
-    # as 128 (responses are ~56% of the tokens) and cut the SBD step's input from 256 to 208 tokens; the
-    # baseline's rows are packed under the same budget, so both fine-tunes see the same rows
+    # fine-tunes: an SBD copy stream of the responses only (data.copy_len; responses are ~56% of the tokens);
+    # the baseline's rows are packed under the same budget, so both fine-tunes see the same rows
     copy_len: int | None = 80
     batch_size: int = 8  # more, smaller SBD updates for the same CPU time (docs/demo_experiments.md)
     pretrain_steps: int = 1200
@@ -54,9 +53,7 @@ class DemoConfig:
     finetune_lr: float = 2e-3
     k_max: int = 16
     train_block_size: int | None = None  # fixed training block size instead of k ~ U[2, k_max] (the paper's)
-    # SFT blocks start at the response, as blocks start after the prompt at inference (measured against
-    # "document" alignment in README: no clear difference at this scale, slightly better at low gamma)
-    block_align: str = "response"
+    block_align: str = "response"  # SFT blocks start at the response, as at inference after the prompt
     # evaluation
     block_size: int = 16
     gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0)  # EB rule (the paper's): low 0.1, middle 0.35, high 0.6

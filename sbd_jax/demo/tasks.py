@@ -65,8 +65,8 @@ def _trace(r: random.Random) -> tuple[str, str, str]:
         prog.append(f"{dst}={src}{op}{c}")
         steps.append(f"{dst}={src}{op}{c}={env[src]}{op}{c}={val}")
         env[dst] = val
-    # the answer is the last statement's value: a query for any variable (`a?`, before session 6) was learned
-    # late and erratically by the 0.8M-parameter model and drowned the comparison in noise (docs/demo_experiments.md)
+    # the answer is the last statement's value (a query for any variable was learned erratically by the
+    # small model: docs/demo_experiments.md)
     return f"Q:run {';'.join(prog)}\nA:", ";".join(steps) + f";={val}", str(val)
 
 
