@@ -33,10 +33,6 @@ class DataError(ConfigError):
     """A dataset that cannot be used as configured (missing file/field, no usable rows...)."""
 
 
-# ----------------------------------------------------------------------------------------------
-# records
-
-
 _EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # a `save_to_disk` directory
 
@@ -147,10 +143,6 @@ def tokenize_records(ds, cfg: DataConfig, tok: Tokenizer) -> Documents:
     return Documents(values, offsets - offsets[0], table.column("n_prompt").to_numpy().astype(np.int64))
 
 
-# ----------------------------------------------------------------------------------------------
-# packing
-
-
 class PackedIterator:
     """Endless source of `PackedBatch` (numpy int32 [batch_size, seq_len]) over `docs`: `next_batch()`."""
 
@@ -167,7 +159,6 @@ class PackedIterator:
         self._epoch, self._cursor, self._offset, self._rows = 0, 0, 0, 0
         self._perm = self._permutation(0)
 
-    # -- state --------------------------------------------------------------------------------
     def state(self) -> dict:
         return {"epoch": self._epoch, "cursor": self._cursor, "offset": self._offset, "rows": self._rows,
                 "seed": self.seed, "seq_len": self.L, "copy_len": self.C}
@@ -184,7 +175,6 @@ class PackedIterator:
         self._offset, self._rows = int(state["offset"]), int(state["rows"])
         self._perm = self._permutation(self._epoch)
 
-    # -- pieces -------------------------------------------------------------------------------
     def _permutation(self, epoch: int) -> np.ndarray:
         n = len(self.docs)
         return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)

@@ -49,9 +49,7 @@ def response_start(batch: PackedBatch):
 
 def sample_block_size(key, k_max: int, fixed: int | None = None):
     """One block size for the step: int32 scalar, uniform on [2, k_max] (or `fixed`)."""
-    if fixed is not None:
-        return jnp.int32(fixed)
-    return jax.random.randint(key, (), 2, k_max + 1, dtype=jnp.int32)
+    return jax.random.randint(key, (), 2, k_max + 1, dtype=jnp.int32) if fixed is None else jnp.int32(fixed)
 
 
 def sample_masked(key, batch: PackedBatch):

@@ -56,10 +56,6 @@ class TrainResult:
         return int(self.state.step)
 
 
-# ----------------------------------------------------------------------------------------------
-# model
-
-
 def add_mask_row(cfg: ModelConfig, params: dict | None) -> tuple[ModelConfig, dict | None]:
     """Grow the vocabulary by one row for the `<m>` token (id = old vocab size). The new embedding
     row and lm_head column are the mean of the existing ones."""
@@ -98,10 +94,6 @@ def prepare_model(src: ModelSource, seed: int, mesh, *, load_weights: bool = Tru
     if src.add_mask_token:
         cfg, params = add_mask_row(cfg, params)
     return cfg, None if params is None else shard_params(params, cfg, mesh)
-
-
-# ----------------------------------------------------------------------------------------------
-# loop
 
 
 @functools.lru_cache(maxsize=8)

@@ -122,9 +122,8 @@ def batch_shardings(mesh: Mesh, batch_size: int) -> PackedBatch:
 
 def jit_train_step(step_fn, mesh: Mesh, state_sh: TrainState, batch_size: int):
     """jit with explicit in/out shardings; the state (argument 0) is donated."""
-    repl = NamedSharding(mesh, P())
     return jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(mesh, batch_size)),
-                   out_shardings=(state_sh, repl), donate_argnums=(0,))
+                   out_shardings=(state_sh, NamedSharding(mesh, P())), donate_argnums=(0,))
 
 
 def put_batch(batch_np: PackedBatch, mesh: Mesh, batch_size: int) -> PackedBatch:
