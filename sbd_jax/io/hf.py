@@ -127,13 +127,10 @@ def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | os.PathLike, 
     dtype = jnp.dtype(dtype or cfg.param_dtype)
     tensors = {k: jnp.asarray(v).astype(dtype) for k, v in hf_state_dict(cfg, params).items()}
     shards: list[dict] = [{}]
-    size = 0
     for name, t in tensors.items():
-        if shards[-1] and size + t.nbytes > max_shard_bytes:
+        if shards[-1] and sum(x.nbytes for x in shards[-1].values()) + t.nbytes > max_shard_bytes:
             shards.append({})
-            size = 0
         shards[-1][name] = t
-        size += t.nbytes
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     for fname, shard in zip(files, shards):
@@ -145,8 +142,7 @@ def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | os.PathLike, 
         index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
                  "weight_map": {k: fname for fname, shard in zip(files, shards) for k in shard}}
         _atomic(index_path, lambda p: Path(p).write_text(json.dumps(index, indent=2)))
-    hf_cfg = config_to_hf(cfg)
-    hf_cfg["torch_dtype"] = str(dtype.name)
+    hf_cfg = {**config_to_hf(cfg), "torch_dtype": dtype.name}
     _atomic(out_dir / "config.json", lambda p: Path(p).write_text(json.dumps(hf_cfg, indent=2) + "\n"))
     return out_dir
 
@@ -158,6 +154,5 @@ def _atomic(path: Path, write) -> None:
         write(tmp)
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        Path(tmp).unlink(missing_ok=True)
         raise

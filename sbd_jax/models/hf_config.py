@@ -24,9 +24,7 @@ def _rope(d: dict) -> tuple[float, RopeScaling | None]:
     """Read RoPE settings from 4.x (`rope_theta` + `rope_scaling`) or 5.x (`rope_parameters`) keys."""
     params = d.get("rope_parameters")
     theta = (params or {}).get("rope_theta", d.get("rope_theta", 10000.0))
-    scaling = d.get("rope_scaling") if params is None else params
-    if not scaling:
-        return float(theta), None
+    scaling = (d.get("rope_scaling") if params is None else params) or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return float(theta), None

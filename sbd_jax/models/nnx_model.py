@@ -16,8 +16,7 @@ class SBDTransformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, params: dict | None = None):
         self.cfg = cfg
         if params is None:
-            rngs = rngs or nnx.Rngs(0)
-            params = init_params(cfg, rngs.params())
+            params = init_params(cfg, (rngs or nnx.Rngs(0)).params())
         self.weights = nnx.data(jax.tree.map(nnx.Param, params))
 
     def params(self) -> dict:

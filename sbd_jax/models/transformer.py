@@ -175,16 +175,13 @@ def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, wri
 
 def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: KVCache | None = None,
             *, return_hidden: bool = False, clean_prefix: int | None = None):
-    """Run the model on tokens with SBD metadata.
+    """Run the model on tokens with SBD metadata -> `(logits [B,T,V] float32, cache)` (`cache` is None when
+    none was given); with `return_hidden`, the final-norm hidden states [B,T,D] instead of logits.
 
-    Without a cache: attention among the given tokens under the SBD mask (training, the doubled
-    `[x ; x_hat]` sequence, brute-force references, plain causal use with stream=0).
-
-    With a cache (decoding; one sequence per row, segment 1 for real tokens, 0 for padding): every
-    clean, non-padding token writes its K/V at slot = its position; queries then attend the cache
-    (slots < the new length) and this call's copy tokens. Returns `(logits [B,T,V] float32, cache)`
-    (`cache` is None when none was given). With `return_hidden`, the final-norm hidden states
-    [B,T,D] are returned instead of logits.
+    Without a cache: attention among the given tokens under the SBD mask (training's doubled `[x ; x_hat]`
+    sequence, brute-force references, plain causal use with stream=0). With a cache (decoding; one sequence
+    per row, segment 1 for real tokens, 0 for padding): every clean, non-padding token writes its K/V at
+    slot = its position; queries then attend the cache (slots < the new length) and this call's copy tokens.
 
     `clean_prefix=P` (no-cache only, static) promises that queries among the first P tokens of every row
     never attend keys beyond them - true for the training layout `[x ; x_hat]` with P = L (clean tokens
@@ -215,12 +212,10 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
         kv_meta = (cmeta, window_keys, concat_meta(cmeta, window_keys))  # built once, not per layer
 
         def body(carry, xs):
-            h, ks, vs = carry
-            lp, li = xs
-            h, (ks, vs) = _layer(cfg, inv_freq, h, lp, meta, (ks, vs, li), write_slot, kv_meta)
-            return (h, ks, vs), None
+            (h, (ks, vs)), (lp, li) = carry, xs
+            return _layer(cfg, inv_freq, h, lp, meta, (ks, vs, li), write_slot, kv_meta), None
         layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
-        (h, ks, vs), _ = jax.lax.scan(body, (h, cache.k, cache.v), (params["layers"], layer_ids))
+        (h, (ks, vs)), _ = jax.lax.scan(body, (h, (cache.k, cache.v)), (params["layers"], layer_ids))
         new_cache = KVCache(ks, vs, new_len)
 
     h = rms_norm(h, params["final_norm"].astype(dt), cfg.rms_norm_eps)

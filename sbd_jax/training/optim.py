@@ -1,6 +1,6 @@
-"""optax AdamW with linear warmup + cosine/linear/constant decay and global-norm clipping. Weight decay
-follows the parameter table: matrices and embeddings (`ParamSpec.init` "normal"), not norms or biases. Gradient accumulation is done in the
-train step (a scan over microbatches with exact global-token means, see step.py), not by the optimizer."""
+"""optax AdamW with linear warmup + cosine/linear/constant decay and global-norm clipping. Weight decay only
+on matrices and embeddings (`ParamSpec.init` "normal"), not norms or biases. Gradient accumulation is done in
+the train step (a scan over microbatches with exact global-token means, see step.py), not by the optimizer."""
 from __future__ import annotations
 
 import jax
