@@ -96,9 +96,8 @@ class ModelConfig:
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        if self.eos_token_id is None:
-            return ()
-        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+        eos = self.eos_token_id
+        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
 
 
 _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
@@ -151,11 +150,10 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
 def from_dict(cls: type[T], data: Mapping[str, Any], *, where: str | None = None) -> T:
     """Build dataclass `cls` from `data`; unknown keys raise ConfigError naming them."""
     where = where or cls.__name__
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    hints = typing.get_type_hints(cls)  # the fields' types, by name
+    unknown = sorted(set(data) - set(hints))
     if unknown:
-        raise ConfigError(f"unknown config key(s) {unknown} in {where}; valid keys: {sorted(fields)}")
-    hints = typing.get_type_hints(cls)
+        raise ConfigError(f"unknown config key(s) {unknown} in {where}; valid keys: {sorted(hints)}")
     kwargs = {k: _coerce(hints[k], v, f"{where}.{k}") for k, v in data.items()}
     try:
         return cls(**kwargs)

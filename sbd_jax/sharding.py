@@ -34,11 +34,10 @@ class MeshConfig:
 
 
 def maybe_initialize_distributed() -> bool:
-    """Call `jax.distributed.initialize()` when the environment describes a multi-process job; returns
-    True if it did. Triggers: SBD_DISTRIBUTED=1 (explicit; e.g. Cloud TPU pods, which jax detects through
-    the metadata server), JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES / JAX_PROCESS_ID, passed on
-    explicitly), a SLURM job with more than one task, or an Open MPI / PMIx launch with more than one rank.
-    SBD_DISTRIBUTED=0 disables it."""
+    """Call `jax.distributed.initialize()` when the environment describes a multi-process job; returns True if it
+    did. Triggers: SBD_DISTRIBUTED=1 (explicit; e.g. Cloud TPU pods, which jax detects through the metadata
+    server), JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES / JAX_PROCESS_ID, passed on explicitly), a SLURM job
+    with more than one task, or an Open MPI / PMIx launch with more than one rank. SBD_DISTRIBUTED=0 disables it."""
     env = os.environ
     multi = env.get("SBD_DISTRIBUTED") != "0" and (
         env.get("SBD_DISTRIBUTED") == "1" or "JAX_COORDINATOR_ADDRESS" in env

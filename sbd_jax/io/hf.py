@@ -56,8 +56,7 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     """tensor name -> shard file, from model.safetensors.index.json or the single model.safetensors."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = {name: model_dir / f for name, f in weight_map.items()}
+        files = {name: model_dir / f for name, f in json.loads(index.read_text())["weight_map"].items()}
         for f in sorted(set(files.values())):
             if not f.is_file():
                 raise CheckpointError(f"safetensors shard {str(f)!r} listed in {index.name} is missing")
@@ -74,14 +73,12 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
 
 def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = None, dtype: str | None = None,
                     allow_unknown_keys: bool = False, **config_overrides) -> tuple[ModelConfig, dict]:
-    """Load a local HF-layout Llama-3.x/Qwen3 checkpoint -> (ModelConfig, params pytree).
-
-    `param_dtype` (storage) and `dtype` (compute) default to float32, whatever the checkpoint stores."""
+    """Load a local HF-layout Llama-3.x/Qwen3 checkpoint -> (ModelConfig, params pytree). `param_dtype`
+    (storage) and `dtype` (compute) default to float32, whatever the checkpoint stores."""
     model_dir = Path(model_dir)
     dtypes = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v}
     cfg = load_hf_config(model_dir, allow_unknown_keys=allow_unknown_keys, **{**config_overrides, **dtypes})
     files = _weight_files(model_dir)
-    pdt = jnp.dtype(cfg.param_dtype)
     handles: dict[Path, object] = {}
 
     def get(name: str, expected_shape) -> np.ndarray:
@@ -97,7 +94,7 @@ def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = N
         if tuple(t.shape) != tuple(expected_shape):
             raise CheckpointError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(expected_shape)} "
                                   f"for this config (vocab/hidden/head sizes disagree with config.json?)")
-        return jnp.asarray(t).astype(pdt)
+        return jnp.asarray(t).astype(cfg.param_dtype)
 
     def load(s: ParamSpec):
         ws = [get(name, _hf_shape(s, cfg)) for name in _hf_names(s, cfg)]  # a Linear weight transposed back

@@ -1,9 +1,8 @@
 """The one tokenizer of training data, decode.py and the demo: a local `tokenizers` tokenizer.json, with the
 chat template and special tokens of tokenizer_config.json (or chat_template.jinja) next to it. Never downloads.
-
-Chat templates render as in `transformers` (sandboxed jinja2, `raise_exception`, the special tokens as
-globals). A tokenizer_config.json may hold a list of named templates ([{"name": ..., "template": ...}]):
-as `transformers` does, the one named "default" is used; a list without one gives no template."""
+Chat templates render as in `transformers` (sandboxed jinja2, `raise_exception`, the special tokens as globals).
+A tokenizer_config.json may hold a list of named templates ([{"name": ..., "template": ...}]): as `transformers`
+does, the one named "default" is used; a list without one gives no template."""
 from __future__ import annotations
 
 import json
@@ -36,8 +35,7 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path) -> Tokenizer:
-        """A tokenizer.json, or a directory that holds one (and optionally tokenizer_config.json and
-        chat_template.jinja)."""
+        """A tokenizer.json, or a directory holding one (+ optionally tokenizer_config.json, chat_template.jinja)."""
         from tokenizers import Tokenizer as HFTokenizer
         p = Path(path)
         tok_file = p / "tokenizer.json" if p.is_dir() else p

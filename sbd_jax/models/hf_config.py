@@ -2,19 +2,16 @@
 `qk_norm`). The math of both lives in transformer.py."""
 from __future__ import annotations
 
-import dataclasses
-
 from ..config import ConfigError, ModelConfig, RopeScaling
 
 # keys of a HF config.json (transformers 4.x and 5.x) that we read or that cannot change the math
 _LLAMA_KEYS = frozenset("""
-    architectures attention_bias attention_dropout bos_token_id eos_token_id pad_token_id head_dim hidden_act
-    hidden_size initializer_range intermediate_size max_position_embeddings mlp_bias model_type
-    num_attention_heads num_hidden_layers num_key_value_heads pretraining_tp rms_norm_eps rope_scaling rope_theta
-    rope_parameters tie_word_embeddings torch_dtype dtype transformers_version use_cache vocab_size mask_token_id
-    _name_or_path output_attentions output_hidden_states return_dict chunk_size_feed_forward is_encoder_decoder
-    tokenizer_class id2label label2id problem_type add_cross_attention tie_encoder_decoder torchscript
-    task_specific_params""".split())
+    architectures attention_bias attention_dropout bos_token_id eos_token_id pad_token_id head_dim hidden_act hidden_size
+    initializer_range intermediate_size max_position_embeddings mlp_bias model_type num_attention_heads num_hidden_layers
+    num_key_value_heads pretraining_tp rms_norm_eps rope_scaling rope_theta rope_parameters tie_word_embeddings torch_dtype
+    dtype transformers_version use_cache vocab_size mask_token_id _name_or_path output_attentions output_hidden_states
+    return_dict chunk_size_feed_forward is_encoder_decoder tokenizer_class id2label label2id problem_type
+    add_cross_attention tie_encoder_decoder torchscript task_specific_params""".split())
 KNOWN_KEYS = {"llama": _LLAMA_KEYS,
               "qwen3": _LLAMA_KEYS | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}}
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -85,11 +82,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
         "attention_dropout": 0.0, "mlp_bias": False, "torch_dtype": cfg.param_dtype,
         "bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
-        "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
+        "eos_token_id": cfg.eos_token_id,  # a tuple of ids is written as a JSON list
         "mask_token_id": cfg.mask_token_id, "use_cache": True,
+        "rope_scaling": None if cfg.rope_scaling is None else {**vars(cfg.rope_scaling), "rope_type": "llama3"},
     }
-    rs = cfg.rope_scaling
-    d["rope_scaling"] = None if rs is None else {**dataclasses.asdict(rs), "rope_type": "llama3"}
     if cfg.model_type == "qwen3":
         d.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_hidden_layers)
     return d

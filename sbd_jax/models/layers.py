@@ -38,14 +38,12 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 def apply_rope(x_BTHD, positions_BT, inv_freq):
     """Rotate-half RoPE (HF convention). Angles in float32."""
     angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTHD.dtype)
 
 
 def swiglu(x_BTD, w_gate_DF, w_up_DF, w_down_FD):
-    gate = jnp.einsum("btd,df->btf", x_BTD, w_gate_DF)
-    up = jnp.einsum("btd,df->btf", x_BTD, w_up_DF)
+    gate, up = (jnp.einsum("btd,df->btf", x_BTD, w) for w in (w_gate_DF, w_up_DF))
     return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down_FD)

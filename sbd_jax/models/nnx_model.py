@@ -11,8 +11,6 @@ from .transformer import forward, init_params
 
 
 class SBDTransformer(nnx.Module):
-    """Llama-3.x / Qwen3 decoder (per `cfg.model_type`) as an NNX module."""
-
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, params: dict | None = None):
         self.cfg = cfg
         if params is None:

@@ -1,11 +1,8 @@
-"""The Llama-3.x / Qwen3 decoder as pure functions of an explicit parameter pytree.
-
-The parameters are a plain nested dict described by one table, `PARAM_SPECS`; per-layer weights sit under
-"layers", stacked on a leading axis and run with `lax.scan`. `forward` is the single entry point used by
-training, decoding, the demo and the tests. Attention follows `cfg.attention_impl`; with "pallas" under an
-active mesh (`jax.set_mesh`, or `sbd_jax.sharding.mesh_context` as the training step and the decoder set it)
-the kernels run per shard inside `jax.shard_map` (sbd_jax/attention/sharded.py).
-"""
+"""The Llama-3.x / Qwen3 decoder as pure functions of an explicit parameter pytree: a plain nested dict described
+by one table, `PARAM_SPECS`; per-layer weights sit under "layers", stacked on a leading axis and run with
+`lax.scan`. `forward` is the single entry point of training, decoding, the demo and the tests. Attention follows
+`cfg.attention_impl`; "pallas" under an active mesh (`jax.set_mesh`, or `sbd_jax.sharding.mesh_context` as the
+training step and the decoder set it) runs the kernels per shard in `jax.shard_map` (sbd_jax/attention/sharded.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,12 +27,11 @@ def axis_sizes(cfg: ModelConfig) -> dict[str, int]:
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
-    """One weight. `name`: its key in the tree ("layers/<key>": one per layer, stacked on a leading "layers"
-    axis). `axes`: the dims of one layer's weight by logical axis, which also sets their sizes (`axis_sizes`).
-    `init`: "normal" (the std given to `init_params`; only these get weight decay), "ones" or "zeros", as HF
-    initialises. `hf`: the HF tensor name (after `model.layers.{i}.` when per layer); HF stores the dims joined
-    by `*` as one, and a torch Linear weight (`hf_t`) transposed, [out, in]. `when`: the configs that have the
-    weight (None: all)."""
+    """One weight. `name`: its key in the tree ("layers/<key>": one per layer, stacked on a leading "layers" axis).
+    `axes`: the dims of one layer's weight by logical axis, which also sets their sizes (`axis_sizes`). `init`:
+    "normal" (the std given to `init_params`; only these get weight decay), "ones" or "zeros", as HF initialises.
+    `hf`: the HF tensor name (after `model.layers.{i}.` when per layer); HF stores the dims joined by `*` as one,
+    and a torch Linear weight (`hf_t`) transposed, [out, in]. `when`: the configs that have it (None: all)."""
 
     name: str
     axes: str
@@ -145,8 +141,7 @@ def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, wri
             if clean_prefix:
                 # [x ; x_hat] layout: the clean half only ever attends itself (P x P); the copy half attends all
                 P = clean_prefix
-                head = meta.take((slice(None), slice(None, P)))
-                tail = meta.take((slice(None), slice(P, None)))
+                head, tail = (meta.take((slice(None), s)) for s in (slice(None, P), slice(P, None)))
                 o = jnp.concatenate([
                     attention(q[:, :P], k[:, :P], v[:, :P], head, head, impl=cfg.attention_impl),
                     attention(q[:, P:], k, v, tail, meta, impl=cfg.attention_impl)], axis=1)
