@@ -6,7 +6,7 @@ training step and the decoder) the Pallas kernels run per shard inside `jax.shar
 data x fsdp, heads over tensor); without one they are called directly."""
 from .mask import (CLEAN, COPY, TokenMeta, block_starts, clean_meta, concat_meta, copy_meta,
                    dense_mask, sbd_mask)
-from .reference import reference_attention
+from .reference import concat_parts, reference_attention
 
 
 def attention(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta, *, impl: str = "xla"):
@@ -24,11 +24,8 @@ def attention_parts(q_BTHD, kv_parts, q_meta, *, impl: str = "xla", kv_meta=None
         return pallas_attention_parts(q_BTHD, kv_parts, q_meta)
     if impl != "xla":
         raise ValueError(f"unknown attention_impl {impl!r} (expected 'xla' or 'pallas')")
-    import jax.numpy as jnp
-    k = jnp.concatenate([p[0] for p in kv_parts], axis=1)
-    v = jnp.concatenate([p[1] for p in kv_parts], axis=1)
-    kv_meta = concat_meta(*(p[2] for p in kv_parts), axis=1) if kv_meta is None else kv_meta
-    return reference_attention(q_BTHD, k, v, q_meta, kv_meta)
+    k, v, meta = concat_parts(kv_parts)
+    return reference_attention(q_BTHD, k, v, q_meta, meta if kv_meta is None else kv_meta)
 
 
 __all__ = ["CLEAN", "COPY", "TokenMeta", "attention", "attention_parts", "block_starts", "clean_meta", "concat_meta",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .mask import TokenMeta, dense_mask
+from .mask import TokenMeta, concat_meta, dense_mask
 
 
 def reference_attention(q_BTHD, k_BSKD, v_BSKD, q_meta: TokenMeta, kv_meta: TokenMeta, *, scale=None):
@@ -32,3 +32,13 @@ def reference_attention(q_BTHD, k_BSKD, v_BSKD, q_meta: TokenMeta, kv_meta: Toke
     o_BTKGD = jnp.einsum("bkgts,bskd->btkgd", p.astype(v_BSKD.dtype), v_BSKD,
                          preferred_element_type=jnp.float32)
     return o_BTKGD.reshape(B, T, H, D).astype(q_BTHD.dtype)
+
+
+def concat_parts(kv_parts):
+    """(k, v, kv_meta) of K/V given in parts [(k, v, meta), ...] of one sequence, concatenated
+    along time."""
+    if len(kv_parts) == 1:
+        return tuple(kv_parts[0])
+    k = jnp.concatenate([p[0] for p in kv_parts], axis=1)
+    v = jnp.concatenate([p[1] for p in kv_parts], axis=1)
+    return k, v, concat_meta(*(p[2] for p in kv_parts), axis=1)

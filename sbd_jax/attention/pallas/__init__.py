@@ -11,13 +11,12 @@ Two kernel families share the tile lists (`tiling`) and in-kernel helpers (`kern
 Triton-style (`flash_train`, `decode`: GPU through the Triton lowering, CPU in interpret mode) and
 Mosaic-TPU (`tpu_train`, `tpu_decode`, with `tpu_common`).
 
-What is verified, and where: both families against the reference in interpret mode on CPU
-(tests/test_pallas_attention.py, tests/test_pallas_model.py: outputs and gradients, f32 and bf16,
-GQA/MQA, packed segments, ragged caches, the whole model), also per shard on a mesh of 8 CPU
-devices (tests/test_pallas_sharded.py); their lowering on CPU, to Triton IR for an abstract H100
-and to Mosaic for TPU (tests/test_pallas_lowering.py); the Triton-style kernels compiled and run on
-an H100 (BENCHMARKS.md "Pallas kernels on an H100"). Not verified: the TPU kernels' compilation
-by libtpu, their runtime and speed (their tiles are untuned), real multi-device meshes.
+Verified: both families against the reference in interpret mode on CPU (tests/test_pallas_attention.py,
+tests/test_pallas_model.py: outputs and gradients, f32 and bf16, GQA/MQA, packed segments, ragged
+caches, the whole model), also per shard on 8 CPU devices (tests/test_pallas_sharded.py); their
+lowering to Triton IR for an abstract H100 and to Mosaic for TPU (tests/test_pallas_lowering.py);
+the Triton-style kernels on an H100 (BENCHMARKS.md "Pallas kernels on an H100"). Not verified:
+the TPU kernels' compilation by libtpu, runtime and speed (untuned tiles), real multi-device meshes.
 """
 from __future__ import annotations
 
@@ -27,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..mask import TokenMeta, concat_meta
+from ..mask import TokenMeta
+from ..reference import concat_parts
 from . import decode, flash_train, tpu_decode, tpu_train
 from .options import DEFAULT_BLOCKS, BlockSizes, PallasOptions, PallasOptionsError, force_backend
 
@@ -48,21 +48,12 @@ def _family(opts: PallasOptions):
     return (tpu_train, tpu_decode) if opts.backend == "tpu" else (flash_train, decode)
 
 
-def _concat(parts):
-    """(k, v, kv_meta) of the concatenated K/V parts."""
-    if len(parts) == 1:
-        return parts[0]
-    k = jnp.concatenate([p[0] for p in parts], axis=1)
-    v = jnp.concatenate([p[1] for p in parts], axis=1)
-    return k, v, concat_meta(*(p[2] for p in parts), axis=1)
-
-
 def _forward(q, parts, q_meta, opts):
     """The decode kernel reads the parts in place; the training kernel takes them concatenated."""
     train, dec = _family(opts)
     if choose_kernel(q.shape[1], sum(p[0].shape[1] for p in parts), opts) == "decode":
         return dec.decode_forward_parts(q, parts, q_meta, opts)
-    k, v, kv_meta = _concat(parts)
+    k, v, kv_meta = concat_parts(parts)
     return train.train_forward(q, k, v, q_meta, kv_meta, opts)
 
 
@@ -79,7 +70,7 @@ def _sbd_attention_fwd(q, parts, q_meta, opts):
 def _sbd_attention_bwd(opts, res, do):
     """The flash backward kernels, whichever forward ran (over the concatenated parts)."""
     q, parts, q_meta, o, lse = res
-    k, v, kv_meta = _concat(parts)
+    k, v, kv_meta = concat_parts(parts)
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
     dq, dk, dv = _family(opts)[0].train_backward(q, k, v, q_meta, kv_meta, lse, delta, do, opts)
     bounds = [int(x) for x in np.cumsum([p[0].shape[1] for p in parts])[:-1]]

@@ -94,8 +94,7 @@ def _partials(q_rows, qm, br, q_meta: TokenMeta, k, v, kv_meta: TokenMeta, opts:
     if S < bk:  # tiny part (e.g. the window's keys): pad (cheap); big ones are read in place
         k, v, kv_meta, S = pad_time(k, bk), pad_time(v, bk), pad_meta(kv_meta, bk), bk
     nk = -(-S // bk)
-    ns = opts.blocks.num_splits or auto_num_splits(B, K, nk)
-    ns = max(1, min(ns, nk))
+    ns = max(1, min(opts.blocks.num_splits or auto_num_splits(B, K, nk), nk))
     # the whole window is one query tile: [B, 1, nk] -> compact list [B, P]
     tab = compact_tiles(tile_visibility(q_meta, kv_meta, q_meta.segment.shape[1], bk)[:, 0])
     P = tab.shape[-1]

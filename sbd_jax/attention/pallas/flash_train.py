@@ -34,15 +34,25 @@ def fit_block(block: int, length: int) -> int:
     return min(block, max(16, next_pow2(length)))
 
 
-def _q_tile_specs(bq, Tkp, D, G, P):
-    """BlockSpecs of the grid (B, H, nq) kernels (forward, dq): (tile list, query-side tile,
-    whole K/V of the query head's KV head, per-row statistic, query metadata, key metadata)."""
-    return (pl.BlockSpec((None, None, P), lambda b, h, i: (b, i, 0)),
-            pl.BlockSpec((None, bq, None, D), lambda b, h, i: (b, i, h, 0)),
-            pl.BlockSpec((None, Tkp, None, D), lambda b, h, i: (b, 0, lax.div(h, G), 0)),
-            pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
-            pl.BlockSpec((None, 4, bq), lambda b, h, i: (b, 0, i)),
-            pl.BlockSpec((None, 4, Tkp), lambda b, h, i: (b, 0, 0)))
+def _q_tile_call(kernel, B, H, D, G, bq, bk, Tqp, Tkp, P, dtype, opts, *, grad: bool):
+    """pallas_call of the grid (B, H, nq) kernel: forward (tile lists, q, k, v, metadata -> o, lse)
+    or, with `grad`, dq (tile lists, q, k, v, do, lse, delta, metadata -> dq)."""
+    tab_s = pl.BlockSpec((None, None, P), lambda b, h, i: (b, i, 0))
+    q_s = pl.BlockSpec((None, bq, None, D), lambda b, h, i: (b, i, h, 0))
+    kv_s = pl.BlockSpec((None, Tkp, None, D), lambda b, h, i: (b, 0, lax.div(h, G), 0))
+    stat_s = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
+    meta_s = [pl.BlockSpec((None, 4, bq), lambda b, h, i: (b, 0, i)),
+              pl.BlockSpec((None, 4, Tkp), lambda b, h, i: (b, 0, 0))]
+    out = jax.ShapeDtypeStruct((B, Tqp, H, D), dtype)
+    return pl.pallas_call(
+        functools.partial(kernel, scale=opts.scale, block_k=bk),
+        grid=(B, H, Tqp // bq),
+        in_specs=[tab_s, q_s, kv_s, kv_s] + ([q_s, stat_s, stat_s] if grad else []) + meta_s,
+        out_specs=q_s if grad else [q_s, stat_s],
+        out_shape=out if grad else [out, jax.ShapeDtypeStruct((B, H, Tqp), jnp.float32)],
+        name="sbd_flash_dq" if grad else "sbd_flash_fwd",
+        **call_kwargs(opts),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,17 +86,8 @@ def train_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOp
     Tqp, Tkp = nq * bq, nk * bk
     tab = compact_tiles(tile_visibility(q_meta, kv_meta, bq, bk))  # [B, nq, P]
     qm, km = pack_meta(pad_meta(q_meta, Tqp)), pack_meta(pad_meta(kv_meta, Tkp))
-    tab_s, q_s, kv_s, stat_s, qm_s, km_s = _q_tile_specs(bq, Tkp, D, G, tab.shape[-1])
-    o, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, scale=opts.scale, block_k=bk),
-        grid=(B, H, nq),
-        in_specs=[tab_s, q_s, kv_s, kv_s, qm_s, km_s],
-        out_specs=[q_s, stat_s],
-        out_shape=[jax.ShapeDtypeStruct((B, Tqp, H, D), q.dtype),
-                   jax.ShapeDtypeStruct((B, H, Tqp), jnp.float32)],
-        name="sbd_flash_fwd",
-        **call_kwargs(opts),
-    )(tab, pad_time(q, Tqp), pad_time(k, Tkp), pad_time(v, Tkp), qm, km)
+    o, lse = _q_tile_call(_fwd_kernel, B, H, D, G, bq, bk, Tqp, Tkp, tab.shape[-1], q.dtype, opts, grad=False)(
+        tab, pad_time(q, Tqp), pad_time(k, Tkp), pad_time(v, Tkp), qm, km)
     return o[:, :Tq], lse[:, :, :Tq]
 
 
@@ -152,28 +153,20 @@ def train_backward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, lse, delta, d
     bq, bk = fit_block(blk.block_q, Tq), fit_block(blk.block_k, Tk)
     bq2, bk2 = fit_block(blk.block_q_dkv, Tq), fit_block(blk.block_k_dkv, Tk)
     Tqp, Tkp = round_up(Tq, max(bq, bq2)), round_up(Tk, max(bk, bk2))  # powers of two: multiples of both
-    nq, nk2 = Tqp // bq, Tkp // bk2
+    nk2 = Tkp // bk2
 
     qp, dop = pad_time(q, Tqp), pad_time(do.astype(q.dtype), Tqp)
     kp, vp = pad_time(k, Tkp), pad_time(v, Tkp)
     lsep, deltap = pad_time(lse, Tqp, axis=2), pad_time(delta, Tqp, axis=2)
     qmp, kmp = pad_meta(q_meta, Tqp), pad_meta(kv_meta, Tkp)
     qm, km = pack_meta(qmp), pack_meta(kmp)
-    kw = call_kwargs(opts)
 
     vis = tile_visibility(qmp, kmp, bq, bk)
     vis2 = vis if (bq, bk) == (bq2, bk2) else tile_visibility(qmp, kmp, bq2, bk2)
     tab_q = compact_tiles(vis)  # [B, nq, P]: key tiles per query tile
     tab_k = compact_tiles(jnp.swapaxes(vis2, 1, 2))  # [B, nk2, P2]: query tiles per key tile
-    tab_s, q_s, kv_s, stat_s, qm_s, km_s = _q_tile_specs(bq, Tkp, D, G, tab_q.shape[-1])
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=opts.scale, block_k=bk),
-        grid=(B, H, nq),
-        in_specs=[tab_s, q_s, kv_s, kv_s, q_s, stat_s, stat_s, qm_s, km_s],
-        out_specs=q_s,
-        out_shape=jax.ShapeDtypeStruct((B, Tqp, H, D), q.dtype),
-        name="sbd_flash_dq", **kw,
-    )(tab_q, qp, kp, vp, dop, lsep, deltap, qm, km)
+    dq = _q_tile_call(_dq_kernel, B, H, D, G, bq, bk, Tqp, Tkp, tab_q.shape[-1], q.dtype, opts, grad=True)(
+        tab_q, qp, kp, vp, dop, lsep, deltap, qm, km)
 
     # grid (B, K, nk2): the G query heads of the KV head and all query tiles in one block
     heads = pl.BlockSpec((None, Tqp, None, G, D), lambda b, h, j: (b, 0, h, 0, 0))
@@ -189,7 +182,7 @@ def train_backward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, lse, delta, d
         out_specs=[kv_tile, kv_tile],
         out_shape=[jax.ShapeDtypeStruct((B, Tkp, K, D), k.dtype),
                    jax.ShapeDtypeStruct((B, Tkp, K, D), v.dtype)],
-        name="sbd_flash_dkv", **kw,
+        name="sbd_flash_dkv", **call_kwargs(opts),
     )(tab_k, qp.reshape(B, Tqp, K, G, D), dop.reshape(B, Tqp, K, G, D), lsep.reshape(B, K, G, Tqp),
       deltap.reshape(B, K, G, Tqp), kp, vp, qm, km)
     return dq[:, :Tq], dk[:, :Tk], dv[:, :Tk]

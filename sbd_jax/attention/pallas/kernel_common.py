@@ -38,25 +38,19 @@ def tile_mask(q_fields, k_fields):
 _PREC = lax.Precision.HIGHEST
 
 
-def _dot(a, b, ca: int, cb: int):
-    """f32 dot contracting axis `ca` of a with axis `cb` of b."""
-    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=_PREC,
-                           preferred_element_type=jnp.float32)
-
-
 def dot_nt(a, b):
     """a [m, d] . b[n, d]^T -> f32 [m, n]."""
-    return _dot(a, b, 1, 1)
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_PREC, preferred_element_type=jnp.float32)
 
 
 def dot_nn(a, b):
     """a [m, n] . b [n, d] -> f32 [m, d]."""
-    return _dot(a, b, 1, 0)
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_PREC, preferred_element_type=jnp.float32)
 
 
 def dot_tn(a, b):
     """a[n, m]^T . b [n, d] -> f32 [m, d]."""
-    return _dot(a, b, 0, 0)
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_PREC, preferred_element_type=jnp.float32)
 
 
 def softmax_init(rows: int, head_dim: int):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ..mask import TokenMeta, sbd_mask
-from .kernel_common import NEG, dot_nn, dot_nt
+from .kernel_common import NEG, dot_nn, dot_nt, split_range
 from .tiling import pack_meta, pad_meta, round_up
 
 NUM_LANES = 128
@@ -34,6 +34,13 @@ def plan_axis(length: int, *blocks: int, align: int = SUBLANE_ALIGN):
     real = [b for b in blocks if length > b]
     padded = round_up(length, max(real)) if real else round_up(max(length, 1), align)
     return padded, tuple(min(b, padded) for b in blocks)
+
+
+def listed_tile(tab, row, step, P, split=0, num_splits=1):
+    """Tile read by grid step `step` of `split` (its share of list `row` of `flat_tile_lists`); steps
+    past the share repeat its last tile, so the block index stays the same: no new DMA."""
+    lo, hi = split_range(tab[row * P], split, num_splits)
+    return tab[row * P + 1 + jnp.maximum(jnp.minimum(lo + step, hi - 1), 0)]
 
 
 # ----------------------------------------------------------------------------------------------

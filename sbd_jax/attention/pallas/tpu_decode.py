@@ -1,6 +1,4 @@
-"""Mosaic-TPU flash-decoding SBD attention: the contract and structure of `decode` (the window's
-queries as rows per KV head, the visible key tiles split evenly between `ns` splits, partial
-outputs merged by log-sum-exp), with TPU specifics:
+"""Mosaic-TPU flash-decoding SBD attention: the contract and structure of `decode`, with TPU specifics:
 
   * grid (B, K, ns, nr, steps): step t of split s reads entry lo_s + t of the scalar-prefetched
     tile list; steps past the split's share repeat the block index (no DMA) and skip the compute;
@@ -24,18 +22,10 @@ from .decode import forward_parts_with, query_rows
 from .kernel_common import split_range
 from .options import PallasOptions, call_kwargs
 from .tiling import flat_tile_lists, pad_meta, pad_time, round_up, tile_visibility
-from .tpu_common import (NUM_LANES, HeadsLayout, cols_meta, online_softmax_step, plan_axis, rows_meta, softmax_finish,
-                         softmax_init, tile_mask_rows_q)
+from .tpu_common import (NUM_LANES, HeadsLayout, cols_meta, listed_tile, online_softmax_step, plan_axis, rows_meta,
+                         softmax_finish, softmax_init, tile_mask_rows_q)
 
 F32 = jnp.float32
-
-
-def _kv_tile(b, s, t, tab, *, P, num_splits):
-    """Key tile read by step t of split s of row b (steps past the split's share repeat its last
-    tile: no new DMA)."""
-    lo, hi = split_range(tab[b * P], s, num_splits)
-    n = jnp.maximum(jnp.minimum(lo + t, hi - 1), 0)
-    return tab[b * P + 1 + n]
 
 
 def _decode_kernel(tab_ref, q_ref, k_ref, v_ref, qm_ref, km_ref, o_ref, lse_ref,
@@ -91,8 +81,7 @@ def _partials(q_rows, qm, br, q_meta: TokenMeta, k, v, kv_meta: TokenMeta, opts:
         kv_meta = pad_meta(kv_meta, Sp)
     S = k.shape[1]
     nk = -(-S // bk)
-    ns = opts.blocks.num_splits or auto_num_splits(B, K, nk)
-    ns = max(1, min(ns, nk))
+    ns = max(1, min(opts.blocks.num_splits or auto_num_splits(B, K, nk), nk))
     steps = -(-nk // ns)
     # the whole window is one query tile: lists of visible key tiles per batch row
     vis = tile_visibility(q_meta, kv_meta, q_meta.segment.shape[1], bk)  # [B, 1, nk]
@@ -101,7 +90,7 @@ def _partials(q_rows, qm, br, q_meta: TokenMeta, k, v, kv_meta: TokenMeta, opts:
     kk, vk = lay.to_kernel(k), lay.to_kernel(v)  # fused: a free reshape, the cache stays put
     km = cols_meta(kv_meta, round_up(S, bk))  # metadata padded: overhanging columns invisible
 
-    kv_tile = functools.partial(_kv_tile, P=P, num_splits=ns)
+    kv_tile = lambda b, s, t, tab: listed_tile(tab, b, t, P, s, ns)
     kv_idx = lambda b, h, s, r, t, tab: (b, h, kv_tile(b, s, t, tab))
     out_idx = lambda b, h, s, r, t, tab: (b, h, s, r, 0)
     grid_spec = pltpu.PrefetchScalarGridSpec(

@@ -1,6 +1,4 @@
-"""Mosaic-TPU flash SBD attention over whole sequences: the contract of `flash_train` (forward,
-dq and dk/dv kernels computing only the tile pairs the SBD mask can reach; query head h reads KV
-head h // G through the index maps).
+"""Mosaic-TPU flash SBD attention over whole sequences: the contract of `flash_train`.
 
 TPU structure (after jax's splash attention):
   forward  grid (B, H, nq, nk)        step j reads the j-th VISIBLE key tile of query tile i
@@ -29,28 +27,37 @@ from ..mask import TokenMeta
 from .kernel_common import NEG, dot_nn, dot_nt
 from .options import PallasOptions, call_kwargs
 from .tiling import flat_tile_lists, pad_meta, pad_time, tile_visibility
-from .tpu_common import (NUM_LANES, HeadsLayout, cols_meta, online_softmax_step, plan_axis, rows_meta, softmax_finish,
-                         softmax_init, tile_mask_rows_k, tile_mask_rows_q)
+from .tpu_common import (NUM_LANES, HeadsLayout, cols_meta, listed_tile, online_softmax_step, plan_axis, rows_meta,
+                         softmax_finish, softmax_init, tile_mask_rows_k, tile_mask_rows_q)
 
 F32 = jnp.float32
 
 
-def _listed(tab, row, step, P):
-    """Tile index read by grid step `step` from compact list `row` (clamped to the last visible
-    tile, so steps past the count keep the same block index: no new DMA)."""
-    base = row * P
-    return tab[base + 1 + jnp.minimum(step, jnp.maximum(tab[base] - 1, 0))]
-
-
-def _q_tile_specs(lay: HeadsLayout, bq, bk, D, G, nq, P):
-    """BlockSpecs of the grid (B, H, nq, nk) kernels (forward, dq): (query-side tile, K/V tile of
-    the query head's KV head, per-row statistic along lanes, query metadata, key metadata)."""
-    kv_tile = lambda b, i, j, tab: _listed(tab, b * nq + i, j, P)
-    return (lay.spec(bq, D, lambda b, h, i, j, tab: (b, h, i)),
-            lay.spec(bk, D, lambda b, h, i, j, tab: (b, lax.div(h, G), kv_tile(b, i, j, tab))),
-            pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, tab: (b, h, 0, i)),
-            pl.BlockSpec((None, 4, bq, NUM_LANES), lambda b, h, i, j, tab: (b, 0, i, 0)),
-            pl.BlockSpec((None, 4, 8, bk), lambda b, h, i, j, tab: (b, 0, 0, kv_tile(b, i, j, tab))))
+def _q_tile_call(kernel, lay, B, H, D, G, bq, bk, Tqp, Tkp, P, dtype, opts, *, grad: bool):
+    """pallas_call of the grid (B, H, nq, nk) kernel: forward (q, k, v, metadata -> o, lse along
+    lanes) or, with `grad`, dq (q, k, v, do, lse, delta, metadata -> dq)."""
+    nq, nk = Tqp // bq, Tkp // bk
+    kv_tile = lambda b, i, j, tab: listed_tile(tab, b * nq + i, j, P)
+    q_s = lay.spec(bq, D, lambda b, h, i, j, tab: (b, h, i))
+    kv_s = lay.spec(bk, D, lambda b, h, i, j, tab: (b, lax.div(h, G), kv_tile(b, i, j, tab)))
+    stat_s = pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, tab: (b, h, 0, i))
+    meta_s = [pl.BlockSpec((None, 4, bq, NUM_LANES), lambda b, h, i, j, tab: (b, 0, i, 0)),
+              pl.BlockSpec((None, 4, 8, bk), lambda b, h, i, j, tab: (b, 0, 0, kv_tile(b, i, j, tab)))]
+    out = jax.ShapeDtypeStruct(lay.shape(B, Tqp, H, D), dtype)
+    m_l = [] if grad else [pltpu.VMEM((bq, NUM_LANES), F32)] * 2  # the forward's running max and sum
+    return pl.pallas_call(
+        functools.partial(kernel, scale=opts.scale, nq=nq, P=P, steps=nk),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, H, nq, nk),
+            in_specs=[q_s, kv_s, kv_s] + ([q_s, stat_s, stat_s] if grad else []) + meta_s,
+            out_specs=q_s if grad else [q_s, stat_s],
+            scratch_shapes=m_l + [pltpu.VMEM((bq, D), F32)],
+        ),
+        out_shape=out if grad else [out, jax.ShapeDtypeStruct((B, H, 1, Tqp), F32)],
+        name="sbd_tpu_flash_dq" if grad else "sbd_tpu_flash_fwd",
+        **call_kwargs(opts, ("parallel", "parallel", "parallel", "arbitrary")),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,27 +91,12 @@ def train_forward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, opts: PallasOp
     G = H // K
     Tqp, (bq,) = plan_axis(Tq, opts.blocks.block_q, align=NUM_LANES)
     Tkp, (bk,) = plan_axis(Tk, opts.blocks.block_k, align=NUM_LANES)
-    nq, nk = Tqp // bq, Tkp // bk
     q_meta, kv_meta = pad_meta(q_meta, Tqp), pad_meta(kv_meta, Tkp)  # tables: nq x nk exactly
     tab, P = flat_tile_lists(tile_visibility(q_meta, kv_meta, bq, bk))
     lay = HeadsLayout.for_head_dim(D)
     qk, kk, vk = (lay.to_kernel(pad_time(x, n)) for x, n in ((q, Tqp), (k, Tkp), (v, Tkp)))
-    q_s, kv_s, stat_s, qm_s, km_s = _q_tile_specs(lay, bq, bk, D, G, nq, P)
-    o, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, scale=opts.scale, nq=nq, P=P, steps=nk),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(B, H, nq, nk),
-            in_specs=[q_s, kv_s, kv_s, qm_s, km_s],
-            out_specs=[q_s, stat_s],
-            scratch_shapes=[pltpu.VMEM((bq, NUM_LANES), F32), pltpu.VMEM((bq, NUM_LANES), F32),
-                            pltpu.VMEM((bq, D), F32)],
-        ),
-        out_shape=[jax.ShapeDtypeStruct(lay.shape(B, Tqp, H, D), q.dtype),
-                   jax.ShapeDtypeStruct((B, H, 1, Tqp), F32)],
-        name="sbd_tpu_flash_fwd",
-        **call_kwargs(opts, ("parallel", "parallel", "parallel", "arbitrary")),
-    )(tab, qk, kk, vk, rows_meta(q_meta, Tqp), cols_meta(kv_meta, Tkp))
+    o, lse = _q_tile_call(_fwd_kernel, lay, B, H, D, G, bq, bk, Tqp, Tkp, P, q.dtype, opts, grad=False)(
+        tab, qk, kk, vk, rows_meta(q_meta, Tqp), cols_meta(kv_meta, Tkp))
     return lay.from_kernel(o, H, D)[:, :Tq], lse[:, :, 0, :Tq]
 
 
@@ -168,7 +160,7 @@ def train_backward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, lse, delta, d
     b = opts.blocks
     Tqp, (bq, bq2) = plan_axis(Tq, b.block_q, b.block_q_dkv, align=NUM_LANES)
     Tkp, (bk, bk2) = plan_axis(Tk, b.block_k, b.block_k_dkv, align=NUM_LANES)
-    nq, nk, nq2, nk2 = Tqp // bq, Tkp // bk, Tqp // bq2, Tkp // bk2
+    nq2, nk2 = Tqp // bq2, Tkp // bk2
     q_meta, kv_meta = pad_meta(q_meta, Tqp), pad_meta(kv_meta, Tkp)  # tables match the grids
 
     lse4 = pad_time(lse, Tqp, axis=2)[:, :, None, :]  # [B, H, 1, Tqp]
@@ -182,24 +174,11 @@ def train_backward(q, k, v, q_meta: TokenMeta, kv_meta: TokenMeta, lse, delta, d
     vis2 = vis if (bq, bk) == (bq2, bk2) else tile_visibility(q_meta, kv_meta, bq2, bk2)
     tab_k, P2 = flat_tile_lists(jnp.swapaxes(vis2, 1, 2))  # query tiles per key tile
 
-    # dq: grid (B, H, nq, nk) over the visible key tiles of each query tile
-    q_s, kv_s, stat_s, qm_s, km_s = _q_tile_specs(lay, bq, bk, D, G, nq, P)
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=opts.scale, nq=nq, P=P, steps=nk),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(B, H, nq, nk),
-            in_specs=[q_s, kv_s, kv_s, q_s, stat_s, stat_s, qm_s, km_s],
-            out_specs=q_s,
-            scratch_shapes=[pltpu.VMEM((bq, D), F32)],
-        ),
-        out_shape=jax.ShapeDtypeStruct(lay.shape(B, Tqp, H, D), q.dtype),
-        name="sbd_tpu_flash_dq",
-        **call_kwargs(opts, ("parallel", "parallel", "parallel", "arbitrary")),
-    )(tab_q, qk, kk, vk, dok, lse4, delta4, rows_meta(q_meta, Tqp), cols_meta(kv_meta, Tkp))
+    dq = _q_tile_call(_dq_kernel, lay, B, H, D, G, bq, bk, Tqp, Tkp, P, q.dtype, opts, grad=True)(
+        tab_q, qk, kk, vk, dok, lse4, delta4, rows_meta(q_meta, Tqp), cols_meta(kv_meta, Tkp))
 
     # dk/dv: grid (B, K, nk2, G, nq2) over the G query heads and the visible query tiles
-    q_tile = lambda b, j, n, tab: _listed(tab, b * nk2 + j, n, P2)
+    q_tile = lambda b, j, n, tab: listed_tile(tab, b * nk2 + j, n, P2)
     qh_idx = lambda b, h, j, g, n, tab: (b, h * G + g, q_tile(b, j, n, tab))
     k_idx = lambda b, h, j, g, n, tab: (b, h, j)
     stat_k = pl.BlockSpec((None, None, 1, bq2),
