@@ -75,9 +75,13 @@ def accept_threshold(h_BK, masked_BK, gamma_B):
     return masked_BK & ((h < jnp.asarray(gamma_B, jnp.float32)[:, None]) | is_best)
 
 
-def accept(rule: str, h_BK, masked_BK, gamma_B):
-    """Apply the acceptance rule named `rule` ("eb" or "threshold")."""
-    return (accept_eb if rule == "eb" else accept_threshold)(h_BK, masked_BK, gamma_B)
+def accept(rule, h_BK, masked_BK, gamma_B):
+    """Apply `rule`: "eb" or "threshold", or its index in `spec.RULES`, which may be traced (both rules are then
+    computed, O(K log K) per row, and one is selected)."""
+    if isinstance(rule, str):
+        return (accept_eb if rule == "eb" else accept_threshold)(h_BK, masked_BK, gamma_B)
+    return jnp.where(jnp.asarray(rule) == 0, accept_eb(h_BK, masked_BK, gamma_B),
+                     accept_threshold(h_BK, masked_BK, gamma_B))
 
 
 def shape_logits(logits_BKV, temperature_B, *, top_k: int = 0, top_p: float = 1.0):
