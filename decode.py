@@ -114,18 +114,15 @@ def run(args) -> int:
                 r["ar"]["text"] = tok.decode(r["ar"]["tokens"])
         write_row(out, row)
 
-    progress = None
-    if not args.no_progress and writer:
-        from tqdm import tqdm
-        progress = tqdm(total=len(pending), unit="prompt", desc=f"decode ({args.mode})", file=sys.stderr)
-    try:
-        summary = decode_prompts(params, cfg, pending, opts, mesh=mesh, on_row=on_row, progress=progress, checked=True) \
-            if pending else None
-    finally:
-        if progress is not None:
-            progress.close()
-        if out is not None:
-            out.close()
+    from tqdm import tqdm
+    with tqdm(total=len(pending), unit="prompt", desc=f"decode ({args.mode})", file=sys.stderr,
+              disable=args.no_progress or not writer) as progress:
+        try:
+            summary = decode_prompts(params, cfg, pending, opts, mesh=mesh, on_row=on_row, progress=progress,
+                                     checked=True) if pending else None
+        finally:
+            if out is not None:
+                out.close()
     if summary is None:
         print("nothing to do: every prompt is already in the output")
         return 0

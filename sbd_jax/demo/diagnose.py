@@ -1,18 +1,11 @@
 """`python -m sbd_jax.demo.diagnose [RESULTS_DIR] [--n N] [mode:block:gamma:rule ...]`: where the SBD model
-of a finished demo run loses accuracy, decoded several ways on the first N held-out problems.
+of a finished demo run loses accuracy, decoded several ways on the first N held-out problems (greedy).
 
-Default decodings of the SBD fine-tune (greedy):
-  ar:1:0:eb        AR with the NTP logits (the SBD model's own next-token stream)
-  sbd:1:0:eb       SBD with block size 1: the MATP (copy-stream) logits, one position at a time, left to right
-  sbd:16:0:eb      block 16, one lowest-entropy position per step (entropy order, no parallelism)
-  sbd:16:0.1:eb    the paper's EB rule at gamma 0.1
-  sbd:16:0.1:threshold / sbd:16:0.35:threshold   the threshold rule (no uncounted "free" position)
-Comparing them separates a weak MATP stream (ar vs sbd:1), the cost of decoding in entropy order
-(sbd:1 vs sbd:16:0) and the cost of accepting several positions per step (the rest). Prints accuracy,
-tokens per forward and per-family accuracy for each, then where the wrong answers first leave the worked
-solution (`first_error_kind`): at a computed value (the token after an `=` inside the solution), at a copied
-number, at the final answer (after the last `;=`), at a structural token, or by stopping early / running on.
-"""
+The default decodings separate a weak MATP stream (`ar:1:0:eb`, AR on the NTP logits, vs `sbd:1:0:eb`, the
+copy-stream logits one position at a time), the cost of decoding in entropy order (`sbd:16:0:eb`, one
+lowest-entropy position per step) and the cost of accepting several positions per step (the EB and threshold
+rules at their gammas). For each: accuracy, tokens per forward, per-family accuracy, and where the wrong
+answers first leave the worked solution (`first_error_kind`)."""
 from __future__ import annotations
 
 import argparse
