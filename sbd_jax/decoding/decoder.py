@@ -39,7 +39,7 @@ import numpy as np
 from ..attention import clean_meta, concat_meta, copy_meta
 from ..config import ModelConfig
 from ..models.transformer import KVCache, causal_meta, forward, init_cache
-from ..sharding import mesh_context
+from ..sharding import batch_sharding, cache_sharding, mesh_context
 from . import sampling
 from .spec import DecodeError, DecodeSpec, PromptTooLongError, check_model, check_rate
 
@@ -201,17 +201,12 @@ def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, *, cfg: M
 
 
 def _constrainer(cfg, mesh, B):
+    """Per-row arrays over the batch axes, the cache as `cache_sharding` (identity without a mesh)."""
     if mesh is None:
         return lambda x: x
-    from ..sharding import batch_sharding, cache_sharding
     cs = cache_sharding(cfg, mesh, B)
-
-    def constrain(x):
-        if isinstance(x, KVCache):
-            return KVCache(jax.lax.with_sharding_constraint(x.k, cs), jax.lax.with_sharding_constraint(x.v, cs),
-                           jax.lax.with_sharding_constraint(x.lengths, batch_sharding(mesh, 1, B)))
-        return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim, B))
-    return constrain
+    return lambda x: jax.lax.with_sharding_constraint(
+        x, KVCache(cs, cs, batch_sharding(mesh, 1, B)) if isinstance(x, KVCache) else batch_sharding(mesh, x.ndim, B))
 
 
 def _gather(seq, pos):
