@@ -84,11 +84,10 @@ class BatchDecoder:
     def arrays(self, batch: list[Prompt]):
         B, P = self.opts.batch_size, self.width(batch)
         rows = list(batch) + [batch[0]] * (B - len(batch))
+        lens = np.array([len(p.ids) for p in rows], np.int32)
         ids = np.zeros((B, P), np.int32)
-        lens = np.zeros((B,), np.int32)
         for i, p in enumerate(rows):
-            ids[i, :len(p.ids)] = p.ids
-            lens[i] = len(p.ids)
+            ids[i, :lens[i]] = p.ids
         base = jax.random.key(self.opts.seed)
         keys = jax.vmap(jax.random.fold_in, (None, 0))(base, jnp.asarray([row_key(p.id) for p in rows]))
         if self.mesh is not None:
