@@ -21,17 +21,17 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-    from sbd_jax.config import ConfigError
+    from sbd_jax.config import ConfigError, load_config
     from sbd_jax.io.hf import CheckpointError
     from sbd_jax.sharding import maybe_initialize_distributed
-    from sbd_jax.training.config import load_train_config
+    from sbd_jax.training.config import TrainConfig
     from sbd_jax.training.loop import train
 
     def on_term(signum, frame):  # a scheduler's SIGTERM: stop like Ctrl-C (in-flight saves complete)
         raise KeyboardInterrupt(f"signal {signum}")
 
     try:
-        cfg = load_train_config(args.config, args.overrides)
+        cfg = load_config(TrainConfig, args.config, args.overrides)
         maybe_initialize_distributed()
         signal.signal(signal.SIGTERM, on_term)
         result = train(cfg)

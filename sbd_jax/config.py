@@ -91,10 +91,6 @@ class ModelConfig:
                               f"got {self.scan_unroll}")
 
     @property
-    def resolved_head_dim(self) -> int:
-        return self.head_dim  # set in __post_init__ when not given
-
-    @property
     def eos_ids(self) -> tuple[int, ...]:
         eos = self.eos_token_id
         return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)

@@ -135,14 +135,14 @@ def test_bf16_compute_with_f32_master_weights():
 
 
 def test_copy_len_config_errors_name_the_problem():
-    from sbd_jax.training.config import load_train_config
+    from sbd_jax.training.config import TrainConfig
     yaml = Path(__file__).resolve().parents[1] / "configs" / "tiny_sbd.yaml"
-    assert load_train_config(yaml, ["data.copy_len=80", "sbd.block_align=response"]).data.copy_len == 80
+    assert load_config(TrainConfig, yaml, ["data.copy_len=80", "sbd.block_align=response"]).data.copy_len == 80
     with pytest.raises(ConfigError, match="data.copy_len .* needs sbd.block_align='response'"):
-        load_train_config(yaml, ["data.copy_len=80"])
+        load_config(TrainConfig, yaml, ["data.copy_len=80"])
     with pytest.raises(ConfigError, match=r"data.copy_len must be in \[1, seq_len=128\]"):
-        load_train_config(yaml, ["data.copy_len=129", "sbd.block_align=response"])
+        load_config(TrainConfig, yaml, ["data.copy_len=129", "sbd.block_align=response"])
     with pytest.raises(ConfigError, match=r"data.copy_len \(8\) is shorter than sbd.k_max \(16\)"):
-        load_train_config(yaml, ["data.copy_len=8", "sbd.block_align=response"])
+        load_config(TrainConfig, yaml, ["data.copy_len=8", "sbd.block_align=response"])
     # the NTP baseline ignores the copy stream: the budget only shapes its rows
-    assert load_train_config(yaml, ["data.copy_len=8", "sbd.ntp_only=true"]).data.copy_len == 8
+    assert load_config(TrainConfig, yaml, ["data.copy_len=8", "sbd.ntp_only=true"]).data.copy_len == 8

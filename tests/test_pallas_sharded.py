@@ -177,7 +177,7 @@ want = generate(raw, CFG, make_prompts(), LENGTHS, key=jax.random.key(0), **kw) 
 args, static = prepare_generate(params, PCFG, ids, lens, key=jax.random.key(0), mesh=mesh, **kw)
 calls = pallas_operands(jax.make_jaxpr(lambda *a: generate_jit(*a, **static))(*args).jaxpr)
 # the per-shard problem, traced unsharded: batch 4 over data 4 -> 1 row; heads 4 / kv 2 over tensor 2 -> 2 / 1
-loc_cfg = dataclasses.replace(PCFG, num_attention_heads=2, num_key_value_heads=1, head_dim=CFG.resolved_head_dim)
+loc_cfg = dataclasses.replace(PCFG, num_attention_heads=2, num_key_value_heads=1, head_dim=CFG.head_dim)
 loc_params = jax.tree.map(lambda s: jnp.zeros(s, jnp.float32), param_shapes(loc_cfg), is_leaf=lambda x: isinstance(x, tuple))
 args, static = prepare_generate(loc_params, loc_cfg, make_prompts()[:1], LENGTHS[:1], key=jax.random.key(0), **kw)
 loc_calls = pallas_operands(jax.make_jaxpr(lambda *a: generate_jit(*a, **static))(*args).jaxpr)

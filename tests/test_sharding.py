@@ -7,7 +7,8 @@ import pytest
 
 import sbd_jax.sharding as sh
 from sbd_jax.config import ConfigError, ModelConfig
-from sbd_jax.models import init_params, param_axes, param_shapes
+from sbd_jax.models import init_params, param_shapes
+from sbd_jax.models.transformer import param_specs
 from sbd_jax.training.optim import decay_mask
 
 
@@ -51,14 +52,14 @@ def test_param_table_gives_shapes_axes_init_and_decay_mask():
     def flat(tree):
         leaves = jax.tree.flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))[0]
         return {path[-1].key: leaf for path, leaf in leaves}
-    weights, shapes, axes, mask = flat(params), flat(param_shapes(cfg)), flat(param_axes(cfg)), flat(decay_mask(params))
-    assert weights.keys() == shapes.keys() == axes.keys() == mask.keys() and len(weights) == 18
+    weights, shapes, specs, mask = flat(params), flat(param_shapes(cfg)), flat(param_specs(cfg)), flat(decay_mask(params))
+    assert weights.keys() == shapes.keys() == specs.keys() == mask.keys() and len(weights) == 18
     for name, w in weights.items():
-        assert w.shape == shapes[name] and len(axes[name]) == w.ndim
+        assert w.shape == shapes[name] and len(specs[name].logical_axes) == w.ndim
         norm, bias = name.endswith("norm"), name in ("bq", "bk", "bv", "bo")
         assert mask[name] == (not (norm or bias))
         if norm or bias:
             np.testing.assert_array_equal(w, 1.0 if norm else 0.0)
-    assert axes["wq"] == ("layers", "embed", "heads", "head_dim") and shapes["wo"] == (2, 4, 4, 16)
+    assert specs["wq"].logical_axes == ("layers", "embed", "heads", "head_dim") and shapes["wo"] == (2, 4, 4, 16)
     tied = dataclasses.replace(cfg, tie_word_embeddings=True, attention_bias=False, qk_norm=False)
     assert sorted(param_shapes(tied)) == ["embed", "final_norm", "layers"] and len(param_shapes(tied)["layers"]) == 9

@@ -21,9 +21,10 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from tokenizers.processors import TemplateProcessing
 
 import sbd_jax
+from sbd_jax.config import load_config
 from sbd_jax.models import causal_meta
 from sbd_jax.training.checkpoint import Checkpointer
-from sbd_jax.training.config import load_train_config
+from sbd_jax.training.config import TrainConfig
 from sbd_jax.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +67,7 @@ def _write_inputs(d: Path) -> Path:
 def straight(tmp_path_factory):
     d = tmp_path_factory.mktemp("loop")
     cfg_path = _write_inputs(d)
-    cfg = load_train_config(cfg_path, [f"out_dir={d / 'straight'}"])
+    cfg = load_config(TrainConfig, cfg_path, [f"out_dir={d / 'straight'}"])
     res = train(cfg)
     return d, cfg_path, res
 
@@ -95,11 +96,11 @@ def test_tiny_model_overfits_both_losses(straight):
 
 def test_stop_and_resume_is_identical(straight):
     d, cfg_path, res = straight
-    cfg = load_train_config(cfg_path, [f"out_dir={d / 'resumed'}"])
+    cfg = load_config(TrainConfig, cfg_path, [f"out_dir={d / 'resumed'}"])
     first = train(cfg, stop_after=HALF)
     assert first.step == HALF and first.hf_dir is None
     ck = Checkpointer(d / "resumed" / "checkpoints")
-    assert ck.all_steps() == [10, 20]  # every 10 steps, keep 2
+    assert list(ck.manager.all_steps()) == [10, 20]  # every 10 steps, keep 2
     second = train(cfg)
     assert second.resumed_from == HALF and second.step == STEPS
     assert _per_step(first.history + second.history) == _per_step(res.history)  # same data order and masks
@@ -107,7 +108,7 @@ def test_stop_and_resume_is_identical(straight):
         np.testing.assert_array_equal(a, b)
     # the final data position and optimizer state were restored and advanced identically
     a, b = (Checkpointer(d / name / "checkpoints") for name in ("straight", "resumed"))
-    assert a.latest_step() == b.latest_step() == STEPS
+    assert a.manager.latest_step() == b.manager.latest_step() == STEPS
     assert a.restore_data() == b.restore_data() and a.restore_data()["rows"] == STEPS * 8
 
 
@@ -115,7 +116,7 @@ def test_interrupt_waits_for_saves_and_resumes(straight):
     """Ctrl-C (KeyboardInterrupt) mid-run: in-flight async saves complete, the run resumes from the last
     one to the same result, and metrics.jsonl keeps one record per step."""
     d, cfg_path, res = straight
-    cfg = load_train_config(cfg_path, [f"out_dir={d / 'interrupted'}", "checkpoint.every=5"])
+    cfg = load_config(TrainConfig, cfg_path, [f"out_dir={d / 'interrupted'}", "checkpoint.every=5"])
 
     def interrupt(rec):
         if rec["step"] == 13:
@@ -123,7 +124,7 @@ def test_interrupt_waits_for_saves_and_resumes(straight):
 
     with pytest.raises(KeyboardInterrupt):
         train(cfg, on_log=interrupt)
-    assert Checkpointer(d / "interrupted" / "checkpoints").all_steps() == [5, 10]
+    assert list(Checkpointer(d / "interrupted" / "checkpoints").manager.all_steps()) == [5, 10]
     resumed = train(cfg)
     assert resumed.resumed_from == 10
     for a, b in zip(_leaves(res.params), _leaves(resumed.params)):
@@ -155,14 +156,14 @@ def test_sigkill_leaves_complete_checkpoint_and_resume_matches(straight):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
-    killed_at = Checkpointer(ckdir).latest_step()
+    killed_at = Checkpointer(ckdir).manager.latest_step()
     assert killed_at is not None and 6 <= killed_at < STEPS
     # what a kill in the middle of a save leaves behind: orbax's temporary directory, never a `<step>`
     partial = ckdir / f"{killed_at + 1}.orbax-checkpoint-tmp-1700000000000000"
     (partial / "state").mkdir(parents=True, exist_ok=True)
     (partial / "state" / "half_written").write_bytes(b"\0" * 100)
-    assert Checkpointer(ckdir).latest_step() == killed_at
-    cfg = load_train_config(cfg_path, [f"out_dir={out}", "checkpoint.every=1", "checkpoint.keep=3"])
+    assert Checkpointer(ckdir).manager.latest_step() == killed_at
+    cfg = load_config(TrainConfig, cfg_path, [f"out_dir={out}", "checkpoint.every=1", "checkpoint.keep=3"])
     resumed = train(cfg)  # restores the latest *complete* checkpoint (a half-written one is ignored)
     assert resumed.resumed_from == killed_at and resumed.step == STEPS
     assert _per_step(resumed.history) == _per_step(res.history[killed_at:])
@@ -185,7 +186,7 @@ def test_hf_export_loads_in_transformers(straight, hf_ref):
 
 def test_init_from_hf_dir_continues_from_the_weights(straight):
     d, cfg_path, res = straight
-    cfg = load_train_config(cfg_path, [f"out_dir={d / 'finetune'}", "model.config=null",
+    cfg = load_config(TrainConfig, cfg_path, [f"out_dir={d / 'finetune'}", "model.config=null",
                                        f"model.init_from={res.hf_dir}"])
     ft = train(cfg, stop_after=2)
     assert ft.model_cfg.mask_token_id == 3

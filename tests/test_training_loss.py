@@ -60,7 +60,7 @@ def _ref_doubled(tok, seg, pos, masked, k):
 
 def _np_forward(P, cfg, tokens, positions, mask):
     f = lambda a: np.asarray(a, np.float64)
-    H, K, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim
+    H, K, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, Dh, 2) / Dh))
     ang = positions[:, None] * inv[None]
     cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]

@@ -1,5 +1,3 @@
-from .transformer import (KVCache, causal_meta, forward, init_cache, init_params, lm_head, param_axes,
-                          param_shapes)
+from .transformer import KVCache, causal_meta, forward, init_cache, init_params, lm_head, param_shapes
 
-__all__ = ["KVCache", "causal_meta", "forward", "init_cache", "init_params", "lm_head", "param_axes",
-           "param_shapes"]
+__all__ = ["KVCache", "causal_meta", "forward", "init_cache", "init_params", "lm_head", "param_shapes"]

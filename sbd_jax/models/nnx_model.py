@@ -23,13 +23,3 @@ class SBDTransformer(nnx.Module):
 
     def __call__(self, tokens_BT, meta, cache=None):
         return forward(self.params(), self.cfg, tokens_BT, meta, cache)
-
-    @classmethod
-    def from_pretrained(cls, model_dir, **kwargs) -> "SBDTransformer":
-        from ..io.hf import from_pretrained
-        cfg, params = from_pretrained(model_dir, **kwargs)
-        return cls(cfg, params=params)
-
-    def save_pretrained(self, out_dir, **kwargs):
-        from ..io.hf import save_pretrained
-        return save_pretrained(self.cfg, self.params(), out_dir, **kwargs)

@@ -90,11 +90,6 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return jax.tree.map(lambda s: s.shape(cfg), param_specs(cfg))
 
 
-def param_axes(cfg: ModelConfig) -> dict:
-    """Logical axes with the same tree structure as `param_shapes(cfg)` (tuples are leaves)."""
-    return jax.tree.map(lambda s: s.logical_axes, param_specs(cfg))
-
-
 def init_params(cfg: ModelConfig, key, *, std: float = 0.02) -> dict:
     """Random init of every parameter by its spec's `init`."""
     specs, treedef = jax.tree.flatten(param_specs(cfg))

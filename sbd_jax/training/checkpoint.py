@@ -15,19 +15,13 @@ from .step import TrainState
 
 
 class Checkpointer:
-    """Thin wrapper over `ocp.CheckpointManager` with items "state" (pytree) and "data" (JSON)."""
+    """Thin wrapper over `ocp.CheckpointManager` (`.manager`) with items "state" (pytree) and "data" (JSON)."""
 
     def __init__(self, directory: str | os.PathLike, *, every: int = 500, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every, create=True,
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
-
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
-
-    def all_steps(self) -> list[int]:
-        return list(self.manager.all_steps())
 
     def save(self, step: int, state: TrainState, data_state: dict, *, force: bool = False) -> bool:
         """Save if `step` is on the interval (or `force`). Returns whether a save started."""
@@ -41,10 +35,10 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract._asdict()), data=ocp.args.JsonRestore()))
         return TrainState(**out["state"]), dict(out["data"])
 
-    def restore_data(self, step: int | None = None) -> dict:
-        """Only the data iterator position saved with `step` (default: the latest)."""
-        step = self.latest_step() if step is None else step
-        return dict(self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"])
+    def restore_data(self) -> dict:
+        """Only the data iterator position saved with the latest step."""
+        args = ocp.args.Composite(data=ocp.args.JsonRestore())
+        return dict(self.manager.restore(self.manager.latest_step(), args=args)["data"])
 
     def close(self) -> None:
         self.manager.wait_until_finished()

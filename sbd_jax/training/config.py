@@ -1,13 +1,12 @@
-"""Training configuration: frozen dataclasses loaded through `sbd_jax.config.load_config` (strict keys,
-`a.b=value` overrides). One YAML file = one `TrainConfig`; see configs/tiny_sbd.yaml."""
+"""Training configuration: frozen dataclasses loaded by `sbd_jax.config.load_config(TrainConfig, path, overrides)`
+(strict keys, `a.b=value` overrides). One YAML file = one `TrainConfig`; see configs/tiny_sbd.yaml."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
-from ..config import ModelConfig, load_config
+from ..config import ModelConfig
 from ..sharding import MeshConfig
-from .spec import StepOptions, require, require_choice
+from .spec import SBDConfig, StepOptions, require, require_choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,16 +28,6 @@ class ModelSource:
                 "(a local HF directory) and model.config (an architecture for a random init)")
         require(self.mask_token_id is None or not self.add_mask_token,
                 "model: set only one of model.mask_token_id and model.add_mask_token")
-
-
-@dataclasses.dataclass(frozen=True)
-class SBDConfig:
-    """How training examples are built (SBD.md, training section); checked as part of `ExampleSpec`."""
-
-    k_max: int = 16  # block size drawn uniformly from [2, k_max] at every step (the paper: [2, 16])
-    block_size: int | None = None  # fixed block size instead of the random draw
-    ntp_only: bool = False  # the NTP baseline: same code path, only the clean half is run
-    block_align: str = "document"  # "document" (paper) | "response" (SFT: blocks start at the response)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,11 +124,5 @@ class TrainConfig:
                     "a block cannot be longer than a row or the copy stream")
 
     def step_options(self, mask_token_id: int | None = None) -> StepOptions:
-        """The train step's options: the `sbd` section, data.copy_len, grad_accum and loss_chunk."""
         return StepOptions(mask_token_id, **dataclasses.asdict(self.sbd), copy_len=self.data.copy_len,
                            grad_accum=self.optim.grad_accum, loss_chunk=self.loss_chunk)
-
-
-def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
-    """YAML + `key=value` overrides -> TrainConfig (unknown keys raise ConfigError naming them)."""
-    return load_config(TrainConfig, path, list(overrides))

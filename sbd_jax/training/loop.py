@@ -136,7 +136,7 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
 
 def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
     """Model, data iterator, compiled step and the initial (or restored) state."""
-    resume = ckpt.latest_step()
+    resume = ckpt.manager.latest_step()
     if model is not None:
         model_cfg, params = model[0], None if resume is not None else shard_params(model[1], model[0], mesh)
     else:

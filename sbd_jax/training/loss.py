@@ -66,8 +66,8 @@ def combine(sums: LossSums, ntp_total=None, matp_total=None):
 
 def sbd_loss(params, cfg: ModelConfig, ex: Example, *, chunk: int = 0):
     """-> (loss, metrics dict with loss, ntp_loss, matp_loss, ntp_tokens, matp_tokens)."""
-    s = loss_sums(params, cfg, ex, chunk=chunk)
-    return combine(s), metrics_from_sums(s)
+    m = metrics_from_sums(loss_sums(params, cfg, ex, chunk=chunk))
+    return m["loss"], m
 
 
 def metrics_from_sums(s: LossSums) -> dict:

@@ -28,7 +28,6 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params):
-    """True for parameters that get weight decay (matrices and embeddings; not norms or biases)."""
     return jax.tree.map_with_path(lambda path, _: str(getattr(path[-1], "key", path[-1])) not in _NO_DECAY, params)
 
 

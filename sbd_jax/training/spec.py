@@ -1,5 +1,5 @@
-"""What a train step builds and runs: one frozen spec, validated here when it is built, that goes from
-`TrainConfig.step_options` to the train step, `make_example` and `build_sbd_example` (SBD.md, training)."""
+"""What a train step builds and runs: the `sbd` section and the frozen specs made from it, validated here, that
+go from `TrainConfig.step_options` to the train step, `make_example` and `build_sbd_example` (SBD.md, training)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +8,6 @@ from ..config import ConfigError
 
 
 def require(ok: bool, message: str) -> None:
-    """The configs' checks: ConfigError(message) unless `ok`."""
     if not ok:
         raise ConfigError(message)
 
@@ -17,21 +16,30 @@ def require_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     require(value in choices, f"{key} must be {'/'.join(choices)}, got {value!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class ExampleSpec:
-    """How a step's examples are built. The messages name the config keys the fields come from."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SBDConfig:
+    """The `sbd` config section: how training examples are built. The messages name its keys."""
 
-    mask_token_id: int | None = None  # the `<m>` id (SBD examples need it, the NTP baseline does not)
-    k_max: int = 16  # block size drawn uniformly from [2, k_max] at every step
-    block_size: int | None = None  # a fixed block size instead of the draw
-    ntp_only: bool = False  # the NTP baseline: only the clean half
-    block_align: str = "document"  # blocks start at the document ("document") or at the response ("response")
-    copy_len: int | None = None  # C: a compact copy stream of C slots holding no prompt (None: the full L)
+    k_max: int = 16  # block size drawn uniformly from [2, k_max] at every step (the paper: [2, 16])
+    block_size: int | None = None  # fixed block size instead of the random draw
+    ntp_only: bool = False  # the NTP baseline: same code path, only the clean half is run
+    block_align: str = "document"  # "document" (paper) | "response" (SFT: blocks start at the response)
 
     def __post_init__(self):
         require(self.k_max >= 2, f"sbd.k_max must be >= 2 (blocks of 2..k_max), got {self.k_max}")
         require(self.block_size is None or self.block_size >= 1, f"sbd.block_size must be >= 1, got {self.block_size}")
         require_choice("sbd.block_align", self.block_align, ("document", "response"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExampleSpec(SBDConfig):
+    """What `make_example` takes: the `sbd` section (keyword-only fields) plus the mask id and data.copy_len."""
+
+    mask_token_id: int | None = None  # the `<m>` id (SBD examples need it, the NTP baseline does not)
+    copy_len: int | None = None  # C: a compact copy stream of C slots holding no prompt (None: the full L)
+
+    def __post_init__(self):
+        super().__post_init__()
         require(self.copy_len is None or self.ntp_only or self.block_align == "response",
                 "data.copy_len (a copy stream without the prompts) needs sbd.block_align='response': with "
                 "document-aligned blocks the prompts are part of the copy stream")
