@@ -45,10 +45,9 @@ from .spec import DecodeError, DecodeSpec, PromptTooLongError, check_model, chec
 
 
 class GenerateOutput(NamedTuple):
-    """tokens [B, max_new_tokens] (int32, the pad id beyond `lengths`), lengths [B] generated tokens
-    (EOS included), nfe [B] model calls, stopped_by_eos [B] bool, iterations (scalar: model calls of
-    the batch as a whole = loop iterations + 1), wide_steps (scalar: SBD iterations that used the
-    2k commit window), cache (KVCache or None)."""
+    """tokens [B, max_new_tokens] (int32, the pad id beyond `lengths`), lengths [B] generated tokens (EOS
+    included), nfe [B] model calls, stopped_by_eos [B], iterations (model calls of the batch = loop iterations
+    + 1), wide_steps (SBD iterations that used the 2k commit window), cache (KVCache or None)."""
 
     tokens: jax.Array
     lengths: jax.Array

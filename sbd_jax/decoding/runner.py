@@ -58,11 +58,6 @@ def check_prompts(cfg: ModelConfig, opts: DecodeOptions, prompts: list[Prompt]) 
                 f"model has max_position_embeddings {cfg.max_position_embeddings}")
 
 
-def buckets(prompts: list[Prompt], batch_size: int) -> list[list[Prompt]]:
-    order = sorted(prompts, key=lambda p: len(p.ids))
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-
-
 def row_key(pid) -> int:
     """A stable 31-bit integer per prompt id (folded into the seed's key)."""
     return zlib.crc32(repr(pid).encode()) & 0x7FFFFFFF
@@ -123,7 +118,8 @@ class BatchDecoder:
         with_ar = opts.compare_ar and opts.spec.mode != "ar"
         main, ar = Totals(), Totals()
         same_as_ar = 0
-        for batch in buckets(prompts, opts.batch_size):
+        order = sorted(prompts, key=lambda p: len(p.ids))  # length buckets
+        for batch in (order[i:i + opts.batch_size] for i in range(0, len(order), opts.batch_size)):
             res, secs = self.run(batch, opts.spec.mode)
             main.add(res, secs)
             if with_ar:

@@ -1,12 +1,10 @@
-"""Per-position entropies, the two SBD acceptance rules and token sampling (pure, jittable).
+"""Per-position entropies, the two SBD acceptance rules and token sampling (pure, jittable; B = batch rows,
+K = block positions, V = vocabulary).
 
-Shapes: B = batch rows, K = block positions, V = vocabulary.
-
-Entropies (SBD.md inference step 3): H_i is the entropy of the model's own distribution
-q_i = softmax(logits_i), i.e. at temperature 1, whatever the sampling temperature. With
-`tempered_entropy=True` and a temperature T > 0, H is computed on softmax(logits / T) instead (the EB
-paper's / diffusers' convention); rows decoded greedily (T == 0) always use temperature 1, because a
-one-hot tempered distribution has zero entropy and would accept every position.
+Entropies (SBD.md inference step 3): H_i is the entropy of the model's own distribution q_i = softmax(logits_i),
+at temperature 1 whatever the sampling temperature. With `tempered_entropy=True` and T > 0, H is computed on
+softmax(logits / T) instead (the EB paper's / diffusers' convention); greedy rows (T == 0) always use
+temperature 1, because a one-hot tempered distribution has zero entropy and would accept every position.
 
 Acceptance rules (SBD.md inference step 4), both applied to the still-masked positions only:
   "eb"        sort by H ascending, i_1, i_2, ...; accept i_1..i_s for the largest s >= 1 with
@@ -14,10 +12,10 @@ Acceptance rules (SBD.md inference step 4), both applied to the still-masked pos
   "threshold" accept every position with H_i < gamma, and at least the one of lowest entropy.
 Ties in H are broken by position (stable sort / first argmin), so the rule is deterministic.
 
-Sampling: temperature, then top-k, then top-p (HF's order) shape the distribution p_i used to draw
-the token; temperature 0 means argmax of the raw logits. Randomness is per row: row b at its n-th
-model call draws from `fold_in(key_b, n)`, so a row's output does not depend on which other rows
-share its batch (given per-row keys), and the cached and brute-force decoders draw identically.
+Sampling: temperature, then top-k, then top-p (HF's order) shape the distribution p_i used to draw the token;
+temperature 0 means argmax of the raw logits. Row b at its n-th model call draws from `fold_in(key_b, n)`: a
+row's output does not depend on its batch (given per-row keys), and the cached and brute-force decoders draw
+identically.
 """
 from __future__ import annotations
 

@@ -25,26 +25,19 @@ def _is_int(x) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
-    """mode: "sbd" (Set Block Decoding) or "ar" (next-token decoding, the baseline).
-    max_new_tokens: cap on generated tokens per row.
-    block_size (SBD): positions per block; AR makes one token per step whatever it says.
-    rule (SBD): acceptance rule, "eb" (the paper's entropy bound) or "threshold" (sampling.py).
-    top_k (0 = off), top_p (1 = off): shape the sampling distribution (not the entropies).
-    tempered_entropy: entropies on the tempered distribution for rows with temperature > 0.
-    eos_ids: stop tokens (None = the model's `eos_token_id`; () = never stop early).
-    pad_id: fills the output beyond each row's length (None = the model's pad id, else 0).
-    finalize_cache: one extra uncounted call writes the K/V the loop left uncommitted, so the cache
-      equals one causal forward over prompt + output. return_cache: return the cache."""
+    """What shapes the compiled decoder (one compilation per spec and prompt shape)."""
 
-    max_new_tokens: int = 256
-    mode: str = "sbd"
-    block_size: int = 4
-    rule: str = "eb"
-    top_k: int = 0
-    top_p: float = 1.0
-    tempered_entropy: bool = False
-    eos_ids: tuple[int, ...] | None = None
-    pad_id: int | None = None
+    max_new_tokens: int = 256  # cap on generated tokens per row
+    mode: str = "sbd"  # "sbd" (Set Block Decoding) | "ar" (next-token decoding, the baseline)
+    block_size: int = 4  # SBD: positions per block (AR makes one token per step)
+    rule: str = "eb"  # SBD acceptance rule: "eb" (the paper's entropy bound) | "threshold" (sampling.py)
+    top_k: int = 0  # 0 = off; top_k and top_p shape the sampling distribution, not the entropies
+    top_p: float = 1.0  # 1 = off
+    tempered_entropy: bool = False  # entropies on the tempered distribution for rows with temperature > 0
+    eos_ids: tuple[int, ...] | None = None  # stop tokens (None: the model's eos_token_id; (): never stop early)
+    pad_id: int | None = None  # fills the output beyond each row's length (None: the model's pad id, else 0)
+    # one extra uncounted call writes the K/V the loop left uncommitted: the cache then equals one causal
+    # forward over prompt + output
     finalize_cache: bool = False
     return_cache: bool = False
 
