@@ -1,4 +1,4 @@
-"""SBD / AR decoding (issue 4): cached decoder == brute-force decoder, exact KV cache, ragged batches,
+"""SBD / AR decoding: cached decoder == brute-force decoder, exact KV cache, ragged batches,
 EOS, block size 1, use inside a user's jit, HF greedy parity, errors.
 
 The model is random but initialised with std 0.5, so its distributions are sharp enough that

@@ -1,5 +1,5 @@
 """decode.py end to end (in-process `main`): text / id / chat prompts, length buckets, streamed output,
---compare-ar summary, --resume after a killed write, and the clear errors of issue 4."""
+--compare-ar summary, --resume after a killed write, and its clear errors on bad input."""
 import json
 import sys
 from pathlib import Path
