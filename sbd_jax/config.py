@@ -29,6 +29,10 @@ class RopeScaling:
     rope_type: str = "llama3"
 
 
+ATTENTION_IMPLS = ("auto", "xla", "pallas")
+REMAT_POLICIES = ("none", "full", "save_dots")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-3.x / Qwen3 decoder. Field names follow HF `config.json` where one exists."""
@@ -54,11 +58,15 @@ class ModelConfig:
     pad_token_id: int | None = None
     param_dtype: str = "float32"  # storage dtype of parameters
     dtype: str = "float32"  # compute dtype of activations / matmuls
-    attention_impl: str = "xla"  # "xla" | "pallas"
+    # "auto": the Pallas kernels on GPU/TPU, the XLA reference on CPU | "xla" | "pallas"
+    attention_impl: str = "auto"
     # layers per iteration of the `lax.scan` over layers in the cache-free forward (training): 1 = a rolled
     # loop (compiles once per layer shape, what big models want); num_hidden_layers = fully unrolled, which
     # spares the loop's stacked residual buffers (faster at small shapes, see BENCHMARKS.md)
     scan_unroll: int = 1
+    # what the backward pass keeps of each layer of the cache-free forward (`REMAT_POLICIES`): "none" keeps every
+    # activation, "full" only the layer's input (the layer is recomputed), "save_dots" also the matmul outputs
+    remat: str = "none"
 
     def __post_init__(self):
         if self.model_type not in ("llama", "qwen3"):
@@ -84,8 +92,10 @@ class ModelConfig:
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ConfigError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
-        if self.attention_impl not in ("xla", "pallas"):
-            raise ConfigError(f"attention_impl must be 'xla' or 'pallas', got {self.attention_impl!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ConfigError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ConfigError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         if not 1 <= self.scan_unroll <= self.num_hidden_layers:
             raise ConfigError(f"scan_unroll must be in [1, num_hidden_layers={self.num_hidden_layers}], "
                               f"got {self.scan_unroll}")

@@ -107,6 +107,10 @@ def test_bad_model_config_values():
                             mask_token_id=10)
     with pytest.raises(ConfigError, match=r"scan_unroll must be in \[1, num_hidden_layers=4\], got 5"):
         sbd_jax.ModelConfig(num_hidden_layers=4, scan_unroll=5)
+    with pytest.raises(ConfigError, match=r"remat must be one of \('none', 'full', 'save_dots'\), got 'dots'"):
+        sbd_jax.ModelConfig(remat="dots")
+    with pytest.raises(ConfigError, match=r"attention_impl must be one of .*got 'flash'"):
+        sbd_jax.ModelConfig(attention_impl="flash")
     with pytest.raises(ValueError, match="tokens must be"):
         sbd_jax.forward(sbd_jax.init_params(CFG, jax.random.key(0)), CFG, jnp.ones((3,), jnp.int32), None)
 

@@ -16,7 +16,7 @@ from sbd_jax.attention.pallas import force_backend
 from sbd_jax.models import init_cache
 
 CFG = sbd_jax.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, mask_token_id=63)
+                          num_attention_heads=4, num_key_value_heads=2, mask_token_id=63, attention_impl="xla")
 PALLAS = dataclasses.replace(CFG, attention_impl="pallas")
 PARAMS = sbd_jax.init_params(CFG, jax.random.key(0), std=0.2)
 KERNELS = {"triton": ("sbd_flash_fwd", "sbd_flash_dq", "sbd_flash_dkv"),

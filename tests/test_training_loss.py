@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from sbd_jax.config import ModelConfig
-from sbd_jax.models import param_shapes
+from sbd_jax.models import init_params, param_shapes
 from sbd_jax.training.examples import (
     PackedBatch,
     build_ntp_example,
     build_sbd_example,
     sample_masked,
 )
-from sbd_jax.training.loss import sbd_loss
+from sbd_jax.training.loss import auto_chunk, sbd_loss
 from sbd_jax.training.spec import ExampleSpec
 
 M = 5
@@ -242,15 +242,38 @@ def test_compact_copy_stream_equals_the_full_layout(setup):
         ExampleSpec(M, block_align="document", copy_len=18)
 
 
-def test_unrolled_layer_scan_equals_rolled(setup):
-    """`scan_unroll` (layers per scan iteration of the training forward) changes speed only: the same loss
-    and gradients as the rolled loop."""
+@pytest.mark.parametrize("options", [dict(scan_unroll=2), dict(remat="full"), dict(remat="save_dots"),
+                                     dict(remat="full", scan_unroll=2)], ids=str)
+def test_speed_and_memory_options_change_nothing(setup, options):
+    """`scan_unroll` (layers per scan iteration) and `remat` (what the backward pass recomputes) change speed
+    and memory only: the same loss and gradients as the rolled loop that keeps every activation."""
     params, batch, masked = setup
     ex = build_sbd_example(batch, jnp.asarray(masked), jnp.int32(4), ExampleSpec(M))
-    unrolled = dataclasses.replace(CFG, scan_unroll=CFG.num_hidden_layers)
+    other = dataclasses.replace(CFG, **options)
     (v0, m0), g0 = jax.jit(jax.value_and_grad(lambda p: sbd_loss(p, CFG, ex), has_aux=True))(params)
-    (v1, m1), g1 = jax.jit(jax.value_and_grad(lambda p: sbd_loss(p, unrolled, ex), has_aux=True))(params)
+    (v1, m1), g1 = jax.jit(jax.value_and_grad(lambda p: sbd_loss(p, other, ex), has_aux=True))(params)
     np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
     np.testing.assert_allclose(float(m1["matp_loss"]), float(m0["matp_loss"]), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+
+
+def test_remat_shrinks_the_backward_pass_memory():
+    """XLA's buffer plan of one gradient: "full" keeps each layer's input only, "save_dots" adds the matmul
+    outputs, "none" every activation; the loss chunking keeps the [B, T, V] logits out (auto above 256 MiB)."""
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, mask_token_id=M)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    tok = jax.ShapeDtypeStruct((2, 512), jnp.int32)
+
+    def temp_bytes(remat):
+        c = dataclasses.replace(cfg, remat=remat)
+        def loss(p, t):
+            ex = build_ntp_example(PackedBatch(t, jnp.ones_like(t), jnp.broadcast_to(jnp.arange(512), t.shape),
+                                               jnp.ones_like(t)))
+            return sbd_loss(p, c, ex)[0]
+        return jax.jit(jax.grad(loss)).lower(params, tok).compile().memory_analysis().temp_size_in_bytes
+
+    none, dots, full = temp_bytes("none"), temp_bytes("save_dots"), temp_bytes("full")
+    assert full < dots < none and full < 0.5 * none, (none, dots, full)
+    assert auto_chunk(128256, 8192) == 1024 and auto_chunk(cfg.vocab_size, 512) == 0

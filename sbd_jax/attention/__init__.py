@@ -4,13 +4,15 @@
 `sharded.py`: under an active mesh (`jax.set_mesh`, or `sbd_jax.sharding.mesh_context` inside the
 training step and the decoder) the Pallas kernels run per shard inside `jax.shard_map` (batch over
 data x fsdp, heads over tensor); without one they are called directly."""
+import jax
+
 from .mask import (CLEAN, COPY, TokenMeta, block_starts, clean_meta, concat_meta, copy_meta,
                    dense_mask, sbd_mask)
 from .reference import concat_parts, reference_attention
 
 
 def attention(q_BTHD, k_BSKD, v_BSKD, q_meta, kv_meta, *, impl: str = "xla"):
-    """Dispatch on `impl` ("xla" reference, or "pallas" fused kernels)."""
+    """Dispatch on `impl`: "xla" reference, "pallas" fused kernels, "auto" = the kernels on GPU/TPU."""
     return attention_parts(q_BTHD, [(k_BSKD, v_BSKD, kv_meta)], q_meta, impl=impl, kv_meta=kv_meta)
 
 
@@ -19,11 +21,13 @@ def attention_parts(q_BTHD, kv_parts, q_meta, *, impl: str = "xla", kv_meta=None
     means k = concat(k_i) along time. "pallas" reads the parts in place (decoding reads its cache
     without a concatenated copy per layer); "xla" concatenates (`kv_meta`: the concatenated
     metadata if the caller has it already)."""
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
     if impl == "pallas":  # the kernels (imported lazily, they are optional), per shard under a mesh
         from .sharded import pallas_attention_parts
         return pallas_attention_parts(q_BTHD, kv_parts, q_meta)
     if impl != "xla":
-        raise ValueError(f"unknown attention_impl {impl!r} (expected 'xla' or 'pallas')")
+        raise ValueError(f"unknown attention_impl {impl!r} (expected 'auto', 'xla' or 'pallas')")
     k, v, meta = concat_parts(kv_parts)
     return reference_attention(q_BTHD, k, v, q_meta, meta if kv_meta is None else kv_meta)
 

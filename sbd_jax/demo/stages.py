@@ -65,8 +65,9 @@ def model_config(cfg: DemoConfig, tok_dir: Path) -> ModelConfig:
 def train_config(cfg: DemoConfig, data_file: Path, tok_dir: Path, *, mode: str, steps: int, lr: float,
                   ntp_only: bool, init_from: str | None, model: ModelConfig | None, out: Path) -> TrainConfig:
     return TrainConfig(
-        # the layer loop unrolled (ModelConfig.scan_unroll): faster SBD steps, NTP steps unchanged (BENCHMARKS.md)
-        model=ModelSource(init_from=init_from, config=model, scan_unroll=cfg.num_layers),
+        # the layer loop unrolled (ModelConfig.scan_unroll): faster SBD steps, NTP steps unchanged (BENCHMARKS.md);
+        # no remat: this model's activations are small, recomputing them would only cost time
+        model=ModelSource(init_from=init_from, config=model, scan_unroll=cfg.num_layers, remat="none"),
         data=DataConfig(path=str(data_file), mode=mode, tokenizer=str(tok_dir), seq_len=cfg.seq_len,
                         seed=cfg.seed, chat_template=False, copy_len=cfg.copy_len if mode == "sft" else None),
         sbd=SBDConfig(k_max=cfg.k_max, block_size=cfg.train_block_size, ntp_only=ntp_only,
@@ -78,8 +79,8 @@ def train_config(cfg: DemoConfig, data_file: Path, tok_dir: Path, *, mode: str, 
 
 
 # where a stage's saved settings may differ from this run's without making its result stale (paths, and the
-# layer loop's unrolling, which changes speed only)
-_NEUTRAL_KEYS = {"out_dir", "model.init_from", "data.path", "data.tokenizer", "model.scan_unroll"}
+# layer loop's unrolling and remat, which change speed and memory only)
+_NEUTRAL_KEYS = {"out_dir", "model.init_from", "data.path", "data.tokenizer", "model.scan_unroll", "model.remat"}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -117,6 +117,9 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
+_REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
 @jax.named_scope("layer")
 def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, write_slot_BT,
            kv_meta: tuple[TokenMeta, TokenMeta, TokenMeta] | None, clean_prefix: int | None = None):
@@ -190,6 +193,8 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
     if cache is None:
         def body(h, lp):
             return _layer(cfg, inv_freq, h, lp, meta, None, None, None, clean_prefix)[0], None
+        if cfg.remat != "none":  # the backward pass recomputes each layer from its input (and the saved dots)
+            body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
         h, _ = jax.lax.scan(body, h, params["layers"], unroll=cfg.scan_unroll)
         new_cache = None
     else:

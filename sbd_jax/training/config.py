@@ -18,7 +18,8 @@ class ModelSource:
     init_std: float = 0.02
     param_dtype: str | None = None  # master-weight dtype override (float32 recommended for training)
     dtype: str | None = None  # compute dtype override (bfloat16 = mixed precision, f32 master weights)
-    attention_impl: str | None = None  # "xla" | "pallas" override
+    attention_impl: str | None = None  # "auto" | "xla" | "pallas" override
+    remat: str | None = "full"  # ModelConfig.remat for training: recompute each layer in the backward pass
     scan_unroll: int | None = None  # layers per scan iteration in the training forward (ModelConfig.scan_unroll)
     mask_token_id: int | None = None  # the `<m>` id; overrides the checkpoint's config
     add_mask_token: bool = False  # no free id: grow embed/lm_head by one row and use id = old vocab size
@@ -107,7 +108,9 @@ class TrainConfig:
     steps: int = 1000
     batch_size: int = 8  # global rows of L tokens per optimizer step
     seed: int = 0  # parameter init (random init) and the training PRNG (masks, block sizes)
-    loss_chunk: int = 0  # >0: compute lm_head + CE over time chunks of this many tokens (saves memory)
+    # lm_head + CE over time chunks of this many tokens, so [rows, 2L, vocab] logits never exist at once;
+    # 0 = one piece, null = chunks of 1024 once a row's logits pass 256 MiB (training/loss.py auto_chunk)
+    loss_chunk: int | None = None
     log_every: int = 1
     progress: bool = True  # tqdm progress bar
 
@@ -116,7 +119,7 @@ class TrainConfig:
             require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
         require(self.batch_size % self.optim.grad_accum == 0, f"batch_size ({self.batch_size}) must be a multiple "
                 f"of optim.grad_accum ({self.optim.grad_accum})")
-        require(self.loss_chunk >= 0, f"loss_chunk must be >= 0, got {self.loss_chunk}")
+        require(self.loss_chunk is None or self.loss_chunk >= 0, f"loss_chunk must be >= 0 (or null), got {self.loss_chunk}")
         spec = self.step_options()  # validates the example options
         block, largest = ("sbd.k_max", spec.k_max) if spec.block_size is None else ("sbd.block_size", spec.block_size)
         for key, n in (("data.seq_len", self.data.seq_len), ("data.copy_len", self.data.copy_len)):

@@ -74,7 +74,7 @@ def add_mask_row(cfg: ModelConfig, params: dict | None) -> tuple[ModelConfig, di
 
 def prepare_model(src: ModelSource, seed: int, mesh, *, load_weights: bool = True):
     """ModelSource -> (ModelConfig, params sharded on `mesh`, or None without `load_weights`)."""
-    overrides = {k: getattr(src, k) for k in ("param_dtype", "dtype", "attention_impl", "mask_token_id", "scan_unroll")
+    overrides = {k: getattr(src, k) for k in ("param_dtype", "dtype", "attention_impl", "mask_token_id", "scan_unroll", "remat")
                  if getattr(src, k) is not None}
     params = None
     if src.init_from:

@@ -1,7 +1,7 @@
 """The SBD dual loss: NTP cross-entropy on the clean half + MATP cross-entropy on the masked copy positions,
 each a mean over its own counted tokens, summed (SBD.md, eq. 14 with per-token means); the NTP baseline is
-the same function with MATP weights 0. With `chunk > 0`, lm_head + CE run over time chunks in a
-rematerialised scan, so the [B, T, V] float32 logits never exist at once."""
+the same function with MATP weights 0. With `chunk > 0` (by default when the logits are large), lm_head + CE
+run over time chunks in a rematerialised scan, so the [B, T, V] float32 logits never exist at once."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -28,12 +28,20 @@ def _weighted_ce(params, cfg: ModelConfig, h_BTD, targets_BT, w_ntp_BT, w_matp_B
     return jnp.sum((lse - tgt) * w_ntp_BT), jnp.sum((lse - tgt) * w_matp_BT)
 
 
-def loss_sums(params, cfg: ModelConfig, ex: Example, *, chunk: int = 0, clean_prefix: int | None = None) -> LossSums:
-    """Run the model on `ex.tokens` under `ex.meta` and sum the two CE terms (float32). `clean_prefix=L`:
-    the example is the SBD layout `[x ; x_hat]` with an L-token clean half that attends only itself (see
-    `forward(clean_prefix)`)."""
+def auto_chunk(vocab_size: int, T: int) -> int:
+    """The default loss chunk: 1024 tokens once a row's float32 logits pass 256 MiB (Llama-3's vocabulary at
+    T > 512), else 0 (one piece)."""
+    return 1024 if T * vocab_size > 2 ** 26 else 0
+
+
+def loss_sums(params, cfg: ModelConfig, ex: Example, *, chunk: int | None = None,
+              clean_prefix: int | None = None) -> LossSums:
+    """Run the model on `ex.tokens` under `ex.meta` and sum the two CE terms (float32). `chunk`: tokens per
+    lm_head + CE piece (0: one piece; None: `auto_chunk`). `clean_prefix=L`: the example is the SBD layout
+    `[x ; x_hat]` with an L-token clean half that attends only itself (see `forward(clean_prefix)`)."""
     h, _ = forward(params, cfg, ex.tokens, ex.meta, return_hidden=True, clean_prefix=clean_prefix)
     B, T = h.shape[:2]
+    chunk = auto_chunk(cfg.vocab_size, T) if chunk is None else chunk
     if chunk <= 0 or chunk >= T:
         ntp, matp = _weighted_ce(params, cfg, h, ex.targets, ex.ntp_weight, ex.matp_weight)
     else:
@@ -64,7 +72,7 @@ def combine(sums: LossSums, ntp_total=None, matp_total=None):
     return sums.ntp_sum / jnp.maximum(nt, 1.0) + sums.matp_sum / jnp.maximum(mt, 1.0)
 
 
-def sbd_loss(params, cfg: ModelConfig, ex: Example, *, chunk: int = 0):
+def sbd_loss(params, cfg: ModelConfig, ex: Example, *, chunk: int | None = None):
     """-> (loss, metrics dict with loss, ntp_loss, matp_loss, ntp_tokens, matp_tokens)."""
     m = metrics_from_sums(loss_sums(params, cfg, ex, chunk=chunk))
     return m["loss"], m

@@ -50,4 +50,4 @@ class StepOptions(ExampleSpec):
     """The example spec plus how the step runs it."""
 
     grad_accum: int = 1  # microbatches per step
-    loss_chunk: int = 0  # >0: lm_head + cross-entropy over time chunks of this many tokens
+    loss_chunk: int | None = None  # >0: lm_head + cross-entropy over time chunks of this many tokens (None: auto)

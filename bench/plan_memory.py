@@ -1,0 +1,107 @@
+"""Memory plan: compile the SBD train step ahead of time from abstract shapes (no weights exist) on a mesh of
+fake CPU devices and print XLA's per-device memory analysis (arguments / temporaries / outputs).
+
+    .venv/bin/python bench/plan_memory.py                                   # the table in BENCHMARKS.md
+    .venv/bin/python bench/plan_memory.py --models llama3-8b --seq-len 4096 --losses sbd --remat none
+
+The fake devices are CPU devices, so the numbers are XLA:CPU's buffer assignment of the same program a
+GPU/TPU runs (same shapes, shardings, remat and loss chunking); attention "pallas" is the flash kernel in
+interpret mode, whose scores live per tile as on a GPU. Treat them as a plan (within ~10-20% of a GPU's
+peak), not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+DEVICES = int(os.environ.get("PLAN_DEVICES", "64"))
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+
+from sbd_jax.config import ModelConfig, RopeScaling  # noqa: E402
+from sbd_jax.sharding import MeshConfig, make_mesh  # noqa: E402
+from sbd_jax.training.config import ModelSource, OptimConfig  # noqa: E402
+from sbd_jax.training.examples import PackedBatch  # noqa: E402
+from sbd_jax.training.optim import make_optimizer  # noqa: E402
+from sbd_jax.training.spec import StepOptions  # noqa: E402
+from sbd_jax.training.step import (abstract_state, batch_shardings, jit_train_step, make_train_step,  # noqa: E402
+                                   state_shardings)
+
+GiB = 1024 ** 3
+_LLAMA31 = dict(model_type="llama", vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
+                rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), num_key_value_heads=8, mask_token_id=128002)
+SHAPES = {  # the HF config.json values of each checkpoint
+    "llama3-8b": ModelConfig(**_LLAMA31, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                             num_attention_heads=32),
+    "qwen3-8b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                            rope_theta=1000000.0, max_position_embeddings=40960, qk_norm=True, rms_norm_eps=1e-6,
+                            mask_token_id=151662),
+    "llama3-70b": ModelConfig(**_LLAMA31, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                              num_attention_heads=64),
+    "llama3.2-1b": ModelConfig(**_LLAMA31, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=32, tie_word_embeddings=True),
+}
+
+
+def train_step_memory(cfg: ModelConfig, *, seq_len: int, rows_per_device: int, mesh_cfg: MeshConfig,
+                      ntp_only: bool, devices) -> dict:
+    """AOT-compile one optimizer step (AdamW, f32 master weights) and return its memory analysis in bytes."""
+    mesh = make_mesh(mesh_cfg, devices)
+    batch = rows_per_device * mesh.shape["data"] * mesh.shape["fsdp"]
+    tx, schedule = make_optimizer(OptimConfig(), 1000)
+    sh = state_shardings(cfg, tx, mesh)
+    state = abstract_state(cfg, tx, sh)
+    rows = jax.ShapeDtypeStruct((batch, seq_len), "int32", sharding=batch_shardings(mesh, batch).tokens)
+    opts = StepOptions(cfg.mask_token_id, ntp_only=ntp_only, block_align="document")
+    step = jit_train_step(make_train_step(cfg, opts, tx, schedule, mesh), mesh, sh, batch)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, PackedBatch(rows, rows, rows, rows)).compile()
+    ma = compiled.memory_analysis()
+    return {"args": ma.argument_size_in_bytes, "temp": ma.temp_size_in_bytes, "out": ma.output_size_in_bytes,
+            "alias": ma.alias_size_in_bytes, "compile_s": time.perf_counter() - t0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama3-8b,qwen3-8b", help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--seq-len", default="4096,8192", help="L (the SBD input is 2L tokens per row)")
+    ap.add_argument("--losses", default="sbd,ntp", help="sbd (dual loss) and/or ntp (the baseline step)")
+    ap.add_argument("--fsdp", type=int, default=8)
+    ap.add_argument("--tensor", type=int, default=1)
+    ap.add_argument("--rows-per-device", type=int, default=1)
+    ap.add_argument("--attention", default="pallas", choices=("pallas", "xla"))
+    ap.add_argument("--remat", default=ModelSource.__dataclass_fields__["remat"].default,
+                    help="ModelConfig.remat (default: what train.py uses)")
+    ap.add_argument("--dtype", default="bfloat16", help="compute dtype (master weights stay float32)")
+    args = ap.parse_args(argv)
+    n = args.fsdp * args.tensor
+    if n > jax.device_count():
+        ap.error(f"the mesh needs {n} devices, {jax.device_count()} fake ones exist (set PLAN_DEVICES)")
+    mesh_cfg = MeshConfig(data=1, fsdp=args.fsdp, tensor=args.tensor)
+    print(f"mesh data=1 fsdp={args.fsdp} tensor={args.tensor}, {args.rows_per_device} row(s) per device, "
+          f"attention {args.attention}, compute {args.dtype}, f32 master weights + AdamW; GiB per device")
+    print("| model | mesh | L | loss | remat | args | temp | args+temp | out | compile s |")
+    print("|---|---|---:|---|---|---:|---:|---:|---:|---:|")
+    for name in args.models.split(","):
+        cfg = dataclasses.replace(SHAPES[name], dtype=args.dtype, param_dtype="float32", attention_impl=args.attention,
+                                  remat=args.remat)
+        for L in (int(x) for x in args.seq_len.split(",")):
+            for loss in args.losses.split(","):
+                m = train_step_memory(cfg, seq_len=L, rows_per_device=args.rows_per_device, mesh_cfg=mesh_cfg,
+                                      ntp_only=loss == "ntp", devices=jax.devices()[:n])
+                print(f"| {name} | fsdp {args.fsdp} tensor {args.tensor} | {L} | {loss} | {cfg.remat} | {m['args'] / GiB:.1f} | "
+                      f"{m['temp'] / GiB:.1f} | {(m['args'] + m['temp']) / GiB:.1f} | {m['out'] / GiB:.1f} | "
+                      f"{m['compile_s']:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
