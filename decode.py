@@ -77,7 +77,7 @@ def run(args) -> int:
     from sbd_jax.decoding.runner import DecodeOptions, check_prompts, decode_prompts
     from sbd_jax.io.hf import from_pretrained
     from sbd_jax.io.tokenizer import Tokenizer
-    from sbd_jax.sharding import make_mesh, maybe_initialize_distributed, shard_params
+    from sbd_jax.sharding import make_mesh, maybe_initialize_distributed
 
     if args.resume and args.overwrite:
         raise DecodeError("--resume and --overwrite exclude each other")
@@ -89,7 +89,7 @@ def run(args) -> int:
     mesh_cfg = mesh_config(args)
     maybe_initialize_distributed()
     mesh = make_mesh(mesh_cfg)
-    cfg, params = from_pretrained(args.model, dtype=args.dtype)
+    cfg, params = from_pretrained(args.model, dtype=args.dtype, mesh=mesh)  # each process reads its shards
     if spec.eos_ids is None:
         opts = dataclasses.replace(opts, spec=dataclasses.replace(spec, eos_ids=generation_eos(cfg, args.model)))
     check_model(cfg, opts.spec)  # before reading any prompt
@@ -102,7 +102,6 @@ def run(args) -> int:
     if done:
         print(f"resume: {len(prompts) - len(pending)} of {len(prompts)} prompts already in {args.output}",
               file=sys.stderr)
-    params = shard_params(params, cfg, mesh)
 
     def on_row(p, r):
         if out is None:

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.flax import save_file
 
 from ..config import ConfigError, ModelConfig
 from ..models.hf_config import KNOWN_KEYS, config_from_hf, config_to_hf
@@ -71,77 +70,150 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
         raise CheckpointError(f"cannot read safetensors file {str(single)!r} (truncated or corrupt?): {e}") from None
 
 
+def _hf_slices(s: ParamSpec, shape: tuple[int, ...], box: list[tuple[int, int]]):
+    """How to read the block `box` ([start, stop) per dim) of one layer of `s` (shape `shape`) from its HF
+    tensor: -> (the HF slice, the shape of what it gives in our dim order, the cut of it that is the block).
+    An HF dim joins several of ours (`heads*head_dim`): it is read over whole rows of its leading one."""
+    hf_index, our_shape, cut, at = [], [], [], 0
+    for group in s.axes.split():
+        (a, b), rest = box[at], shape[at + 1:at + len(group.split("*"))]
+        hf_index.append(slice(a * math.prod(rest), b * math.prod(rest)))
+        our_shape += [b - a, *rest]
+        cut += [slice(None), *(slice(*box[i]) for i in range(at + 1, at + 1 + len(rest)))]
+        at += 1 + len(rest)
+    return tuple(hf_index[::-1] if s.hf_t else hf_index), our_shape, tuple(cut)
+
+
 def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = None, dtype: str | None = None,
-                    allow_unknown_keys: bool = False, **config_overrides) -> tuple[ModelConfig, dict]:
+                    mesh=None, rules=None, allow_unknown_keys: bool = False,
+                    **config_overrides) -> tuple[ModelConfig, dict]:
     """Load a local HF-layout Llama-3.x/Qwen3 checkpoint -> (ModelConfig, params pytree). `param_dtype`
-    (storage) and `dtype` (compute) default to float32, whatever the checkpoint stores."""
+    (storage) and `dtype` (compute) default to float32, whatever the checkpoint stores. With `mesh`, every
+    weight is built in its shards (`sbd_jax.sharding.param_shardings(cfg, mesh, rules)`): each process reads
+    from the safetensors only the slices its own devices hold, one device's slice of one layer at a time;
+    without, the weights land on the default device."""
+    from ..sharding import param_shardings  # (sharding imports the model; a module-level import would cycle)
+
     model_dir = Path(model_dir)
     dtypes = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v}
     cfg = load_hf_config(model_dir, allow_unknown_keys=allow_unknown_keys, **{**config_overrides, **dtypes})
     files = _weight_files(model_dir)
-    handles: dict[Path, object] = {}
 
-    def get(name: str, expected_shape) -> np.ndarray:
+    def read(name: str, index: tuple[slice, ...], expected_shape) -> np.ndarray:
+        """The slice `index` of HF tensor `name`, whose shape is checked against the config's. The file is
+        memory-mapped for this read only, so its pages leave the process's memory with it."""
         if name not in files:
             raise CheckpointError(f"weight {name!r} is missing from the checkpoint in {str(model_dir)!r}")
         f = files[name]
         try:
-            if f not in handles:
-                handles[f] = safe_open(str(f), framework="flax")
-            t = handles[f].get_tensor(name)
+            with safe_open(str(f), framework="numpy") as handle:
+                t = handle.get_slice(name)
+                shape = tuple(t.get_shape())
+                out = t[index] if shape == tuple(expected_shape) else None
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read {name!r} from {str(f)!r} (truncated or corrupt?): {e}") from None
-        if tuple(t.shape) != tuple(expected_shape):
-            raise CheckpointError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(expected_shape)} "
-                                  f"for this config (vocab/hidden/head sizes disagree with config.json?)")
-        return jnp.asarray(t).astype(cfg.param_dtype)
+        if out is None:
+            raise CheckpointError(f"weight {name!r} has shape {shape}, expected {tuple(expected_shape)} for this "
+                                  f"config (vocab/hidden/head sizes disagree with config.json?)")
+        return out
 
-    def load(s: ParamSpec):
-        ws = [get(name, _hf_shape(s, cfg)) for name in _hf_names(s, cfg)]  # a Linear weight transposed back
-        ws = [(w.T if s.hf_t else w).reshape(s.shape(cfg)[s.stacked:]) for w in ws]
-        return jnp.stack(ws) if s.stacked else ws[0]
-    return cfg, jax.tree.map(load, param_specs(cfg))
+    def load(s: ParamSpec, sharding):
+        shape = s.shape(cfg)
+        names, hf_shape = _hf_names(s, cfg), _hf_shape(s, cfg)
+
+        def block(index: tuple[slice, ...]) -> np.ndarray:
+            box = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
+            layers, box = (range(*box[0]), box[1:]) if s.stacked else ([0], box)
+            hf_index, our_shape, cut = _hf_slices(s, shape[s.stacked:], box)
+            ws = [read(names[i], hf_index, hf_shape) for i in layers]
+            ws = [(w.T if s.hf_t else w).reshape(our_shape)[cut].astype(cfg.param_dtype) for w in ws]
+            return np.stack(ws) if s.stacked else ws[0]
+        return jax.make_array_from_callback(shape, sharding, block)
+
+    specs = param_specs(cfg)
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return cfg, jax.tree.map(lambda sp: load(sp, one), specs)
+    return cfg, jax.tree.map(load, specs, param_shardings(cfg, mesh, rules))
 
 
-def hf_state_dict(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
-    """Our params -> HF tensor names and layouts (host arrays)."""
-    params, out = jax.device_get(params), {}
-    for s in jax.tree.leaves(param_specs(cfg)):
-        w = np.asarray(functools.reduce(lambda tree, key: tree[key], s.name.split("/"), params))
-        shape = _hf_shape(s, cfg)
-        for name, layer_w in zip(_hf_names(s, cfg), w if s.stacked else [w]):
-            out[name] = np.ascontiguousarray(layer_w.reshape(shape[::-1]).T if s.hf_t else layer_w.reshape(shape))
-    return out
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def _host_value(x) -> np.ndarray:
+    """A (possibly sharded, possibly multi-process) array on this host, whole. Every process must call it."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | os.PathLike, *,
                     max_shard_bytes: int = 5 * 2**30, dtype: str | None = None) -> Path:
-    """Write config.json (with mask_token_id) + safetensors (sharded with an index past
-    `max_shard_bytes`) so that `transformers` loads the directory. Files are written to a temporary
-    name and renamed, so a killed save never leaves a half-written shard under its final name."""
+    """Write config.json (with mask_token_id) + safetensors (sharded with an index past `max_shard_bytes`) so
+    that `transformers` loads the directory. Tensor by tensor: one layer's weight is gathered to the host,
+    converted and appended to its file at a time, so host memory stays near the largest tensor. With several
+    processes every process must call it (the gathers are collective) and process 0 writes. Files are written
+    to a temporary name and renamed, so a killed save never leaves a half-written file under its final name."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    lead = jax.process_index() == 0
     dtype = jnp.dtype(dtype or cfg.param_dtype)
-    tensors = {k: jnp.asarray(v).astype(dtype) for k, v in hf_state_dict(cfg, params).items()}
-    shards: list[dict] = [{}]
-    for name, t in tensors.items():
-        if shards[-1] and sum(x.nbytes for x in shards[-1].values()) + t.nbytes > max_shard_bytes:
-            shards.append({})
-        shards[-1][name] = t
+    if dtype.name not in _ST_DTYPES:
+        raise ConfigError(f"export dtype must be one of {sorted(_ST_DTYPES)}, got {dtype.name!r}")
+    entries, shards = [], [[]]  # entries: (HF name, HF shape, spec, layer); shards: lists of entries
+    for spec in jax.tree.leaves(param_specs(cfg)):
+        for layer, name in enumerate(_hf_names(spec, cfg)):
+            entries.append((name, _hf_shape(spec, cfg), spec, layer if spec.stacked else None))
+    nbytes = lambda e: math.prod(e[1]) * dtype.itemsize  # noqa: E731
+    for e in entries:
+        if shards[-1] and sum(map(nbytes, shards[-1])) + nbytes(e) > max_shard_bytes:
+            shards.append([])
+        shards[-1].append(e)
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    def hf_tensor(e) -> np.ndarray:
+        _, shape, spec, layer = e
+        w = functools.reduce(lambda tree, key: tree[key], spec.name.split("/"), params)
+        w = _host_value(w if layer is None else w[layer]).astype(dtype)
+        return np.ascontiguousarray(w.reshape(shape[::-1]).T if spec.hf_t else w.reshape(shape))
+
+    if lead:
+        out_dir.mkdir(parents=True, exist_ok=True)
     for fname, shard in zip(files, shards):
-        _atomic(out_dir / fname, lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}))
+        if lead:
+            _atomic(out_dir / fname, lambda p, s=shard: _write_safetensors(p, s, dtype, hf_tensor))
+        else:
+            for e in shard:
+                hf_tensor(e)  # takes part in the gathers
+    if not lead:
+        return out_dir
     index_path = out_dir / "model.safetensors.index.json"
     if n == 1:
         index_path.unlink(missing_ok=True)  # a stale index would shadow the single file
     else:
-        index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
-                 "weight_map": {k: fname for fname, shard in zip(files, shards) for k in shard}}
+        index = {"metadata": {"total_size": int(sum(map(nbytes, entries)))},
+                 "weight_map": {e[0]: fname for fname, shard in zip(files, shards) for e in shard}}
         _atomic(index_path, lambda p: Path(p).write_text(json.dumps(index, indent=2)))
     hf_cfg = {**config_to_hf(cfg), "torch_dtype": dtype.name}
     _atomic(out_dir / "config.json", lambda p: Path(p).write_text(json.dumps(hf_cfg, indent=2) + "\n"))
     return out_dir
+
+
+def _write_safetensors(path, entries, dtype, tensor) -> None:
+    """A safetensors file written one tensor at a time (the `safetensors` writers take every tensor of a file
+    at once): a little-endian u64 header size, the JSON header padded to 8 bytes, then the raw tensors."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, *_ in entries:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dtype.name], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for e in entries:
+            f.write(tensor(e).tobytes())
 
 
 def _atomic(path: Path, write) -> None:

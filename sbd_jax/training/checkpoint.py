@@ -1,16 +1,13 @@
-"""orbax checkpoints of the TrainState plus the data iterator position (JSON), keeping the last K; and the
-final export to HF layout. orbax renames a step's temporary directory to `<step>` only once it is complete,
-so a process killed mid-save leaves the previous step restorable (tests/test_training_loop.py, SIGKILL)."""
+"""orbax checkpoints of the TrainState plus the data iterator position (JSON), keeping the last K. orbax renames
+a step's temporary directory to `<step>` only once it is complete, so a process killed mid-save leaves the
+previous step restorable (tests/test_training_loop.py, SIGKILL)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import jax
 import orbax.checkpoint as ocp
 
-from ..config import ModelConfig
-from ..io.hf import save_pretrained
 from .step import TrainState
 
 
@@ -43,14 +40,3 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
-
-
-def export_hf(cfg: ModelConfig, params: dict, out_dir: str | os.PathLike, *, dtype: str | None = None) -> Path | None:
-    """Write the params in HF layout (config.json with mask_token_id + safetensors). With several
-    processes the params are gathered and process 0 writes."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        params = multihost_utils.process_allgather(params, tiled=True)
-        if jax.process_index() != 0:
-            return None
-    return save_pretrained(cfg, params, out_dir, dtype=dtype)

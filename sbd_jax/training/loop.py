@@ -25,10 +25,10 @@ import numpy as np
 from tqdm import tqdm
 
 from ..config import ConfigError, ModelConfig, to_dict
-from ..io.hf import from_pretrained, load_hf_config
+from ..io.hf import from_pretrained, load_hf_config, save_pretrained
 from ..models.transformer import init_params
 from ..sharding import make_mesh, param_shardings, shard_params
-from .checkpoint import Checkpointer, export_hf
+from .checkpoint import Checkpointer
 from .config import ModelSource, TrainConfig
 from .data import DataError, build_iterator
 from .optim import make_optimizer
@@ -74,12 +74,12 @@ def add_mask_row(cfg: ModelConfig, params: dict | None) -> tuple[ModelConfig, di
 
 def prepare_model(src: ModelSource, seed: int, mesh, *, load_weights: bool = True):
     """ModelSource -> (ModelConfig, params sharded on `mesh`, or None without `load_weights`)."""
-    overrides = {k: getattr(src, k) for k in ("param_dtype", "dtype", "attention_impl", "mask_token_id", "scan_unroll", "remat")
-                 if getattr(src, k) is not None}
+    overrides = {k: getattr(src, k) for k in ("param_dtype", "dtype", "attention_impl", "mask_token_id",
+                                              "scan_unroll", "remat") if getattr(src, k) is not None}
     params = None
     if src.init_from:
         if load_weights:
-            cfg, params = from_pretrained(src.init_from, **overrides)
+            cfg, params = from_pretrained(src.init_from, mesh=mesh, **overrides)  # each process reads its shards
         else:
             cfg = load_hf_config(src.init_from, **overrides)
     else:
@@ -93,7 +93,9 @@ def prepare_model(src: ModelSource, seed: int, mesh, *, load_weights: bool = Tru
             params = init_params(cfg, jax.random.PRNGKey(seed), std=src.init_std)
     if src.add_mask_token:
         cfg, params = add_mask_row(cfg, params)
-    return cfg, None if params is None else shard_params(params, cfg, mesh)
+    if src.add_mask_token and params is not None:
+        params = shard_params(params, cfg, mesh)
+    return cfg, params
 
 
 @functools.lru_cache(maxsize=8)
@@ -212,5 +214,5 @@ def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, s
             if last_saved != cfg.steps and end > start:
                 ckpt.save(cfg.steps, state, data.state(), force=True)
             if cfg.checkpoint.export_hf:
-                hf_dir = export_hf(model_cfg, state.params, out_dir / "hf", dtype=cfg.checkpoint.export_dtype)
+                hf_dir = save_pretrained(model_cfg, state.params, out_dir / "hf", dtype=cfg.checkpoint.export_dtype)
     return TrainResult(model_cfg, state, history, out_dir, hf_dir, resume, step_fn._cache_size())
