@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     last = result.history[-1] if result.history else {}
     print(f"done: step {result.step}, loss {last.get('loss', float('nan')):.4f} "
           f"(ntp {last.get('ntp_loss', float('nan')):.4f}, matp {last.get('matp_loss', float('nan')):.4f}); "
-          f"checkpoints in {result.out_dir / 'checkpoints'}" + (f"; HF export in {result.hf_dir}" if result.hf_dir else ""))
+          f"checkpoints in {result.out_dir / 'checkpoints'}" + (f"; HF export in {result.hf_dir}" if result.hf_dir else "")
+          + (f"; resumed from step {result.resumed_from}" if result.resumed_from is not None else ""))
     return 0
 
 

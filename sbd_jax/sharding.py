@@ -49,6 +49,8 @@ def maybe_initialize_distributed() -> bool:
         kwargs = {"coordinator_address": env["JAX_COORDINATOR_ADDRESS"],
                   **{k: int(env[v]) for k, v in (("num_processes", "JAX_NUM_PROCESSES"),
                                                  ("process_id", "JAX_PROCESS_ID")) if v in env}}
+    if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in env:  # CPU devices of different processes talk through gloo
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs)
     return True
 

@@ -23,6 +23,25 @@ def run_on_8_devices(script: str, *args) -> dict:
     return json.loads(proc.stdout.split("RESULT", 1)[1])
 
 
+def start_processes(argv: list[str], *, processes: int, devices_each: int, port: int) -> list[subprocess.Popen]:
+    """Start `python *argv` as `processes` processes of one jax.distributed job (localhost coordinator at
+    `port`, `devices_each` fake CPU devices each), the repository as cwd; stdout/stderr piped."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(ROOT), JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(processes))
+    if processes == 1:
+        env.pop("JAX_COORDINATOR_ADDRESS"), env.pop("JAX_NUM_PROCESSES")
+    return [subprocess.Popen([sys.executable, *argv], env=dict(env, JAX_PROCESS_ID=str(i)), cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(processes)]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 600) -> list[str]:
+    """Wait for every process; assert each exited 0; -> their stdouts."""
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, e) in zip(procs, outs):
+        assert p.returncode == 0, f"process exited {p.returncode}:\n{e.decode()[-4000:]}"
+    return [o.decode() for o, _ in outs]
+
+
 def train_setup():
     """The tiny model, parameters (numpy) and packed batch of tests/test_training_step.py (8 rows of 24
     tokens: two documents and padding per row) and AdamW (lr 1e-3, no warmup): (cfg, params, batch,

@@ -1,0 +1,88 @@
+"""Multi-process for real: train.py and decode.py started as 2 processes of one jax.distributed job (localhost
+coordinator, gloo CPU collectives, 4 fake CPU devices each, one mesh over all 8) against the same commands as
+1 process with 8 fake devices. Training is SIGKILLed mid-run in both processes, resumed, and exported."""
+import json
+import signal
+import socket
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import sbd_jax
+from subproc import finish, start_processes
+from test_training_loop import _write_inputs
+
+STEPS = 12
+TRAIN = ["train.py", "--config", None, f"steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=2", "log_every=1",
+         "mesh.data=2", "mesh.fsdp=4", "progress=false"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _train(cfg_path, out, processes, *, kill_after=None):
+    argv = [str(cfg_path) if a is None else a for a in TRAIN] + [f"out_dir={out}"]
+    procs = start_processes(argv, processes=processes, devices_each=8 // processes, port=_port())
+    if kill_after is None:
+        return finish(procs)
+    ckdir, deadline = out / "checkpoints", time.time() + 300
+    try:
+        while time.time() < deadline and all(p.poll() is None for p in procs):
+            if any(p.name.isdigit() and int(p.name) >= kill_after for p in ckdir.glob("*")):
+                break
+            time.sleep(0.02)
+        assert all(p.poll() is None for p in procs), "train.py ended before it could be killed:\n" + \
+            "\n".join(p.communicate()[1].decode()[-3000:] for p in procs)
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+    finally:
+        for p in procs:
+            p.wait(30)
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mp")
+    cfg_path = _write_inputs(d)
+    _train(cfg_path, d / "one", 1)
+    _train(cfg_path, d / "two", 2, kill_after=4)
+    assert not (d / "two" / "hf").exists()
+    out = _train(cfg_path, d / "two", 2)  # resumes from the last complete checkpoint
+    resumed = int(out[0].split("resumed from step ")[1].split()[0])
+    assert 4 <= resumed < STEPS and list((d / "two" / "checkpoints" / str(STEPS) / "state").glob("ocdbt.process_1"))
+    return d
+
+
+def test_two_processes_train_resume_and_export_like_one(runs):
+    one, two = _metrics(runs / "one"), _metrics(runs / "two")
+    assert [m["step"] for m in one] == [m["step"] for m in two] == list(range(1, STEPS + 1))
+    for a, b in zip(one, two):  # same batches, masks and k; sums reduced in another order across processes
+        assert (a["k"], a["ntp_tokens"], a["matp_tokens"]) == (b["k"], b["ntp_tokens"], b["matp_tokens"])
+        np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5)
+    _, p1 = sbd_jax.from_pretrained(runs / "one" / "hf")
+    _, p2 = sbd_jax.from_pretrained(runs / "two" / "hf")
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+def test_two_processes_decode_like_one(runs, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt_ids": ids}) + "\n" for i, ids in
+                               enumerate([[1, 30, 25, 9], [1, 5, 27], [1, 22, 33, 40, 12, 7], [1, 18]])))
+    outs = {}
+    for n in (1, 2):
+        outs[n] = tmp_path / f"out{n}.jsonl"
+        finish(start_processes(["decode.py", "--model", str(runs / "one" / "hf"), "--input", str(prompts),
+                                "--output", str(outs[n]), "--max-new-tokens", "8", "--block-size", "4",
+                                "--batch-size", "8", "--no-progress", "mesh.data=8"],
+                               processes=n, devices_each=8 // n, port=_port()))
+    assert outs[1].read_text() == outs[2].read_text() and len(outs[1].read_text().splitlines()) == 4
