@@ -25,6 +25,7 @@ from sbd_jax.config import load_config
 from sbd_jax.models import causal_meta
 from sbd_jax.training.checkpoint import Checkpointer
 from sbd_jax.training.config import TrainConfig
+from sbd_jax.training.data import build_iterator
 from sbd_jax.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,6 +111,35 @@ def test_stop_and_resume_is_identical(straight):
     a, b = (Checkpointer(d / name / "checkpoints") for name in ("straight", "resumed"))
     assert a.manager.latest_step() == b.manager.latest_step() == STEPS
     assert a.restore_data() == b.restore_data() and a.restore_data()["rows"] == STEPS * 8
+
+
+def test_loop_runs_ahead_of_the_host(straight):
+    """Nothing waits on the host per step: the next batches are packed and placed while a step runs (the
+    iterator is ahead of every logged step), a step's metrics are read once the next step is dispatched, and
+    a checkpoint saves the data position of the batches its steps used, not of those prefetched."""
+    d, cfg_path, _ = straight
+    cfg = load_config(TrainConfig, cfg_path, [f"out_dir={d / 'ahead'}", "steps=12", "checkpoint.every=6"])
+    inner = build_iterator(cfg.data, cfg.batch_size, eos_id=2)
+
+    class Counting:
+        calls = 0
+
+        def next_batch(self):
+            Counting.calls += 1
+            return inner.next_batch()
+
+        def state(self):
+            return inner.state()
+
+        def restore(self, state):
+            inner.restore(state)
+
+    seen = []
+    train(cfg, data=Counting(), on_log=lambda rec: seen.append((rec["step"], Counting.calls)))
+    assert [s for s, _ in seen] == list(range(1, 13))
+    assert all(calls > step for step, calls in seen[:-1]), seen
+    ck = Checkpointer(d / "ahead" / "checkpoints")
+    assert list(ck.manager.all_steps()) == [6, 12] and ck.restore_data()["rows"] == 12 * 8
 
 
 def test_interrupt_waits_for_saves_and_resumes(straight):

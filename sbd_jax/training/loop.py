@@ -14,6 +14,8 @@ import dataclasses
 import functools
 import json
 import math
+import queue
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -165,9 +167,47 @@ def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
     return resume, model_cfg, state, data, step_fn
 
 
+class _Prefetch:
+    """Packs the next batches and puts them on the devices in a background thread while the steps run. Each
+    comes with the iterator state after it: what a checkpoint taken after that batch's step saves."""
+
+    def __init__(self, data, place: Callable, depth: int = 2):
+        self._queue: queue.Queue = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(data, place), daemon=True, name="prefetch")
+        self._thread.start()
+
+    def _fill(self, data, place):
+        try:
+            while not self._stop.is_set():
+                batch = data.next_batch()
+                self._put((place(batch), data.state(), float(np.sum(np.asarray(batch.segment) > 0))))
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread, which raises it
+            self._put(e)
+
+    def _put(self, item):
+        while not self._stop.is_set():
+            try:
+                return self._queue.put(item, timeout=0.1)
+            except queue.Full:
+                continue
+
+    def next(self):
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+
+
 def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, step_fn, mesh, out_dir,
          stop_after, on_log) -> TrainResult:
-    """The step loop: log, checkpoint, final save + HF export."""
+    """The step loop. Nothing waits on the host per step: batches are prefetched (`_Prefetch`), the metrics
+    of a logged step are read after the next step is dispatched, checkpoints are written by orbax in the
+    background; then the final save + HF export."""
     lead = jax.process_index() == 0
     if lead:
         (out_dir / "train_config.json").write_text(json.dumps(
@@ -180,39 +220,55 @@ def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, s
         kept = [ln for ln in metrics_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume]
         metrics_path.write_text("".join(ln + "\n" for ln in kept))
     window_tokens, t0 = 0.0, time.perf_counter()
-    last_saved = resume
-    with tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True,
-              disable=not (cfg.progress and lead and start < end)) as pbar:
-        for i in range(start, end):
-            batch_np = data.next_batch()
-            if i == start and (np.ndim(batch_np.tokens) != 2 or len(batch_np.tokens) != cfg.batch_size):
-                raise DataError(f"the data iterator yields batches of shape {np.shape(batch_np.tokens)}, "
-                                f"expected [batch_size={cfg.batch_size}, L]")
-            state, m = step_fn(state, put_batch(batch_np, mesh, cfg.batch_size))
-            step = i + 1
-            window_tokens += float(np.sum(np.asarray(batch_np.segment) > 0))
-            if step % cfg.log_every == 0 or step == end:
-                m = {k: float(v) for k, v in jax.device_get(m).items()}
-                dt = time.perf_counter() - t0
-                rec = {"step": step, **m, "k": int(m["k"]), "tokens_per_s": window_tokens / max(dt, 1e-9),
-                       "time": time.time()}
-                window_tokens, t0 = 0.0, time.perf_counter()
-                if not math.isfinite(rec["loss"]):
-                    raise FloatingPointError(f"loss is {rec['loss']} at step {step}")
-                history.append(rec)
-                if lead:
-                    with metrics_path.open("a") as f:
-                        f.write(json.dumps(rec) + "\n")
-                if on_log:
-                    on_log(rec)
-                pbar.set_postfix(loss=f"{rec['loss']:.3f}", ntp=f"{rec['ntp_loss']:.3f}", matp=f"{rec['matp_loss']:.3f}",
-                                 tok_s=f"{rec['tokens_per_s']:.0f}", lr=f"{rec.get('lr', 0):.2e}", refresh=False)
-            pbar.update(1)
-            last_saved = step if ckpt.save(step, state, data.state()) else last_saved
-        hf_dir = None
-        if end == cfg.steps:
-            if last_saved != cfg.steps and end > start:
-                ckpt.save(cfg.steps, state, data.state(), force=True)
-            if cfg.checkpoint.export_hf:
-                hf_dir = save_pretrained(model_cfg, state.params, out_dir / "hf", dtype=cfg.checkpoint.export_dtype)
+
+    def place(batch_np):
+        if np.ndim(batch_np.tokens) != 2 or len(batch_np.tokens) != cfg.batch_size:
+            raise DataError(f"the data iterator yields batches of shape {np.shape(batch_np.tokens)}, "
+                            f"expected [batch_size={cfg.batch_size}, L]")
+        return put_batch(batch_np, mesh, cfg.batch_size)
+
+    def log(step, m, tokens):
+        nonlocal t0
+        m = {k: float(v) for k, v in jax.device_get(m).items()}
+        dt, t0 = time.perf_counter() - t0, time.perf_counter()
+        rec = {"step": step, **m, "k": int(m["k"]), "tokens_per_s": tokens / max(dt, 1e-9), "time": time.time()}
+        if not math.isfinite(rec["loss"]):
+            raise FloatingPointError(f"loss is {rec['loss']} at step {step}")
+        history.append(rec)
+        if lead:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if on_log:
+            on_log(rec)
+        pbar.set_postfix(loss=f"{rec['loss']:.3f}", ntp=f"{rec['ntp_loss']:.3f}", matp=f"{rec['matp_loss']:.3f}",
+                         tok_s=f"{rec['tokens_per_s']:.0f}", lr=f"{rec.get('lr', 0):.2e}", refresh=False)
+
+    last_saved, pending, data_state = resume, None, None
+    prefetch = _Prefetch(data, place) if start < end else None
+    try:
+        with tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True,
+                  disable=not (cfg.progress and lead and start < end)) as pbar:
+            for i in range(start, end):
+                batch, data_state, tokens = prefetch.next()
+                state, m = step_fn(state, batch)
+                step = i + 1
+                window_tokens += tokens
+                if pending is not None:  # the previous logged step's metrics, read while this step runs
+                    log(*pending)
+                    pending = None
+                if step % cfg.log_every == 0 or step == end:
+                    pending, window_tokens = (step, m, window_tokens), 0.0
+                pbar.update(1)
+                last_saved = step if ckpt.save(step, state, data_state) else last_saved
+            if pending is not None:
+                log(*pending)
+    finally:
+        if prefetch is not None:
+            prefetch.close()
+    hf_dir = None
+    if end == cfg.steps:
+        if last_saved != cfg.steps and end > start:
+            ckpt.save(cfg.steps, state, data_state, force=True)
+        if cfg.checkpoint.export_hf:
+            hf_dir = save_pretrained(model_cfg, state.params, out_dir / "hf", dtype=cfg.checkpoint.export_dtype)
     return TrainResult(model_cfg, state, history, out_dir, hf_dir, resume, step_fn._cache_size())
