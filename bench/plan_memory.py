@@ -52,15 +52,16 @@ SHAPES = {  # the HF config.json values of each checkpoint
 
 
 def train_step_memory(cfg: ModelConfig, *, seq_len: int, rows_per_device: int, mesh_cfg: MeshConfig,
-                      ntp_only: bool, devices) -> dict:
-    """AOT-compile one optimizer step (AdamW, f32 master weights) and return its memory analysis in bytes."""
+                      ntp_only: bool, devices, grad_accum: int = 1) -> dict:
+    """AOT-compile one optimizer step (AdamW, f32 master weights; `rows_per_device` rows per device in each of
+    `grad_accum` microbatches) and return its memory analysis in bytes."""
     mesh = make_mesh(mesh_cfg, devices)
-    batch = rows_per_device * mesh.shape["data"] * mesh.shape["fsdp"]
+    batch = rows_per_device * mesh.shape["data"] * mesh.shape["fsdp"] * grad_accum
     tx, schedule = make_optimizer(OptimConfig(), 1000)
     sh = state_shardings(cfg, tx, mesh)
     state = abstract_state(cfg, tx, sh)
     rows = jax.ShapeDtypeStruct((batch, seq_len), "int32", sharding=batch_shardings(mesh, batch).tokens)
-    opts = StepOptions(cfg.mask_token_id, ntp_only=ntp_only, block_align="document")
+    opts = StepOptions(cfg.mask_token_id, ntp_only=ntp_only, block_align="document", grad_accum=grad_accum)
     step = jit_train_step(make_train_step(cfg, opts, tx, schedule, mesh), mesh, sh, batch)
     t0 = time.perf_counter()
     compiled = step.lower(state, PackedBatch(rows, rows, rows, rows)).compile()
@@ -76,7 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--losses", default="sbd,ntp", help="sbd (dual loss) and/or ntp (the baseline step)")
     ap.add_argument("--fsdp", type=int, default=8)
     ap.add_argument("--tensor", type=int, default=1)
-    ap.add_argument("--rows-per-device", type=int, default=1)
+    ap.add_argument("--rows-per-device", type=int, default=1, help="rows per device in each microbatch")
+    ap.add_argument("--grad-accum", type=int, default=1, help="microbatches per step (optim.grad_accum)")
     ap.add_argument("--attention", default="pallas", choices=("pallas", "xla"))
     ap.add_argument("--remat", default=ModelSource.__dataclass_fields__["remat"].default,
                     help="ModelConfig.remat (default: what train.py uses)")
@@ -86,7 +88,8 @@ def main(argv=None) -> int:
     if n > jax.device_count():
         ap.error(f"the mesh needs {n} devices, {jax.device_count()} fake ones exist (set PLAN_DEVICES)")
     mesh_cfg = MeshConfig(data=1, fsdp=args.fsdp, tensor=args.tensor)
-    print(f"mesh data=1 fsdp={args.fsdp} tensor={args.tensor}, {args.rows_per_device} row(s) per device, "
+    print(f"mesh data=1 fsdp={args.fsdp} tensor={args.tensor}, {args.rows_per_device} row(s) per device x "
+          f"{args.grad_accum} microbatch(es), "
           f"attention {args.attention}, compute {args.dtype}, f32 master weights + AdamW; GiB per device")
     print("| model | mesh | L | loss | remat | args | temp | args+temp | out | compile s |")
     print("|---|---|---:|---|---|---:|---:|---:|---:|---:|")
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
         for L in (int(x) for x in args.seq_len.split(",")):
             for loss in args.losses.split(","):
                 m = train_step_memory(cfg, seq_len=L, rows_per_device=args.rows_per_device, mesh_cfg=mesh_cfg,
-                                      ntp_only=loss == "ntp", devices=jax.devices()[:n])
+                                      ntp_only=loss == "ntp", devices=jax.devices()[:n], grad_accum=args.grad_accum)
                 print(f"| {name} | fsdp {args.fsdp} tensor {args.tensor} | {L} | {loss} | {cfg.remat} | {m['args'] / GiB:.1f} | "
                       f"{m['temp'] / GiB:.1f} | {(m['args'] + m['temp']) / GiB:.1f} | {m['out'] / GiB:.1f} | "
                       f"{m['compile_s']:.0f} |", flush=True)
