@@ -3,6 +3,7 @@ script in a fresh interpreter (`run_on_8_devices`); `train_setup` is what the sh
 scripts share."""
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,12 @@ def run_on_8_devices(script: str, *args) -> dict:
                           text=True, env=env, cwd=ROOT, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 def start_processes(argv: list[str], *, processes: int, devices_each: int, port: int) -> list[subprocess.Popen]:

@@ -3,7 +3,6 @@ coordinator, gloo CPU collectives, 4 fake CPU devices each, one mesh over all 8)
 1 process with 8 fake devices. Training is SIGKILLed mid-run in both processes, resumed, and exported."""
 import json
 import signal
-import socket
 import time
 
 import jax
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 
 import sbd_jax
-from subproc import finish, start_processes
+from subproc import finish, free_port, start_processes
 from test_training_loop import _write_inputs
 
 STEPS = 12
@@ -19,15 +18,9 @@ TRAIN = ["train.py", "--config", None, f"steps={STEPS}", "checkpoint.every=2", "
          "mesh.data=2", "mesh.fsdp=4", "progress=false"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _train(cfg_path, out, processes, *, kill_after=None):
     argv = [str(cfg_path) if a is None else a for a in TRAIN] + [f"out_dir={out}"]
-    procs = start_processes(argv, processes=processes, devices_each=8 // processes, port=_port())
+    procs = start_processes(argv, processes=processes, devices_each=8 // processes, port=free_port())
     if kill_after is None:
         return finish(procs)
     ckdir, deadline = out / "checkpoints", time.time() + 300
@@ -84,5 +77,5 @@ def test_two_processes_decode_like_one(runs, tmp_path):
         finish(start_processes(["decode.py", "--model", str(runs / "one" / "hf"), "--input", str(prompts),
                                 "--output", str(outs[n]), "--max-new-tokens", "8", "--block-size", "4",
                                 "--batch-size", "8", "--no-progress", "mesh.data=8"],
-                               processes=n, devices_each=8 // n, port=_port()))
+                               processes=n, devices_each=8 // n, port=free_port()))
     assert outs[1].read_text() == outs[2].read_text() and len(outs[1].read_text().splitlines()) == 4

@@ -2,16 +2,22 @@
 slices its devices hold, and `save_pretrained` writes a sharded model tensor by tensor. On 8 fake CPU devices
 (device memory is host memory here), so what is measured is the load's transient host memory: the peak RSS
 growth beyond the loaded shards themselves."""
-import numpy as np
+import json
 
-from subproc import run_on_8_devices
+import jax
+import numpy as np
+import pytest
+
+import sbd_jax
+from subproc import ROOT, finish, free_port, run_on_8_devices, start_processes
 
 SCRIPT = r"""
 import json, sys
 from pathlib import Path
 import jax, jax.numpy as jnp, numpy as np
 import sbd_jax
-from sbd_jax.sharding import MeshConfig, make_mesh, param_shardings
+from sbd_jax.sharding import MeshConfig, make_mesh, maybe_initialize_distributed, param_shardings
+maybe_initialize_distributed()
 
 def rss():  # (current, peak) resident set in bytes
     f = dict(l.split(":", 1) for l in Path("/proc/self/status").read_text().splitlines() if ":" in l)
@@ -37,20 +43,30 @@ print("RESULT" + json.dumps(dict(model=model, largest=largest, resident=now - ba
 """
 
 
-def test_sharded_load_reads_slices_and_round_trips(tmp_path):
-    import jax
-    import sbd_jax
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sharded_load_reads_slices_and_round_trips(tmp_path, processes):
+    """1 process x 8 devices: no transient memory beyond the shards. 2 processes x 4 devices (one
+    jax.distributed job): each process holds, and so reads, only half of the model; the export gathers
+    tensor by tensor and process 0 writes."""
     cfg = sbd_jax.ModelConfig(vocab_size=32768, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
                               num_attention_heads=8, num_key_value_heads=4, qk_norm=True, model_type="qwen3")
     params = jax.tree.map(np.asarray, sbd_jax.init_params(cfg, jax.random.key(0)))
     sbd_jax.save_pretrained(cfg, params, tmp_path / "in", max_shard_bytes=64 * 2**20)
-    r = run_on_8_devices(SCRIPT, tmp_path / "in", tmp_path / "out")
-    assert r["placed"] and r["sharded"]
-    # what the load needs beyond the shards it built: a fraction of the largest tensor, not a model copy
-    transient = r["peak"] - r["resident"]
-    print(f"model {r['model'] / 2**20:.0f} MiB, largest tensor {r['largest'] / 2**20:.0f} MiB, peak RSS growth "
-          f"{r['peak'] / 2**20:.0f} MiB of which {transient / 2**20:.0f} MiB transient")
-    assert r["resident"] < 1.5 * r["model"] and transient < 0.5 * r["largest"], r
+    args = (tmp_path / "in", tmp_path / "out")
+    if processes == 1:
+        results = [run_on_8_devices(SCRIPT, *args)]
+    else:
+        outs = finish(start_processes(["-c", SCRIPT, str(ROOT), *map(str, args)], processes=2, devices_each=4,
+                                      port=free_port()))
+        results = [json.loads(o.split("RESULT", 1)[1]) for o in outs]
+    for r in results:
+        assert r["placed"] and r["sharded"]
+        transient = r["peak"] - r["resident"]
+        print(f"{processes} process(es): model {r['model'] / 2**20:.0f} MiB, largest tensor "
+              f"{r['largest'] / 2**20:.0f} MiB, peak RSS growth {r['peak'] / 2**20:.0f} MiB "
+              f"({transient / 2**20:.0f} MiB beyond what stays resident)")
+        # the shards this process holds plus the runtime's own buffers; nothing transient near a model copy
+        assert r["resident"] < (1.5 / processes) * r["model"] and transient < 0.5 * r["largest"], r
     # the sharded model written tensor by tensor (several files) reloads exactly
     cfg2, back = sbd_jax.from_pretrained(tmp_path / "out")
     assert cfg2 == cfg and len(list((tmp_path / "out").glob("*.safetensors"))) > 1

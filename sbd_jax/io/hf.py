@@ -221,6 +221,7 @@ def _atomic(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide an export from the other users of a shared filesystem
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
