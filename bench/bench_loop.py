@@ -8,7 +8,6 @@ bench_train.py; the difference is what the loop around it costs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import tempfile
 import time

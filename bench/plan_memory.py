@@ -1,8 +1,10 @@
-"""Memory plan: compile the SBD train step ahead of time from abstract shapes (no weights exist) on a mesh of
-fake CPU devices and print XLA's per-device memory analysis (arguments / temporaries / outputs).
+"""Memory plan: compile the SBD train step or the decoder ahead of time from abstract shapes (no weights
+exist) on a mesh of fake CPU devices and print XLA's per-device memory analysis (arguments / temporaries /
+outputs).
 
-    .venv/bin/python bench/plan_memory.py                                   # the table in BENCHMARKS.md
+    .venv/bin/python bench/plan_memory.py                                   # the training table in BENCHMARKS.md
     .venv/bin/python bench/plan_memory.py --models llama3-8b --seq-len 4096 --losses sbd --remat none
+    .venv/bin/python bench/plan_memory.py decode                            # the decoding table
 
 The fake devices are CPU devices, so the numbers are XLA:CPU's buffer assignment of the same program a
 GPU/TPU runs (same shapes, shardings, remat and loss chunking); attention "pallas" is the flash kernel in
@@ -26,7 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 from sbd_jax.config import ModelConfig, RopeScaling  # noqa: E402
-from sbd_jax.sharding import MeshConfig, make_mesh  # noqa: E402
+from sbd_jax.decoding import DecodeSpec  # noqa: E402
+from sbd_jax.decoding.decoder import generate_jit  # noqa: E402
+from sbd_jax.models.transformer import param_specs  # noqa: E402
+from sbd_jax.sharding import MeshConfig, make_mesh, param_shardings  # noqa: E402
 from sbd_jax.training.config import ModelSource, OptimConfig  # noqa: E402
 from sbd_jax.training.examples import PackedBatch  # noqa: E402
 from sbd_jax.training.optim import make_optimizer  # noqa: E402
@@ -70,7 +75,55 @@ def train_step_memory(cfg: ModelConfig, *, seq_len: int, rows_per_device: int, m
             "alias": ma.alias_size_in_bytes, "compile_s": time.perf_counter() - t0}
 
 
+def decode_memory(cfg: ModelConfig, *, batch: int, prompt: int, new: int, mode: str, tensor: int, devices) -> dict:
+    """AOT-compile `generate` (bf16 weights, greedy, block 16) and return its memory analysis in bytes."""
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=tensor), devices) if tensor > 1 else None
+    shardings = param_shardings(cfg, mesh) if mesh else jax.tree.map(lambda _: None, param_specs(cfg))
+    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape(cfg), cfg.param_dtype, sharding=sh),
+                          param_specs(cfg), shardings)
+    row = lambda dt: jax.ShapeDtypeStruct((batch,), dt)  # noqa: E731
+    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
+    spec = DecodeSpec(mode=mode, block_size=16, max_new_tokens=new)
+    t0 = time.perf_counter()
+    compiled = generate_jit.lower(params, jax.ShapeDtypeStruct((batch, prompt), "int32"), row("int32"),
+                                  row("float32"), row("float32"), keys, cfg=cfg, spec=spec, mesh=mesh).compile()
+    ma = compiled.memory_analysis()
+    cache = 2 * cfg.num_hidden_layers * batch * (prompt + new) * cfg.num_key_value_heads * cfg.head_dim * 2 / tensor
+    return {"args": ma.argument_size_in_bytes, "temp": ma.temp_size_in_bytes, "out": ma.output_size_in_bytes,
+            "cache": cache, "compile_s": time.perf_counter() - t0}
+
+
+def plan_decode(argv) -> int:
+    ap = argparse.ArgumentParser(description="the decoder's memory plan (bench/plan_memory.py decode)")
+    ap.add_argument("--models", default="llama3-8b,qwen3-8b")
+    ap.add_argument("--batch", default="16,64")
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--modes", default="sbd,ar")
+    ap.add_argument("--tensor", default="1,8", help="tensor-parallel degrees (1 = one device, no mesh)")
+    ap.add_argument("--attention", default="pallas,xla")
+    args = ap.parse_args(argv)
+    print(f"prompt {args.prompt}, {args.new} new tokens, bf16 weights and compute, block 16; GiB per device")
+    print("| model | tensor | attention | batch | mode | weights | KV cache | temp | args+temp | compile s |")
+    print("|---|---:|---|---:|---|---:|---:|---:|---:|---:|")
+    for name in args.models.split(","):
+        for tensor in map(int, args.tensor.split(",")):
+            for attn in args.attention.split(","):
+                cfg = dataclasses.replace(SHAPES[name], dtype="bfloat16", param_dtype="bfloat16", attention_impl=attn)
+                for batch in map(int, args.batch.split(",")):
+                    for mode in args.modes.split(","):
+                        m = decode_memory(cfg, batch=batch, prompt=args.prompt, new=args.new, mode=mode,
+                                          tensor=tensor, devices=jax.devices()[:tensor])
+                        print(f"| {name} | {tensor} | {attn} | {batch} | {mode} | {(m['args']) / GiB:.1f} | "
+                              f"{m['cache'] / GiB:.1f} | {m['temp'] / GiB:.1f} | {(m['args'] + m['temp']) / GiB:.1f} | "
+                              f"{m['compile_s']:.0f} |", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["decode"]:
+        return plan_decode(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama3-8b,qwen3-8b", help=f"comma list of {sorted(SHAPES)}")
     ap.add_argument("--seq-len", default="4096,8192", help="L (the SBD input is 2L tokens per row)")

@@ -158,6 +158,30 @@ def test_final_cache_equals_one_causal_forward(params, prompts, mode):
             assert not np.any(got[:, b, total[b]:]), f"{mode} row {b}: slots past the sequence were written"
 
 
+@pytest.mark.parametrize("mode", ["sbd", "ar"])
+def test_prompt_prefilled_in_pieces_equals_one_call(params, prompts, eos_id, mode):
+    """`prefill_chunk=3` on 8-column prompts: two pieces of 3 prefilled, the last 2 columns with the first step;
+    rows whose last prompt token lies in a piece (lengths 3 and 5) included. Same tokens, NFE and EOS as the
+    brute-force decoder, and the final cache equals one causal forward."""
+    for kw in ({"gamma": 2.0, "temperature": 0.0, "eos_ids": (eos_id,)}, {"gamma": 0.5, "temperature": 1.0,
+                                                                          "eos_ids": ()}):
+        key = jax.random.key(1)
+        ours = generate(params, CFG, prompts, LENGTHS, key=key, mode=mode, prefill_chunk=3, **kw, **BASE)
+        ref = brute_force_generate(params, CFG, prompts, LENGTHS, key=key, max_new_tokens=MAX_NEW, block_size=K,
+                                   pad_id=0, mode=mode, **kw)
+        _assert_same(ours, ref, f"{mode} {kw}")
+        o = _np(ours)
+        total = LENGTHS + o["lengths"]
+        seq = np.zeros((B, P + MAX_NEW), np.int32)
+        for b in range(B):
+            seq[b, :LENGTHS[b]] = prompts[b, :LENGTHS[b]]
+            seq[b, LENGTHS[b]:total[b]] = o["tokens"][b, :o["lengths"][b]]
+        want = np.asarray(_causal_cache(params, seq, total).k)
+        for b in range(B):
+            err = np.abs(np.asarray(ours.cache.k)[:, b, :total[b]] - want[:, b, :total[b]]).max()
+            assert err <= KV_TOL * max(1.0, np.abs(want).max()), (mode, b, err)
+
+
 def test_ragged_batch_equals_each_prompt_alone(params, prompts):
     keys = jax.random.split(jax.random.key(11), B)  # per-row keys: sampling independent of the batch
     alone_prompts = make_prompts(garbage_seed=99)  # different padding garbage

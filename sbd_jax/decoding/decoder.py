@@ -38,7 +38,7 @@ import numpy as np
 
 from ..attention import clean_meta, concat_meta, copy_meta
 from ..config import ModelConfig
-from ..models.transformer import KVCache, causal_meta, forward, init_cache
+from ..models.transformer import KVCache, forward, init_cache, lm_head
 from ..sharding import batch_sharding, cache_sharding, mesh_context
 from . import sampling
 from .spec import DecodeError, DecodeSpec, PromptTooLongError, check_model, check_rate
@@ -276,15 +276,47 @@ def _sbd_update(state: _State, env: _Env, logits_BKV, cache) -> _State:
     )
 
 
+def _prompt_meta(env: _Env, start, width: int):
+    """Clean metadata of the prompt columns [start, start + width) (segment 0 beyond each row's length)."""
+    pos = jnp.broadcast_to(start + jnp.arange(width, dtype=jnp.int32)[None], (env.lengths.shape[0], width))
+    return clean_meta((pos < env.lengths[:, None]).astype(jnp.int32), pos)
+
+
+def _prefill(state: _State, env: _Env, prompt_ids):
+    """Write the K/V of the prompt columns before its last `prefill_chunk`-wide piece, one piece per call
+    (attention and activations then scale with the piece, not the prompt). -> (state, the last piece's first
+    column, each row's final hidden state at its last prompt token where a piece held it, else 0)."""
+    B, P = prompt_ids.shape
+    C = env.spec.prefill_chunk
+    start = (P - 1) // C * C
+    h_last = jnp.zeros((B, 1, env.cfg.hidden_size), env.cfg.dtype)
+
+    def piece(i, carry):
+        cache, h_last = carry
+        tok = jax.lax.dynamic_slice_in_dim(prompt_ids, i * C, C, axis=1)
+        h, cache = forward(env.params, env.cfg, tok, _prompt_meta(env, i * C, C), cache, return_hidden=True)
+        idx = env.lengths - 1 - i * C
+        here = (idx >= 0) & (idx < C)
+        h_at = jnp.take_along_axis(h, jnp.clip(idx, 0, C - 1)[:, None, None], axis=1)
+        return env.constrain(cache), jnp.where(here[:, None, None], h_at, h_last)
+
+    if start == 0:  # the prompt is one piece
+        return state, 0, h_last
+    cache, h_last = jax.lax.fori_loop(0, start // C, piece, (state.cache, h_last))
+    return state._replace(cache=cache), start, h_last
+
+
 def _sbd_first(state: _State, env: _Env, prompt_ids) -> _State:
-    """NFE 1: [prompt CLEAN ; first block COPY]."""
+    """NFE 1: [prompt CLEAN ; first block COPY] (a long prompt's earlier pieces prefilled first)."""
     B, P = prompt_ids.shape
     K = env.spec.block_size
+    state, start, _ = _prefill(state, env, prompt_ids)
     state = state._replace(masked=jnp.broadcast_to(jnp.arange(K)[None] < env.spec.max_new_tokens, (B, K)))
     ctok, cmeta = _copy_window(state, env)
-    tokens = jnp.concatenate([prompt_ids, ctok], axis=1)
-    logits, cache = forward(env.params, env.cfg, tokens, concat_meta(causal_meta(env.lengths, P), cmeta), state.cache)
-    return _sbd_update(state, env, logits[:, P:], env.constrain(cache))
+    tokens = jnp.concatenate([prompt_ids[:, start:], ctok], axis=1)
+    h, cache = forward(env.params, env.cfg, tokens, concat_meta(_prompt_meta(env, start, P - start), cmeta),
+                       state.cache, return_hidden=True)
+    return _sbd_update(state, env, lm_head(env.params, env.cfg, h[:, P - start:]), env.constrain(cache))
 
 
 def _sbd_step(state: _State, env: _Env) -> _State:
@@ -296,8 +328,8 @@ def _sbd_step(state: _State, env: _Env) -> _State:
         pos = _block_positions(state, env, offset=-1)
         meta = clean_meta(jnp.broadcast_to(need[:, None], pos.shape).astype(jnp.int32), pos)
         tokens = jnp.concatenate([_gather(state.seq, pos), ctok], axis=1)
-        logits, cache = forward(env.params, env.cfg, tokens, concat_meta(meta, cmeta), cache)
-        return logits[:, K:], cache
+        h, cache = forward(env.params, env.cfg, tokens, concat_meta(meta, cmeta), cache, return_hidden=True)
+        return lm_head(env.params, env.cfg, h[:, K:]), cache
 
     def copy_only(cache):
         return forward(env.params, env.cfg, ctok, cmeta, cache)
@@ -329,9 +361,13 @@ def _ar_update(state: _State, env: _Env, logits_B1V, cache) -> _State:
 
 def _ar_first(state: _State, env: _Env, prompt_ids) -> _State:
     P = prompt_ids.shape[1]
-    logits, cache = forward(env.params, env.cfg, prompt_ids, causal_meta(env.lengths, P), state.cache)
-    last = jnp.take_along_axis(logits, (env.lengths - 1)[:, None, None], axis=1)
-    return _ar_update(state, env, last, env.constrain(cache))
+    state, start, h_last = _prefill(state, env, prompt_ids)
+    h, cache = forward(env.params, env.cfg, prompt_ids[:, start:], _prompt_meta(env, start, P - start), state.cache,
+                       return_hidden=True)
+    idx = env.lengths - 1 - start
+    h_at = jnp.take_along_axis(h, jnp.clip(idx, 0, P - start - 1)[:, None, None], axis=1)
+    last = jnp.where((idx >= 0)[:, None, None], h_at, h_last)
+    return _ar_update(state, env, lm_head(env.params, env.cfg, last), env.constrain(cache))
 
 
 def _ar_step(state: _State, env: _Env) -> _State:
@@ -351,5 +387,6 @@ def _finalize(state: _State, env: _Env) -> KVCache:
     else:
         pos = (env.lengths + state.n_generated - 1)[:, None]
     seg = (pos < (env.lengths + state.n_generated)[:, None]).astype(jnp.int32)
-    _, cache = forward(env.params, env.cfg, _gather(state.seq, pos), clean_meta(seg, pos), state.cache)
+    _, cache = forward(env.params, env.cfg, _gather(state.seq, pos), clean_meta(seg, pos), state.cache,
+                       return_hidden=True)
     return env.constrain(cache)

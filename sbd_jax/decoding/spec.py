@@ -36,6 +36,9 @@ class DecodeSpec:
     tempered_entropy: bool = False  # entropies on the tempered distribution for rows with temperature > 0
     eos_ids: tuple[int, ...] | None = None  # stop tokens (None: the model's eos_token_id; (): never stop early)
     pad_id: int | None = None  # fills the output beyond each row's length (None: the model's pad id, else 0)
+    # prompts wider than this are prefilled in pieces of this many columns (one call each, the last one with the
+    # first decoding step), so prefill memory scales with the piece, not the prompt
+    prefill_chunk: int = 256
     # one extra uncounted call writes the K/V the loop left uncommitted: the cache then equals one causal
     # forward over prompt + output
     finalize_cache: bool = False
@@ -46,7 +49,7 @@ class DecodeSpec:
             raise DecodeError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.rule not in RULES:
             raise DecodeError(f"rule must be one of {RULES}, got {self.rule!r}")
-        for name, low in (("max_new_tokens", 1), ("block_size", 1), ("top_k", 0)):
+        for name, low in (("max_new_tokens", 1), ("block_size", 1), ("top_k", 0), ("prefill_chunk", 1)):
             v = getattr(self, name)
             if not _is_int(v) or v < low:
                 raise DecodeError(f"{name} must be >= {low} (an integer), got {v!r}")
