@@ -163,6 +163,10 @@ def format_summary(s: dict) -> str:
               f"(+ {s['compile_seconds']:.1f} s compilation)"),
              (f"{s['mode']}: {s['tokens_per_s']:.1f} tokens/s, {s['tokens_per_forward']:.3f} tokens per forward "
               f"({s['nfe']} forwards)")]
+    hist = s["accepted_per_forward"]
+    if s["mode"] == "sbd" and sum(hist):
+        shares = ", ".join(f"{n}: {100 * c / sum(hist):.0f}%" for n, c in enumerate(hist) if c)
+        lines.append(f"tokens accepted per forward (share of forwards): {shares}")
     if "ar" in s:
         a = s["ar"]
         lines.append(f"ar:  {a['tokens_per_s']:.1f} tokens/s, {a['tokens_per_forward']:.3f} tokens per forward "

@@ -86,7 +86,8 @@ def decode_memory(cfg: ModelConfig, *, batch: int, prompt: int, new: int, mode: 
     spec = DecodeSpec(mode=mode, block_size=16, max_new_tokens=new)
     t0 = time.perf_counter()
     compiled = generate_jit.lower(params, jax.ShapeDtypeStruct((batch, prompt), "int32"), row("int32"),
-                                  row("float32"), row("float32"), keys, cfg=cfg, spec=spec, mesh=mesh).compile()
+                                  row("float32"), row("float32"), keys, row("int32"), cfg=cfg, spec=spec,
+                                  mesh=mesh).compile()
     ma = compiled.memory_analysis()
     cache = 2 * cfg.num_hidden_layers * batch * (prompt + new) * cfg.num_key_value_heads * cfg.head_dim * 2 / tensor
     return {"args": ma.argument_size_in_bytes, "temp": ma.temp_size_in_bytes, "out": ma.output_size_in_bytes,

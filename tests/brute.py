@@ -60,14 +60,17 @@ def _accept_row(rule: str, h: np.ndarray, masked: np.ndarray, gamma: float) -> n
 
 
 def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None,
-                         *, gamma=0.35, temperature=0.0, key=None, **options) -> GenerateOutput:
+                         *, gamma=0.35, temperature=0.0, key=None, row_max_new_tokens=None, **options
+                         ) -> GenerateOutput:
     """Same arguments and outputs as `generate` (cache None, iterations = batch model calls)."""
     spec = DecodeSpec.make(spec, **options)
     prompt_ids = np.asarray(prompt_ids, np.int32)
     lengths = np.asarray(prompt_lengths, np.int32)
-    check_request(cfg, spec, prompt_ids.shape, prompt_lengths=lengths, gamma=gamma, temperature=temperature)
+    check_request(cfg, spec, prompt_ids.shape, prompt_lengths=lengths, gamma=gamma, temperature=temperature,
+                  row_max_new_tokens=row_max_new_tokens)
     B, P = prompt_ids.shape
     mode, rule, max_new_tokens, k = spec.mode, spec.rule, spec.max_new_tokens, spec.window
+    cap = np.broadcast_to(np.asarray(max_new_tokens if row_max_new_tokens is None else row_max_new_tokens), (B,))
     eos, pad = set(spec.stop_ids(cfg)), spec.pad(cfg)
     W = P + max_new_tokens + k
     keys = sampling.row_keys(jax.random.key(0) if key is None else key, B)
@@ -81,11 +84,12 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
     gen = np.zeros(B, np.int32)          # SBD: tokens before the current block; AR: tokens generated
     masked = np.zeros((B, k), bool)
     for b in range(B):
-        masked[b] = np.arange(k) < max_new_tokens
+        masked[b] = np.arange(k) < cap[b]
     done = np.zeros(B, bool)
     stopped_eos = np.zeros(B, bool)
     n_gen = np.zeros(B, np.int32)
     nfe = np.zeros(B, np.int32)
+    accepted = np.zeros((B, k + 1), np.int32)  # per row: calls that decoded 0..k tokens
     calls = 0
     wide = 0  # calls after which the cached decoder would carry a finished block (2k window)
     pending_commit = np.zeros(B, bool)
@@ -99,7 +103,7 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
             start = lengths + gen
             pos_c = start[:, None] + np.arange(k, dtype=np.int32)[None]
             ctok = np.where(masked, cfg.mask_token_id, np.take_along_axis(seq, pos_c, 1))
-            cseg = ((gen[:, None] + np.arange(k)[None]) < max_new_tokens).astype(np.int32)
+            cseg = ((gen[:, None] + np.arange(k)[None]) < cap[:, None]).astype(np.int32)
             tokens = np.concatenate([seq, ctok], 1)
             meta = concat_meta(clean_meta(clean_seg, cols), copy_meta(cseg, pos_c, np.repeat(start[:, None], k, 1)))
             logits = _forward(params, tokens, meta, cfg=cfg)[:, W:]
@@ -117,14 +121,16 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
                 tok = int(drawn[b, 0])
                 seq[b, lengths[b] + gen[b]] = tok
                 gen[b] += 1
-                if tok in eos or gen[b] == max_new_tokens:
+                accepted[b, 1] += 1
+                if tok in eos or gen[b] == cap[b]:
                     done[b], stopped_eos[b], n_gen[b] = True, tok in eos, gen[b]
                 continue
             acc = _accept_row(rule, h[b], masked[b], gam[b])
+            accepted[b, acc.sum()] += 1
             for i in np.flatnonzero(acc):
                 seq[b, lengths[b] + gen[b] + i] = drawn[b, i]
             masked[b] &= ~acc
-            n_valid = min(k, max_new_tokens - gen[b])
+            n_valid = min(k, cap[b] - gen[b])
             stop_at = None
             for i in range(n_valid):  # first EOS with everything before it decoded
                 if masked[b, i]:
@@ -135,14 +141,14 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
             if stop_at is not None:
                 done[b], stopped_eos[b], n_gen[b] = True, True, gen[b] + stop_at + 1
             elif not masked[b].any():
-                if gen[b] + k >= max_new_tokens:
-                    done[b], n_gen[b] = True, max_new_tokens
+                if gen[b] + k >= cap[b]:
+                    done[b], n_gen[b] = True, cap[b]
                 else:
                     gen[b] += k
-                    masked[b] = (gen[b] + np.arange(k)) < max_new_tokens
+                    masked[b] = (gen[b] + np.arange(k)) < cap[b]
                     pending_commit[b] = True
     out = np.full((B, max_new_tokens), pad, np.int32)
     for b in range(B):
         out[b, :n_gen[b]] = seq[b, lengths[b]:lengths[b] + n_gen[b]]
     return GenerateOutput(jnp.asarray(out), jnp.asarray(n_gen), jnp.asarray(nfe), jnp.asarray(stopped_eos),
-                          jnp.int32(calls), jnp.int32(wide), None)
+                          jnp.int32(calls), jnp.int32(wide), jnp.asarray(accepted), None)

@@ -55,7 +55,7 @@ def prompts():
 
 
 def _np(out):
-    return {f: np.asarray(getattr(out, f)) for f in ("tokens", "lengths", "nfe", "stopped_by_eos")}
+    return {f: np.asarray(getattr(out, f)) for f in ("tokens", "lengths", "nfe", "stopped_by_eos", "accepted")}
 
 
 def _assert_same(a, b, what):
@@ -180,6 +180,27 @@ def test_prompt_prefilled_in_pieces_equals_one_call(params, prompts, eos_id, mod
         for b in range(B):
             err = np.abs(np.asarray(ours.cache.k)[:, b, :total[b]] - want[:, b, :total[b]]).max()
             assert err <= KV_TOL * max(1.0, np.abs(want).max()), (mode, b, err)
+
+
+@pytest.mark.parametrize("mode", ["sbd", "ar"])
+def test_per_row_max_new_tokens(params, prompts, mode):
+    """Each row stops at its own cap (`row_max_new_tokens`, <= the spec's cache-sizing cap): the same as the
+    brute-force decoder with those caps, and as each row decoded alone with its cap as the spec's."""
+    caps = np.array([18, 5, 9, 1], np.int32)
+    kw = dict(gamma=0.5, temperature=0.0, eos_ids=(), mode=mode)
+    ours = generate(params, CFG, prompts, LENGTHS, row_max_new_tokens=caps, **kw, **BASE)
+    ref = brute_force_generate(params, CFG, prompts, LENGTHS, row_max_new_tokens=caps, max_new_tokens=MAX_NEW,
+                               block_size=K, pad_id=0, **kw)
+    _assert_same(ours, ref, f"{mode} per-row caps")
+    o = _np(ours)
+    np.testing.assert_array_equal(o["lengths"], caps)
+    for b in range(B):
+        alone = _np(generate(params, CFG, prompts[b:b + 1], LENGTHS[b:b + 1], **kw,
+                             **{**BASE, "max_new_tokens": int(caps[b])}))
+        np.testing.assert_array_equal(o["tokens"][b, :caps[b]], alone["tokens"][0])
+        assert o["nfe"][b] == alone["nfe"][0] and not o["tokens"][b, caps[b]:].any()
+    with pytest.raises(DecodeError, match=r"row_max_new_tokens must be .* each in \[1, max_new_tokens=18\]"):
+        generate(params, CFG, prompts, LENGTHS, row_max_new_tokens=[18, 19, 1, 1], **kw, **BASE)
 
 
 def test_ragged_batch_equals_each_prompt_alone(params, prompts):

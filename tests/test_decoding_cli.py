@@ -88,8 +88,30 @@ def test_decode_cli_outputs_and_summary(first_run, capsys):
     assert summary["rows"] == 6 and summary["tokens"] == 6 * 18
     assert summary["ar"]["nfe"] == 6 * 18 and summary["nfe"] == sum(r["nfe"] for r in rows)
     assert 1.0 < summary["tokens_per_forward"] < 4.0
+    hist = summary["accepted_per_forward"]  # forwards that accepted 0..k tokens, over every row
+    assert sum(hist) == summary["nfe"] and sum(n * c for n, c in enumerate(hist)) == summary["tokens"]
+    assert "tokens accepted per forward" in decode.format_summary(summary)
     assert summary["speedup_tokens_per_s"] > 0 and summary["tokens_per_s"] > 0
     assert summary["command"].startswith("python decode.py")
+
+
+def test_decode_cli_per_prompt_max_new_tokens(model_dir, tmp_path, capsys):
+    """A line's "max_new_tokens" caps that row (the run's --max-new-tokens sizes the cache); more than the run's
+    is an error naming the line."""
+    caps = {"a": 5, "b": 18, "c": 1}
+    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt_ids": [7, 8, 9], "max_new_tokens": c}
+                                               for i, c in caps.items()])
+    out = tmp_path / "out.jsonl"
+    assert decode.main(["--model", str(model_dir), "--input", str(inp), "--output", str(out), *FLAGS]) == 0
+    params = make_params()
+    for r in _read(out):
+        ref = brute_force_generate(params, CFG, np.asarray([[7, 8, 9]]), [3], max_new_tokens=caps[r["id"]],
+                                   block_size=4, gamma=2.0, eos_ids=())
+        assert r["n_tokens"] == caps[r["id"]] and r["tokens"] == np.asarray(ref.tokens)[0].tolist()
+        assert r["nfe"] == int(ref.nfe[0])
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"id": "x", "prompt_ids": [7], "max_new_tokens": 19}])
+    msg = _err(capsys, ["--model", str(model_dir), "--input", str(bad), "--output", str(tmp_path / "o2"), *FLAGS])
+    assert "prompt 'x' (line 1) asks for max_new_tokens 19, more than the run's 18" in msg
 
 
 def test_decode_cli_resume_after_partial_line(first_run, model_dir, tmp_path, capsys):

@@ -47,7 +47,8 @@ from .spec import DecodeError, DecodeSpec, PromptTooLongError, check_model, chec
 class GenerateOutput(NamedTuple):
     """tokens [B, max_new_tokens] (int32, the pad id beyond `lengths`), lengths [B] generated tokens (EOS
     included), nfe [B] model calls, stopped_by_eos [B], iterations (model calls of the batch = loop iterations
-    + 1), wide_steps (SBD iterations that used the 2k commit window), cache (KVCache or None)."""
+    + 1), wide_steps (SBD iterations that used the 2k commit window), accepted [B, window + 1]: per row, how many
+    of its model calls decoded 0, 1, ... window tokens, cache (KVCache or None)."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -55,6 +56,7 @@ class GenerateOutput(NamedTuple):
     stopped_by_eos: jax.Array
     iterations: jax.Array
     wide_steps: jax.Array
+    accepted: jax.Array
     cache: KVCache | None = None
 
     @property
@@ -76,6 +78,7 @@ class _State(NamedTuple):
     nfe: jax.Array            # [B]
     iters: jax.Array          # scalar: model calls
     wide: jax.Array           # scalar: calls with the 2k commit window
+    accepted: jax.Array       # [B, window + 1] per row: calls that decoded 0, 1, ... tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +89,7 @@ class _Env:
     cfg: ModelConfig
     spec: DecodeSpec
     lengths: jax.Array        # [B] prompt lengths
+    max_new: jax.Array        # [B] tokens to generate at most (<= spec.max_new_tokens)
     gamma: jax.Array          # [B]
     temp: jax.Array           # [B]
     keys: jax.Array           # [B] typed PRNG keys
@@ -101,7 +105,7 @@ def _is_concrete(x) -> bool:
 
 
 def check_request(cfg: ModelConfig, spec: DecodeSpec, prompt_shape, *, prompt_lengths=None, prompt_ids=None,
-                  gamma=None, temperature=None) -> None:
+                  gamma=None, temperature=None, row_max_new_tokens=None) -> None:
     """The request's model- and prompt-dependent checks (the options were checked by `DecodeSpec`); raises
     DecodeError naming the problem. Values traced inside a user's jit are checked only when concrete."""
     check_model(cfg, spec)
@@ -117,6 +121,11 @@ def check_request(cfg: ModelConfig, spec: DecodeSpec, prompt_shape, *, prompt_le
     for name, val in (("gamma", gamma), ("temperature", temperature)):
         if val is not None and _is_concrete(val):
             check_rate(name, val, B)
+    if row_max_new_tokens is not None and _is_concrete(row_max_new_tokens):
+        caps = np.asarray(row_max_new_tokens)
+        if caps.shape not in ((), (B,)) or np.any(caps < 1) or np.any(caps > spec.max_new_tokens):
+            raise DecodeError(f"row_max_new_tokens must be a scalar or one value per row ({B}), each in [1, "
+                              f"max_new_tokens={spec.max_new_tokens}], got {caps.tolist()}")
     if prompt_lengths is not None and _is_concrete(prompt_lengths):
         lens = np.asarray(prompt_lengths)
         if lens.shape != (B,):
@@ -131,7 +140,8 @@ def check_request(cfg: ModelConfig, spec: DecodeSpec, prompt_shape, *, prompt_le
 
 
 def generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None, *,
-             gamma=0.35, temperature=0.0, key=None, mesh=None, **options) -> GenerateOutput:
+             gamma=0.35, temperature=0.0, key=None, row_max_new_tokens=None, mesh=None,
+             **options) -> GenerateOutput:
     """Decode a batch of right-padded prompts with SBD or next-token AR.
 
     params, cfg: the model (`init_params` / `from_pretrained`); params may be sharded
@@ -143,18 +153,20 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: D
     temperature (scalar or [B]; 0 = greedy argmax).
     key: PRNG key (typed or raw), or one per row [B] (then a row's output does not depend on its
       batch). Default key 0. Unused when every temperature is 0.
+    row_max_new_tokens [B] int: each row's own cap, <= the spec's `max_new_tokens` (the static cache size).
 
     Pure and static-shaped: works eagerly and inside a user's `jax.jit` (then gamma, temperature, keys
     and prompts may be traced).
     """
     args, static = prepare_generate(params, cfg, prompt_ids, prompt_lengths, spec, gamma=gamma,
-                                    temperature=temperature, key=key, mesh=mesh, **options)
+                                    temperature=temperature, key=key, row_max_new_tokens=row_max_new_tokens,
+                                    mesh=mesh, **options)
     return generate_jit(*args, **static)
 
 
 def prepare_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None, *,
-                     gamma=0.35, temperature=0.0, key=None, mesh=None, check: bool = True, **options
-                     ) -> tuple[tuple, dict]:
+                     gamma=0.35, temperature=0.0, key=None, row_max_new_tokens=None, mesh=None, check: bool = True,
+                     **options) -> tuple[tuple, dict]:
     """Validate and normalise `generate`'s arguments -> `(args, static)` with
     `generate(...) == generate_jit(*args, **static)`. For ahead-of-time compilation:
     `generate_jit.lower(*args, **static).compile()(*args)`. `check=False` skips `check_request`
@@ -163,31 +175,34 @@ def prepare_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths,
     prompt_ids = jnp.asarray(prompt_ids)
     if check:
         check_request(cfg, spec, prompt_ids.shape, prompt_lengths=prompt_lengths, prompt_ids=prompt_ids,
-                      gamma=gamma, temperature=temperature)
+                      gamma=gamma, temperature=temperature, row_max_new_tokens=row_max_new_tokens)
     B = prompt_ids.shape[0]
     keys = sampling.row_keys(jax.random.key(0) if key is None else key, B)
     args = (params, prompt_ids.astype(jnp.int32), jnp.asarray(prompt_lengths, jnp.int32),
             jnp.broadcast_to(jnp.asarray(gamma, jnp.float32), (B,)),
-            jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,)), keys)
+            jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,)), keys,
+            jnp.broadcast_to(jnp.asarray(spec.max_new_tokens if row_max_new_tokens is None else row_max_new_tokens,
+                                         jnp.int32), (B,)))
     return args, {"cfg": cfg, "spec": spec, "mesh": mesh}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"))
-def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, *, cfg: ModelConfig, spec: DecodeSpec,
-                 mesh=None) -> GenerateOutput:
+def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, max_new_B, *, cfg: ModelConfig,
+                 spec: DecodeSpec, mesh=None) -> GenerateOutput:
     with mesh_context(mesh):  # ambient while tracing: attention_impl="pallas" then runs per shard
         B, P = prompt_ids.shape
         S = P + spec.max_new_tokens
         W = S + spec.window  # token buffer: room for a whole last block past the cap
         pad = spec.pad(cfg)
         eos = jnp.asarray(spec.stop_ids(cfg) or (-1,), jnp.int32)  # -1 matches no token
-        env = _Env(params, cfg, spec, lengths, gamma_B, temp_B, keys_B, eos, _constrainer(cfg, mesh, B))
+        max_new_B = jnp.minimum(max_new_B, spec.max_new_tokens)
+        env = _Env(params, cfg, spec, lengths, max_new_B, gamma_B, temp_B, keys_B, eos, _constrainer(cfg, mesh, B))
         seq = jnp.full((B, W), pad, jnp.int32).at[:, :P].set(
             jnp.where(jnp.arange(P)[None] < lengths[:, None], prompt_ids, pad))
         zeros_B, false_B = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool)
         state = _State(env.constrain(seq), env.constrain(init_cache(cfg, B, S)), zeros_B,
                        jnp.zeros((B, spec.window), bool), false_B, false_B, false_B, zeros_B, zeros_B,
-                       jnp.int32(0), jnp.int32(0))
+                       jnp.int32(0), jnp.int32(0), jnp.zeros((B, spec.window + 1), jnp.int32))
         first, step = (_sbd_first, _sbd_step) if spec.mode == "sbd" else (_ar_first, _ar_step)
         state = first(state, env, prompt_ids)
         state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), functools.partial(step, env=env), state)
@@ -195,7 +210,7 @@ def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, *, cfg: M
         j = jnp.arange(spec.max_new_tokens, dtype=jnp.int32)[None]
         out = jnp.take_along_axis(state.seq, jnp.minimum(lengths[:, None] + j, W - 1), axis=1)
         out = jnp.where(j < state.n_generated[:, None], out, pad)
-        return GenerateOutput(out, state.n_generated, state.nfe, state.eos, state.iters, state.wide,
+        return GenerateOutput(out, state.n_generated, state.nfe, state.eos, state.iters, state.wide, state.accepted,
                               cache if spec.return_cache else None)
 
 
@@ -206,6 +221,11 @@ def _constrainer(cfg, mesh, B):
     cs = cache_sharding(cfg, mesh, B)
     return lambda x: jax.lax.with_sharding_constraint(
         x, KVCache(cs, cs, batch_sharding(mesh, 1, B)) if isinstance(x, KVCache) else batch_sharding(mesh, x.ndim, B))
+
+
+def _tally(accepted_BN, n_B, active_B):
+    """Count one model call that decoded `n_B` tokens for each active row."""
+    return accepted_BN + (jax.nn.one_hot(n_B, accepted_BN.shape[1], dtype=jnp.int32) * active_B[:, None])
 
 
 def _gather(seq, pos):
@@ -226,7 +246,7 @@ def _copy_window(state: _State, env: _Env):
     """The current block as COPY tokens: (tokens [B, K], meta); masked positions carry `<m>`."""
     pos = _block_positions(state, env)
     j = jnp.arange(env.spec.block_size, dtype=jnp.int32)[None]
-    valid = (state.block_offset[:, None] + j) < env.spec.max_new_tokens
+    valid = (state.block_offset[:, None] + j) < env.max_new[:, None]
     tok = jnp.where(state.masked, env.cfg.mask_token_id, _gather(state.seq, pos))
     seg = (valid & ~state.done[:, None]).astype(jnp.int32)
     return tok, copy_meta(seg, pos, jnp.broadcast_to(pos[:, :1], pos.shape))
@@ -235,7 +255,7 @@ def _copy_window(state: _State, env: _Env):
 def _sbd_update(state: _State, env: _Env, logits_BKV, cache) -> _State:
     """Acceptance + sampling + block bookkeeping after one model call on the current block."""
     spec = env.spec
-    K, max_new = spec.block_size, spec.max_new_tokens
+    K, max_new = spec.block_size, env.max_new
     active = ~state.done
     with jax.named_scope("accept"):
         h = sampling.entropy(logits_BKV, env.temp, tempered=spec.tempered_entropy)
@@ -249,7 +269,7 @@ def _sbd_update(state: _State, env: _Env, logits_BKV, cache) -> _State:
     rows = jnp.arange(state.seq.shape[0])[:, None]
     seq = state.seq.at[rows, pos].set(block, mode="drop")
     still = masked & ~acc
-    valid = (state.block_offset[:, None] + j) < max_new
+    valid = (state.block_offset[:, None] + j) < max_new[:, None]
     decoded = valid & ~still
     prefix = jnp.cumprod(decoded.astype(jnp.int32), axis=1).astype(bool)
     stop = jnp.isin(block, env.eos) & decoded & prefix
@@ -264,7 +284,7 @@ def _sbd_update(state: _State, env: _Env, logits_BKV, cache) -> _State:
         seq=env.constrain(seq),
         cache=cache,
         block_offset=jnp.where(advance, nxt, state.block_offset),
-        masked=jnp.where(advance[:, None], (nxt[:, None] + j) < max_new,
+        masked=jnp.where(advance[:, None], (nxt[:, None] + j) < max_new[:, None],
                          jnp.where(active[:, None], still, state.masked)),
         commit=advance,
         done=state.done | eos_hit | cap_hit,
@@ -273,6 +293,7 @@ def _sbd_update(state: _State, env: _Env, logits_BKV, cache) -> _State:
         nfe=state.nfe + active.astype(jnp.int32),
         iters=state.iters + 1,
         wide=state.wide,
+        accepted=_tally(state.accepted, jnp.sum(acc, axis=1), active),
     )
 
 
@@ -311,7 +332,7 @@ def _sbd_first(state: _State, env: _Env, prompt_ids) -> _State:
     B, P = prompt_ids.shape
     K = env.spec.block_size
     state, start, _ = _prefill(state, env, prompt_ids)
-    state = state._replace(masked=jnp.broadcast_to(jnp.arange(K)[None] < env.spec.max_new_tokens, (B, K)))
+    state = state._replace(masked=jnp.arange(K)[None] < env.max_new[:, None])
     ctok, cmeta = _copy_window(state, env)
     tokens = jnp.concatenate([prompt_ids[:, start:], ctok], axis=1)
     h, cache = forward(env.params, env.cfg, tokens, concat_meta(_prompt_meta(env, start, P - start), cmeta),
@@ -353,10 +374,11 @@ def _ar_update(state: _State, env: _Env, logits_B1V, cache) -> _State:
     seq = state.seq.at[rows, jnp.where(active, pos, state.seq.shape[1])].set(tok, mode="drop")
     n = state.block_offset + active.astype(jnp.int32)
     eos_hit = active & jnp.isin(tok, env.eos)
-    stop = eos_hit | (active & (n >= spec.max_new_tokens))
+    stop = eos_hit | (active & (n >= env.max_new))
     return state._replace(seq=env.constrain(seq), cache=cache, block_offset=n, done=state.done | stop,
                           eos=state.eos | eos_hit, n_generated=jnp.where(stop, n, state.n_generated),
-                          nfe=state.nfe + active.astype(jnp.int32), iters=state.iters + 1)
+                          nfe=state.nfe + active.astype(jnp.int32), iters=state.iters + 1,
+                          accepted=_tally(state.accepted, active.astype(jnp.int32), active))
 
 
 def _ar_first(state: _State, env: _Env, prompt_ids) -> _State:

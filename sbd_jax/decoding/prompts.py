@@ -5,7 +5,8 @@ Input: JSON lines, one object per prompt:
   {"id": ..., "prompt_ids": [1, 2, 3]}       token ids as is
   {"id": ..., "messages": [{"role": "user", "content": "..."}]}   chat: the tokenizer's chat template
   {"id": ..., "prompt": "text", "chat": true}                    text as one user message (or --chat)
-"id" is optional (default: the line number) and must be unique. Blank lines are skipped.
+"id" is optional (default: the line number) and must be unique; "max_new_tokens" (optional) caps this
+prompt's output below the run's --max-new-tokens. Blank lines are skipped.
 
 Output: one JSON object per completed prompt, written with a single write + flush, so a killed run
 leaves at most one partial last line; `open_output(resume=True)` cuts that partial line off and
@@ -30,6 +31,7 @@ class Prompt:
     id: object
     line: int
     ids: tuple[int, ...]
+    max_new_tokens: int | None = None  # this prompt's own cap (None: the run's)
 
 
 def read_prompts(path, tokenizer: Tokenizer | None, *, chat: bool = False, vocab_size: int | None = None
@@ -60,7 +62,10 @@ def read_prompts(path, tokenizer: Tokenizer | None, *, chat: bool = False, vocab
                 raise PromptFileError(f"{where}: the prompt is empty (0 tokens)")
             if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
                 raise PromptFileError(f"{where}: token ids must be in [0, {vocab_size})")
-            prompts.append(Prompt(pid, n, tuple(ids)))
+            cap = row.get("max_new_tokens")
+            if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+                raise PromptFileError(f"{where}: 'max_new_tokens' must be an integer >= 1, got {cap!r}")
+            prompts.append(Prompt(pid, n, tuple(ids), cap))
     if not prompts:
         raise PromptFileError(f"input file {str(path)!r} holds no prompts (empty)")
     return prompts

@@ -2,7 +2,8 @@
 
   * Buckets: prompts sorted by length, cut into batches of `batch_size`; a batch's prompt width is its
     longest prompt rounded up to `pad_multiple` (fewer shapes, fewer compilations), capped so that
-    width + max_new_tokens fits the model. The last batch is filled with copies of its first prompt.
+    width + max_new_tokens fits the model. The last batch is filled with copies of its first prompt that
+    generate one token. A prompt's own max_new_tokens caps its row.
   * Randomness: row keys are fold_in(key(seed), crc32(id)): a prompt's output does not depend on its
     batch, its bucket or on resuming.
   * Timing: compilation (once per mode and width, ahead of time) is measured apart; tokens/s count the
@@ -48,9 +49,13 @@ class DecodeOptions:
 
 
 def check_prompts(cfg: ModelConfig, opts: DecodeOptions, prompts: list[Prompt]) -> None:
-    """Every prompt fits the model's positions with max_new_tokens (a too-long prompt is named by id and line)."""
+    """Every prompt fits the model's positions with max_new_tokens and asks for no more than it (a bad prompt
+    is named by id and line)."""
     limit = cfg.max_position_embeddings - opts.spec.max_new_tokens
     for p in prompts:
+        if p.max_new_tokens is not None and p.max_new_tokens > opts.spec.max_new_tokens:
+            raise DecodeError(f"prompt {p.id!r} (line {p.line}) asks for max_new_tokens {p.max_new_tokens}, more "
+                              f"than the run's {opts.spec.max_new_tokens} (raise --max-new-tokens)")
         if len(p.ids) > limit:
             raise PromptTooLongError(
                 f"prompt {p.id!r} (line {p.line}) has {len(p.ids)} tokens; with max_new_tokens "
@@ -80,6 +85,8 @@ class BatchDecoder:
         B, P = self.opts.batch_size, self.width(batch)
         rows = list(batch) + [batch[0]] * (B - len(batch))
         lens = np.array([len(p.ids) for p in rows], np.int32)
+        caps = np.array([p.max_new_tokens or self.opts.spec.max_new_tokens for p in batch] + [1] * (B - len(batch)),
+                        np.int32)
         ids = np.zeros((B, P), np.int32)
         for i, p in enumerate(rows):
             ids[i, :lens[i]] = p.ids
@@ -88,15 +95,16 @@ class BatchDecoder:
         if self.mesh is not None:
             from ..sharding import batch_sharding
             ids = _global(ids, batch_sharding(self.mesh, 2, B))
-            lens = _global(lens, batch_sharding(self.mesh, 1, B))
-        return ids, lens, keys
+            lens, caps = (_global(x, batch_sharding(self.mesh, 1, B)) for x in (lens, caps))
+        return ids, lens, keys, caps
 
     def run(self, batch: list[Prompt], mode: str):
         """-> (dict of numpy arrays for the real rows, seconds of decoding excluding compilation)."""
         o = self.opts
-        ids, lens, keys = self.arrays(batch)
+        ids, lens, keys, caps = self.arrays(batch)
         args, static = prepare_generate(self.params, self.cfg, ids, lens, o.spec, gamma=o.gamma,
-                                        temperature=o.temperature, key=keys, mesh=self.mesh, check=False, mode=mode)
+                                        temperature=o.temperature, key=keys, row_max_new_tokens=caps, mesh=self.mesh,
+                                        check=False, mode=mode)
         sig = (mode, ids.shape)
         if sig not in self._compiled:
             t = time.perf_counter()
@@ -106,7 +114,7 @@ class BatchDecoder:
         out = jax.block_until_ready(self._compiled[sig](*args))
         secs = time.perf_counter() - t
         n = len(batch)
-        res = {f: _host(getattr(out, f))[:n] for f in ("tokens", "lengths", "nfe", "stopped_by_eos")}
+        res = {f: _host(getattr(out, f))[:n] for f in ("tokens", "lengths", "nfe", "stopped_by_eos", "accepted")}
         return res, secs
 
     def decode(self, prompts: list[Prompt], on_row: Callable[[Prompt, dict], None] = lambda p, r: None,
@@ -160,17 +168,21 @@ class Totals:
     tokens: int = 0
     nfe: int = 0
     seconds: float = 0.0
+    accepted: np.ndarray | None = None  # model calls that decoded 0, 1, ... tokens (summed over rows)
 
     def add(self, res, secs):
         self.rows += len(res["lengths"])
         self.tokens += int(res["lengths"].sum())
         self.nfe += int(res["nfe"].sum())
         self.seconds += secs
+        hist = res["accepted"].sum(0)
+        self.accepted = hist if self.accepted is None else self.accepted + hist
 
     def as_dict(self):
         return {"rows": self.rows, "tokens": self.tokens, "nfe": self.nfe, "seconds": round(self.seconds, 4),
                 "tokens_per_s": self.tokens / self.seconds if self.seconds else float("nan"),
-                "tokens_per_forward": self.tokens / self.nfe if self.nfe else float("nan")}
+                "tokens_per_forward": self.tokens / self.nfe if self.nfe else float("nan"),
+                "accepted_per_forward": [] if self.accepted is None else self.accepted.tolist()}
 
 
 def decode_prompts(params, cfg: ModelConfig, prompts: list[Prompt], opts: DecodeOptions, *, mesh=None,
