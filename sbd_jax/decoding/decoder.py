@@ -190,28 +190,41 @@ def prepare_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths,
 def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, max_new_B, *, cfg: ModelConfig,
                  spec: DecodeSpec, mesh=None) -> GenerateOutput:
     with mesh_context(mesh):  # ambient while tracing: attention_impl="pallas" then runs per shard
-        B, P = prompt_ids.shape
-        S = P + spec.max_new_tokens
-        W = S + spec.window  # token buffer: room for a whole last block past the cap
-        pad = spec.pad(cfg)
-        eos = jnp.asarray(spec.stop_ids(cfg) or (-1,), jnp.int32)  # -1 matches no token
-        max_new_B = jnp.minimum(max_new_B, spec.max_new_tokens)
-        env = _Env(params, cfg, spec, lengths, max_new_B, gamma_B, temp_B, keys_B, eos, _constrainer(cfg, mesh, B))
-        seq = jnp.full((B, W), pad, jnp.int32).at[:, :P].set(
-            jnp.where(jnp.arange(P)[None] < lengths[:, None], prompt_ids, pad))
-        zeros_B, false_B = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool)
-        state = _State(env.constrain(seq), env.constrain(init_cache(cfg, B, S)), zeros_B,
-                       jnp.zeros((B, spec.window), bool), false_B, false_B, false_B, zeros_B, zeros_B,
-                       jnp.int32(0), jnp.int32(0), jnp.zeros((B, spec.window + 1), jnp.int32))
+        P = prompt_ids.shape[1]
+        env = _make_env(params, cfg, spec, lengths, max_new_B, gamma_B, temp_B, keys_B, mesh)
+        state = _new_state(env, _prompt_seq(prompt_ids, lengths, spec, env), P)
         first, step = (_sbd_first, _sbd_step) if spec.mode == "sbd" else (_ar_first, _ar_step)
         state = first(state, env, prompt_ids)
         state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), functools.partial(step, env=env), state)
         cache = _finalize(state, env) if spec.finalize_cache else state.cache
         j = jnp.arange(spec.max_new_tokens, dtype=jnp.int32)[None]
-        out = jnp.take_along_axis(state.seq, jnp.minimum(lengths[:, None] + j, W - 1), axis=1)
-        out = jnp.where(j < state.n_generated[:, None], out, pad)
+        out = jnp.where(j < state.n_generated[:, None], _gather(state.seq, lengths[:, None] + j), spec.pad(cfg))
         return GenerateOutput(out, state.n_generated, state.nfe, state.eos, state.iters, state.wide, state.accepted,
                               cache if spec.return_cache else None)
+
+
+def _make_env(params, cfg: ModelConfig, spec: DecodeSpec, lengths, max_new_B, gamma_B, temp_B, keys_B, mesh) -> _Env:
+    eos = jnp.asarray(spec.stop_ids(cfg) or (-1,), jnp.int32)  # -1 matches no token
+    return _Env(params, cfg, spec, lengths, jnp.minimum(max_new_B, spec.max_new_tokens), gamma_B, temp_B, keys_B,
+                eos, _constrainer(cfg, mesh, lengths.shape[0]))
+
+
+def _prompt_seq(prompt_ids, lengths, spec: DecodeSpec, env: _Env):
+    """The token buffer [B, P + max_new_tokens + window] (room for a whole last block past the cap): the
+    prompts, then the pad id."""
+    B, P = prompt_ids.shape
+    pad = spec.pad(env.cfg)
+    seq = jnp.full((B, P + spec.max_new_tokens + spec.window), pad, jnp.int32)
+    return seq.at[:, :P].set(jnp.where(jnp.arange(P)[None] < lengths[:, None], prompt_ids, pad))
+
+
+def _new_state(env: _Env, seq, P: int, done=None) -> _State:
+    """The loop carry before the first call: an empty cache of P + max_new_tokens slots per row."""
+    B, spec = seq.shape[0], env.spec
+    zeros_B, false_B = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool)
+    return _State(env.constrain(seq), env.constrain(init_cache(env.cfg, B, P + spec.max_new_tokens)), zeros_B,
+                  jnp.zeros((B, spec.window), bool), false_B, false_B if done is None else done, false_B, zeros_B,
+                  zeros_B, jnp.int32(0), jnp.int32(0), jnp.zeros((B, spec.window + 1), jnp.int32))
 
 
 def _constrainer(cfg, mesh, B):

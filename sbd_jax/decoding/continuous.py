@@ -1,0 +1,198 @@
+"""Continuous batching: a fixed number of slots run the decode loop of decoder.py; when a row finishes, its
+slot takes the next prompt without waiting for the others and without recompiling.
+
+  * Device side, two compiled programs per spec and slot layout. `_run` is the decode loop (the same step
+    functions as `generate`), left when every row is done or, while prompts wait, as soon as a row finishes.
+    `_admit` puts new prompts into free slots: their rows of the loop state are reset, the slot's cache
+    length set to 0 (what a previous row left there is never attended again) and the prompt's K/V written in
+    `prefill_chunk` pieces by a forward over those rows only (one program per power-of-two count of rows).
+  * A new row's first call is then the loop's ordinary step: SBD's first COPY block over the cached prompt;
+    AR's prompt is prefilled but for its last token, which the first step runs to yield the first token. So a
+    row makes the same calls, draws the same random numbers (fold_in(key_b, nfe)) and counts the same NFE as
+    when decoded alone by `generate`; its tokens equal that up to float rounding (tested equal).
+  * Host side (`ContinuousDecoder.decode`): admit, run, read which rows finished, hand them out, repeat. One
+    small device-to-host read per finished batch of rows.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..attention import clean_meta
+from ..config import ModelConfig
+from ..models.transformer import KVCache, forward
+from ..sharding import mesh_context
+from .decoder import _ar_step, _make_env, _new_state, _prompt_seq, _sbd_step, _State
+from .spec import DecodeError, DecodeSpec
+
+
+class _Rows(NamedTuple):
+    """What each slot decodes with ([slots] arrays), set when a prompt is admitted."""
+
+    lengths: jax.Array   # prompt lengths
+    max_new: jax.Array   # the row's cap on generated tokens
+    gamma: jax.Array
+    temp: jax.Array
+    keys: jax.Array      # typed PRNG keys
+
+
+def _env(params, cfg, spec, rows: _Rows, mesh):
+    return _make_env(params, cfg, spec, rows.lengths, rows.max_new, rows.gamma, rows.temp, rows.keys, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"), donate_argnums=(1,))
+def _run(params, state: _State, rows: _Rows, stop_at_finish, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None):
+    """Decode until every row is done or (`stop_at_finish`) a row that was running finishes."""
+    with mesh_context(mesh):
+        env = _env(params, cfg, spec, rows, mesh)
+        running = ~state.done
+        step = functools.partial(_sbd_step if spec.mode == "sbd" else _ar_step, env=env)
+        return jax.lax.while_loop(
+            lambda s: ~jnp.all(s.done) & ~(stop_at_finish & jnp.any(s.done & running)), step, state)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"), donate_argnums=(1,))
+def _admit(params, state: _State, rows: _Rows, slot_R, prompt_RP, new: _Rows, *, cfg: ModelConfig,
+           spec: DecodeSpec, mesh=None):
+    """Start prompts `prompt_RP` (right-padded, lengths `new.lengths`) in slots `slot_R` (a slot index equal to
+    the slot count marks an unused entry): reset their rows of the state and write their prompts' K/V."""
+    with mesh_context(mesh):
+        B = state.done.shape[0]
+        R, P = prompt_RP.shape
+        put = lambda a, v: a.at[slot_R].set(v, mode="drop")  # noqa: E731 - rows of the slots
+        rows = _Rows(*(put(a, v) for a, v in zip(rows, new)))
+        env = _env(params, cfg, spec, rows, mesh)
+        fresh = _new_state(_env(params, cfg, spec, new, None), _prompt_seq(prompt_RP, new.lengths, spec, env), P)
+        if spec.mode == "sbd":  # the first block's positions are masked up to the row's cap
+            fresh = fresh._replace(masked=jnp.arange(spec.window)[None] < new.max_new[:, None])
+        # the prompt's K/V, in pieces (AR leaves the last prompt token to its first step)
+        C = spec.prefill_chunk
+        n_R = jnp.where(slot_R < B, new.lengths - (spec.mode == "ar"), 0)
+        width = -(-P // C) * C
+        ids = jnp.pad(prompt_RP, ((0, 0), (0, width - P)))
+        rows_k = jnp.minimum(slot_R, B - 1)
+        cache = KVCache(state.cache.k[:, rows_k], state.cache.v[:, rows_k], jnp.zeros((R,), jnp.int32))
+
+        def piece(i, cache):
+            pos = i * C + jnp.arange(C, dtype=jnp.int32)[None]
+            meta = clean_meta((pos < n_R[:, None]).astype(jnp.int32), jnp.broadcast_to(pos, (R, C)))
+            return forward(params, cfg, jax.lax.dynamic_slice_in_dim(ids, i * C, C, axis=1), meta, cache,
+                           return_hidden=True)[1]
+        cache = jax.lax.fori_loop(0, width // C, piece, cache)
+        state = state._replace(
+            **{f: put(getattr(state, f), getattr(fresh, f)) for f in
+               ("block_offset", "masked", "commit", "done", "eos", "n_generated", "nfe", "accepted")},
+            seq=env.constrain(put(state.seq, fresh.seq)),
+            cache=env.constrain(KVCache(state.cache.k.at[:, slot_R].set(cache.k, mode="drop"),
+                                        state.cache.v.at[:, slot_R].set(cache.v, mode="drop"),
+                                        put(state.cache.lengths, cache.lengths))))
+        return state, rows
+
+
+class Request(NamedTuple):
+    """One prompt for the continuous decoder: token ids, its PRNG key, its cap (None: the spec's)."""
+
+    ids: tuple[int, ...]
+    key: jax.Array
+    max_new_tokens: int | None = None
+
+
+class ContinuousDecoder:
+    """Decodes a stream of prompts of at most `prompt_width` tokens in `slots` rows, a finished row's slot
+    taking the next prompt at once. `decode(requests)` yields `(index, result)` as rows finish (index: the
+    request's place in the stream); result: tokens, n_tokens, nfe, tokens_per_forward, stop, accepted."""
+
+    def __init__(self, params, cfg: ModelConfig, spec: DecodeSpec, *, slots: int, prompt_width: int,
+                 gamma=0.35, temperature=0.0, mesh=None):
+        if spec.finalize_cache or spec.return_cache:
+            raise DecodeError("continuous batching returns no cache (finalize_cache / return_cache are off)")
+        if prompt_width + spec.max_new_tokens > cfg.max_position_embeddings:
+            raise DecodeError(f"prompt_width {prompt_width} + max_new_tokens {spec.max_new_tokens} exceeds the "
+                              f"model's max_position_embeddings {cfg.max_position_embeddings}")
+        self.params, self.cfg, self.spec, self.mesh = params, cfg, spec, mesh
+        self.slots, self.width, self.gamma, self.temperature = slots, prompt_width, gamma, temperature
+        self.compile_s = 0.0
+        self._programs: dict = {}
+
+    def _program(self, name: str, fn, *args):
+        """`fn` compiled ahead of time once per name (its compile time kept apart from decoding time)."""
+        if name not in self._programs:
+            t = time.perf_counter()
+            self._programs[name] = fn.lower(*args, cfg=self.cfg, spec=self.spec, mesh=self.mesh).compile()
+            self.compile_s += time.perf_counter() - t
+        return self._programs[name]
+
+    def _empty(self):
+        B, spec = self.slots, self.spec
+        rows = _Rows(jnp.ones((B,), jnp.int32), jnp.ones((B,), jnp.int32), jnp.zeros((B,), jnp.float32),
+                     jnp.zeros((B,), jnp.float32), jax.random.split(jax.random.key(0), B))
+        env = _env(self.params, self.cfg, spec, rows, None)
+        seq = _prompt_seq(jnp.zeros((B, self.width), jnp.int32), rows.lengths, spec, env)
+        state = _new_state(env, seq, self.width, done=jnp.ones((B,), bool))
+        return jax.tree.map(jnp.copy, state), rows  # one buffer per leaf: the state is donated
+
+    def _admit(self, state, rows, slots: list[int], reqs: list[Request]):
+        R = 1 << (len(slots) - 1).bit_length()  # power-of-two programs
+        ids = np.zeros((R, self.width), np.int32)
+        for i, r in enumerate(reqs):
+            ids[i, :len(r.ids)] = r.ids
+        pad = R - len(reqs)
+        cap = self.spec.max_new_tokens
+        new = _Rows(jnp.asarray([len(r.ids) for r in reqs] + [1] * pad, jnp.int32),
+                    jnp.asarray([r.max_new_tokens or cap for r in reqs] + [1] * pad, jnp.int32),
+                    jnp.full((R,), self.gamma, jnp.float32), jnp.full((R,), self.temperature, jnp.float32),
+                    jnp.stack([r.key for r in reqs] + [reqs[0].key] * pad))
+        args = (self.params, state, rows, jnp.asarray(slots + [self.slots] * pad, jnp.int32), jnp.asarray(ids), new)
+        return self._program(f"admit{R}", _admit, *args)(*args)
+
+    def decode(self, requests: Iterable[Request]) -> Iterator[tuple[int, dict]]:
+        pending: Iterator = enumerate(requests)
+        state, rows = self._empty()
+        owner: dict[int, int] = {}  # slot -> index of the request it decodes
+        waiting = next(pending, None)
+        while owner or waiting is not None:
+            free = [b for b in range(self.slots) if b not in owner]
+            batch = []
+            while free and waiting is not None:
+                batch.append((free.pop(0), waiting))
+                waiting = next(pending, None)
+            if batch:
+                for b, (i, r) in batch:
+                    if not 1 <= len(r.ids) <= self.width:
+                        raise DecodeError(f"prompt {i} has {len(r.ids)} tokens; this decoder takes 1 to "
+                                          f"{self.width} (prompt_width)")
+                    owner[b] = i
+                state, rows = self._admit(state, rows, [b for b, _ in batch], [r for _, (_, r) in batch])
+            args = (self.params, state, rows, jnp.asarray(waiting is not None))
+            state = self._program("run", _run, *args)(*args)
+            done, n, nfe, eos, accepted, lengths = jax.device_get(
+                (state.done, state.n_generated, state.nfe, state.eos, state.accepted, rows.lengths))
+            finished = [b for b in owner if done[b]]
+            if finished:
+                seq = np.asarray(jax.device_get(state.seq[jnp.asarray(finished)]))
+            for j, b in enumerate(finished):
+                tokens = seq[j, lengths[b]:lengths[b] + n[b]].tolist()
+                yield owner.pop(b), {"tokens": tokens, "n_tokens": int(n[b]), "nfe": int(nfe[b]),
+                                     "tokens_per_forward": int(n[b]) / max(int(nfe[b]), 1),
+                                     "stop": "eos" if eos[b] else "length", "accepted": accepted[b].tolist()}
+
+
+def decode_stream(params, cfg: ModelConfig, prompts: Iterable, spec: DecodeSpec, *, slots: int, prompt_width: int,
+                  gamma=0.35, temperature=0.0, key=None, mesh=None,
+                  on_row: Callable[[int, dict], None] | None = None) -> Iterator[tuple[int, dict]]:
+    """Continuous batching over a stream of prompts (lists of token ids, or `Request`s); yields `(index, result)`
+    as rows finish. Request i's key is fold_in(key, i) unless it brings its own."""
+    base = jax.random.key(0) if key is None else key
+    reqs = (p if isinstance(p, Request) else Request(tuple(p), jax.random.fold_in(base, i))
+            for i, p in enumerate(prompts))
+    for i, result in ContinuousDecoder(params, cfg, spec, slots=slots, prompt_width=prompt_width, gamma=gamma,
+                                       temperature=temperature, mesh=mesh).decode(reqs):
+        if on_row is not None:
+            on_row(i, result)
+        yield i, result
