@@ -29,7 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gamma", type=float, default=0.35, help="acceptance threshold (SBD)")
     ap.add_argument("--rule", choices=("eb", "threshold"), default="eb")
     ap.add_argument("--block-size", type=int, default=16, help="SBD block size k")
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=8, help="rows decoded at once (continuous slots)")
+    ap.add_argument("--static", action="store_true",
+                    help="fixed batches that wait for their slowest row, instead of continuous batching (a finished "
+                         "row's slot takes the next prompt at once; the default in one process)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -84,11 +87,12 @@ def run(args) -> int:
     spec = DecodeSpec(mode=args.mode, block_size=args.block_size, rule=args.rule, max_new_tokens=args.max_new_tokens,
                       top_k=args.top_k, top_p=args.top_p, tempered_entropy=args.tempered_entropy,
                       eos_ids=() if args.ignore_eos else (tuple(args.eos_id) if args.eos_id else None))
-    opts = DecodeOptions(spec=spec, gamma=args.gamma, temperature=args.temperature, batch_size=args.batch_size,
-                         pad_multiple=args.pad_multiple, seed=args.seed, compare_ar=args.compare_ar)
     mesh_cfg = mesh_config(args)
     maybe_initialize_distributed()
     mesh = make_mesh(mesh_cfg)
+    opts = DecodeOptions(spec=spec, gamma=args.gamma, temperature=args.temperature, batch_size=args.batch_size,
+                         pad_multiple=args.pad_multiple, seed=args.seed, compare_ar=args.compare_ar,
+                         continuous=not args.static and jax.process_count() == 1)
     cfg, params = from_pretrained(args.model, dtype=args.dtype, mesh=mesh)  # each process reads its shards
     if spec.eos_ids is None:
         opts = dataclasses.replace(opts, spec=dataclasses.replace(spec, eos_ids=generation_eos(cfg, args.model)))

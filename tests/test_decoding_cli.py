@@ -95,6 +95,20 @@ def test_decode_cli_outputs_and_summary(first_run, capsys):
     assert summary["command"].startswith("python decode.py")
 
 
+def test_decode_cli_static_batches_give_the_same_rows(first_run, model_dir, tmp_path):
+    """--static (fixed batches, each waiting for its slowest row) and the default continuous slots: same rows."""
+    inp, out, summary = first_run
+    static = tmp_path / "static.jsonl"
+    assert decode.main(["--model", str(model_dir), "--input", str(inp), "--output", str(static), "--compare-ar",
+                        "--static", "--summary", str(tmp_path / "s.json"), *FLAGS]) == 0
+    by_id = lambda p: {str(r["id"]): r for r in _read(p)}  # noqa: E731
+    assert by_id(static) == by_id(out)
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert summary.get("continuous") and not s.get("continuous")
+    assert (s["nfe"], s["tokens"], s["accepted_per_forward"]) == (summary["nfe"], summary["tokens"],
+                                                                   summary["accepted_per_forward"])
+
+
 def test_decode_cli_per_prompt_max_new_tokens(model_dir, tmp_path, capsys):
     """A line's "max_new_tokens" caps that row (the run's --max-new-tokens sizes the cache); more than the run's
     is an error naming the line."""

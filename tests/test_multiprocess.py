@@ -72,10 +72,13 @@ def test_two_processes_decode_like_one(runs, tmp_path):
     prompts.write_text("".join(json.dumps({"id": i, "prompt_ids": ids}) + "\n" for i, ids in
                                enumerate([[1, 30, 25, 9], [1, 5, 27], [1, 22, 33, 40, 12, 7], [1, 18]])))
     outs = {}
-    for n in (1, 2):
-        outs[n] = tmp_path / f"out{n}.jsonl"
+    for name, n, flags in (("one", 1, ["--static"]), ("two", 2, []), ("continuous", 1, [])):
+        outs[name] = tmp_path / f"{name}.jsonl"
         finish(start_processes(["decode.py", "--model", str(runs / "one" / "hf"), "--input", str(prompts),
-                                "--output", str(outs[n]), "--max-new-tokens", "8", "--block-size", "4",
-                                "--batch-size", "8", "--no-progress", "mesh.data=8"],
+                                "--output", str(outs[name]), "--max-new-tokens", "8", "--block-size", "4",
+                                "--batch-size", "8", "--no-progress", "mesh.data=8", *flags],
                                processes=n, devices_each=8 // n, port=free_port()))
-    assert outs[1].read_text() == outs[2].read_text() and len(outs[1].read_text().splitlines()) == 4
+    # several processes decode static batches (continuous batching is single-process): the same file as one
+    assert outs["one"].read_text() == outs["two"].read_text() and len(outs["one"].read_text().splitlines()) == 4
+    rows = lambda p: sorted(p.read_text().splitlines())  # noqa: E731 - continuous writes in finishing order
+    assert rows(outs["continuous"]) == rows(outs["one"])

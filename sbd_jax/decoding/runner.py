@@ -39,6 +39,9 @@ class DecodeOptions:
     pad_multiple: int = 16  # prompt widths are rounded up to a multiple of this (fewer compilations)
     seed: int = 0
     compare_ar: bool = False  # also decode every batch with AR and report the speedup
+    # batch_size slots, a finished row's slot taking the next prompt at once (continuous.py); False: fixed
+    # batches, each waiting for its slowest row
+    continuous: bool = False
 
     def __post_init__(self):
         check_rate("gamma", self.gamma)
@@ -178,6 +181,10 @@ class Totals:
         hist = res["accepted"].sum(0)
         self.accepted = hist if self.accepted is None else self.accepted + hist
 
+    def add_row(self, row: dict):
+        self.add({"lengths": np.asarray([row["n_tokens"]]), "nfe": np.asarray([row["nfe"]]),
+                  "accepted": np.asarray([row["accepted"]])}, 0.0)
+
     def as_dict(self):
         return {"rows": self.rows, "tokens": self.tokens, "nfe": self.nfe, "seconds": round(self.seconds, 4),
                 "tokens_per_s": self.tokens / self.seconds if self.seconds else float("nan"),
@@ -193,7 +200,49 @@ def decode_prompts(params, cfg: ModelConfig, prompts: list[Prompt], opts: Decode
     if not checked:
         check_model(cfg, opts.spec)
         check_prompts(cfg, opts, prompts)
+    if opts.continuous:
+        return _decode_continuous(params, cfg, prompts, opts, mesh, on_row, progress)
     return BatchDecoder(params, cfg, opts, mesh).decode(prompts, on_row, progress)
+
+
+def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: DecodeOptions, mesh, on_row,
+                       progress) -> dict:
+    """`decode_prompts` with `opts.batch_size` continuous slots; with compare_ar, AR then runs the same prompts
+    on the same slots and each row is handed out once both are done."""
+    from .continuous import ContinuousDecoder, Request
+    longest = max(len(p.ids) for p in prompts)
+    m = opts.pad_multiple
+    width = max(longest, min(-(-longest // m) * m, cfg.max_position_embeddings - opts.spec.max_new_tokens))
+    base = jax.random.key(opts.seed)
+    reqs = [Request(p.ids, jax.random.fold_in(base, row_key(p.id)), p.max_new_tokens) for p in prompts]
+    modes = [opts.spec.mode] + (["ar"] if opts.compare_ar and opts.spec.mode != "ar" else [])
+    totals, results, compile_s, same_as_ar = {}, {}, 0.0, 0
+    for mode in modes:
+        dec = ContinuousDecoder(params, cfg, dataclasses.replace(opts.spec, mode=mode), slots=opts.batch_size,
+                                prompt_width=width, gamma=opts.gamma, temperature=opts.temperature, mesh=mesh)
+        totals[mode] = t = Totals()
+        start = time.perf_counter()
+        for i, row in dec.decode(reqs):
+            t.add_row(row)
+            del row["accepted"]  # in the summary's histogram; a row reads as in static batches
+            if mode == modes[-1]:
+                if len(modes) > 1:
+                    row = dict(results.pop(i), ar=row)
+                    same_as_ar += row["ar"]["tokens"] == row["tokens"]
+                on_row(prompts[i], row)
+                if progress is not None:
+                    progress.update(1)
+            else:
+                results[i] = row
+        t.seconds = time.perf_counter() - start - dec.compile_s
+        compile_s += dec.compile_s
+    main = totals[modes[0]]
+    summary = dict(mode=opts.spec.mode, **main.as_dict(), compile_seconds=round(compile_s, 3), continuous=True)
+    if len(modes) > 1:
+        summary["ar"] = totals["ar"].as_dict()
+        summary["speedup_tokens_per_s"] = summary["tokens_per_s"] / summary["ar"]["tokens_per_s"]
+        summary["same_tokens_as_ar"] = same_as_ar / max(main.rows, 1)
+    return summary
 
 
 def _row(res, i) -> dict:
