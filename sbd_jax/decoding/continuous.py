@@ -39,22 +39,33 @@ class _Rows(NamedTuple):
     max_new: jax.Array   # the row's cap on generated tokens
     gamma: jax.Array
     temp: jax.Array
-    keys: jax.Array      # typed PRNG keys
+    keys: jax.Array      # raw PRNG key data [slots, 2] (host-built, so admitting compiles nothing eagerly)
 
 
 def _env(params, cfg, spec, rows: _Rows, mesh):
-    return _make_env(params, cfg, spec, rows.lengths, rows.max_new, rows.gamma, rows.temp, rows.keys, mesh)
+    return _make_env(params, cfg, spec, rows.lengths, rows.max_new, rows.gamma, rows.temp,
+                     jax.random.wrap_key_data(rows.keys), mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh", "slots", "width"))
+def _empty(params, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None, slots: int, width: int):
+    """The state and rows of `slots` idle slots."""
+    rows = _Rows(jnp.ones((slots,), jnp.int32), jnp.ones((slots,), jnp.int32), jnp.zeros((slots,), jnp.float32),
+                 jnp.zeros((slots,), jnp.float32), jnp.zeros((slots, 2), jnp.uint32))
+    env = _env(params, cfg, spec, rows, mesh)
+    seq = _prompt_seq(jnp.zeros((slots, width), jnp.int32), rows.lengths, spec, env)
+    return _new_state(env, seq, width, done=jnp.ones((slots,), bool)), rows
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"), donate_argnums=(1,))
-def _run(params, state: _State, rows: _Rows, stop_at_finish, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None):
-    """Decode until every row is done or (`stop_at_finish`) a row that was running finishes."""
+def _run(params, state: _State, rows: _Rows, finished, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None):
+    """Decode until every row is done or `finished` of the rows that were running have finished."""
     with mesh_context(mesh):
         env = _env(params, cfg, spec, rows, mesh)
         running = ~state.done
         step = functools.partial(_sbd_step if spec.mode == "sbd" else _ar_step, env=env)
         return jax.lax.while_loop(
-            lambda s: ~jnp.all(s.done) & ~(stop_at_finish & jnp.any(s.done & running)), step, state)
+            lambda s: ~jnp.all(s.done) & (jnp.sum(s.done & running) < finished), step, state)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"), donate_argnums=(1,))
@@ -72,7 +83,7 @@ def _admit(params, state: _State, rows: _Rows, slot_R, prompt_RP, new: _Rows, *,
         if spec.mode == "sbd":  # the first block's positions are masked up to the row's cap
             fresh = fresh._replace(masked=jnp.arange(spec.window)[None] < new.max_new[:, None])
         # the prompt's K/V, in pieces (AR leaves the last prompt token to its first step)
-        C = spec.prefill_chunk
+        C = min(spec.prefill_chunk, P)
         n_R = jnp.where(slot_R < B, new.lengths - (spec.mode == "ar"), 0)
         width = -(-P // C) * C
         ids = jnp.pad(prompt_RP, ((0, 0), (0, width - P)))
@@ -96,11 +107,18 @@ def _admit(params, state: _State, rows: _Rows, slot_R, prompt_RP, new: _Rows, *,
 
 
 class Request(NamedTuple):
-    """One prompt for the continuous decoder: token ids, its PRNG key, its cap (None: the spec's)."""
+    """One prompt for the continuous decoder: token ids, its PRNG key (typed, or raw uint32[2]), its cap (None:
+    the spec's)."""
 
     ids: tuple[int, ...]
-    key: jax.Array
+    key: jax.Array | np.ndarray
     max_new_tokens: int | None = None
+
+
+def _key_data(key) -> np.ndarray:
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return np.asarray(key, np.uint32)
 
 
 class ContinuousDecoder:
@@ -109,7 +127,7 @@ class ContinuousDecoder:
     request's place in the stream); result: tokens, n_tokens, nfe, tokens_per_forward, stop, accepted."""
 
     def __init__(self, params, cfg: ModelConfig, spec: DecodeSpec, *, slots: int, prompt_width: int,
-                 gamma=0.35, temperature=0.0, mesh=None):
+                 gamma=0.35, temperature=0.0, refill: int = 1, mesh=None):
         if spec.finalize_cache or spec.return_cache:
             raise DecodeError("continuous batching returns no cache (finalize_cache / return_cache are off)")
         if prompt_width + spec.max_new_tokens > cfg.max_position_embeddings:
@@ -117,25 +135,17 @@ class ContinuousDecoder:
                               f"model's max_position_embeddings {cfg.max_position_embeddings}")
         self.params, self.cfg, self.spec, self.mesh = params, cfg, spec, mesh
         self.slots, self.width, self.gamma, self.temperature = slots, prompt_width, gamma, temperature
+        self.refill = refill  # while prompts wait, return to the host once this many slots are free
         self.compile_s = 0.0
         self._programs: dict = {}
 
-    def _program(self, name: str, fn, *args):
+    def _program(self, name: str, fn, *args, **static):
         """`fn` compiled ahead of time once per name (its compile time kept apart from decoding time)."""
         if name not in self._programs:
             t = time.perf_counter()
-            self._programs[name] = fn.lower(*args, cfg=self.cfg, spec=self.spec, mesh=self.mesh).compile()
+            self._programs[name] = fn.lower(*args, cfg=self.cfg, spec=self.spec, mesh=self.mesh, **static).compile()
             self.compile_s += time.perf_counter() - t
         return self._programs[name]
-
-    def _empty(self):
-        B, spec = self.slots, self.spec
-        rows = _Rows(jnp.ones((B,), jnp.int32), jnp.ones((B,), jnp.int32), jnp.zeros((B,), jnp.float32),
-                     jnp.zeros((B,), jnp.float32), jax.random.split(jax.random.key(0), B))
-        env = _env(self.params, self.cfg, spec, rows, None)
-        seq = _prompt_seq(jnp.zeros((B, self.width), jnp.int32), rows.lengths, spec, env)
-        state = _new_state(env, seq, self.width, done=jnp.ones((B,), bool))
-        return jax.tree.map(jnp.copy, state), rows  # one buffer per leaf: the state is donated
 
     def _admit(self, state, rows, slots: list[int], reqs: list[Request]):
         R = 1 << (len(slots) - 1).bit_length()  # power-of-two programs
@@ -144,16 +154,16 @@ class ContinuousDecoder:
             ids[i, :len(r.ids)] = r.ids
         pad = R - len(reqs)
         cap = self.spec.max_new_tokens
-        new = _Rows(jnp.asarray([len(r.ids) for r in reqs] + [1] * pad, jnp.int32),
-                    jnp.asarray([r.max_new_tokens or cap for r in reqs] + [1] * pad, jnp.int32),
-                    jnp.full((R,), self.gamma, jnp.float32), jnp.full((R,), self.temperature, jnp.float32),
-                    jnp.stack([r.key for r in reqs] + [reqs[0].key] * pad))
-        args = (self.params, state, rows, jnp.asarray(slots + [self.slots] * pad, jnp.int32), jnp.asarray(ids), new)
+        new = _Rows(np.asarray([len(r.ids) for r in reqs] + [1] * pad, np.int32),
+                    np.asarray([r.max_new_tokens or cap for r in reqs] + [1] * pad, np.int32),
+                    np.full((R,), self.gamma, np.float32), np.full((R,), self.temperature, np.float32),
+                    np.asarray([_key_data(r.key) for r in reqs] + [_key_data(reqs[0].key)] * pad, np.uint32))
+        args = (self.params, state, rows, np.asarray(slots + [self.slots] * pad, np.int32), ids, new)
         return self._program(f"admit{R}", _admit, *args)(*args)
 
     def decode(self, requests: Iterable[Request]) -> Iterator[tuple[int, dict]]:
         pending: Iterator = enumerate(requests)
-        state, rows = self._empty()
+        state, rows = self._program("empty", _empty, self.params, slots=self.slots, width=self.width)(self.params)
         owner: dict[int, int] = {}  # slot -> index of the request it decodes
         waiting = next(pending, None)
         while owner or waiting is not None:
@@ -169,15 +179,12 @@ class ContinuousDecoder:
                                           f"{self.width} (prompt_width)")
                     owner[b] = i
                 state, rows = self._admit(state, rows, [b for b, _ in batch], [r for _, (_, r) in batch])
-            args = (self.params, state, rows, jnp.asarray(waiting is not None))
+            args = (self.params, state, rows, np.int32(self.refill if waiting is not None else self.slots + 1))
             state = self._program("run", _run, *args)(*args)
-            done, n, nfe, eos, accepted, lengths = jax.device_get(
-                (state.done, state.n_generated, state.nfe, state.eos, state.accepted, rows.lengths))
-            finished = [b for b in owner if done[b]]
-            if finished:
-                seq = np.asarray(jax.device_get(state.seq[jnp.asarray(finished)]))
-            for j, b in enumerate(finished):
-                tokens = seq[j, lengths[b]:lengths[b] + n[b]].tolist()
+            done, n, nfe, eos, accepted, lengths, seq = jax.device_get(
+                (state.done, state.n_generated, state.nfe, state.eos, state.accepted, rows.lengths, state.seq))
+            for b in [b for b in owner if done[b]]:
+                tokens = seq[b, lengths[b]:lengths[b] + n[b]].tolist()
                 yield owner.pop(b), {"tokens": tokens, "n_tokens": int(n[b]), "nfe": int(nfe[b]),
                                      "tokens_per_forward": int(n[b]) / max(int(nfe[b]), 1),
                                      "stop": "eos" if eos[b] else "length", "accepted": accepted[b].tolist()}

@@ -42,11 +42,12 @@ class DecodeOptions:
     # batch_size slots, a finished row's slot taking the next prompt at once (continuous.py); False: fixed
     # batches, each waiting for its slowest row
     continuous: bool = False
+    refill: int = 1  # continuous: while prompts wait, slots are refilled once this many are free
 
     def __post_init__(self):
         check_rate("gamma", self.gamma)
         check_rate("temperature", self.temperature)
-        for name in ("batch_size", "pad_multiple"):
+        for name in ("batch_size", "pad_multiple", "refill"):
             if getattr(self, name) < 1:
                 raise DecodeError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -213,13 +214,15 @@ def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: De
     longest = max(len(p.ids) for p in prompts)
     m = opts.pad_multiple
     width = max(longest, min(-(-longest // m) * m, cfg.max_position_embeddings - opts.spec.max_new_tokens))
-    base = jax.random.key(opts.seed)
-    reqs = [Request(p.ids, jax.random.fold_in(base, row_key(p.id)), p.max_new_tokens) for p in prompts]
+    keys = np.asarray(jax.random.key_data(jax.vmap(jax.random.fold_in, (None, 0))(
+        jax.random.key(opts.seed), jnp.asarray([row_key(p.id) for p in prompts]))))
+    reqs = [Request(p.ids, k, p.max_new_tokens) for p, k in zip(prompts, keys)]
     modes = [opts.spec.mode] + (["ar"] if opts.compare_ar and opts.spec.mode != "ar" else [])
     totals, results, compile_s, same_as_ar = {}, {}, 0.0, 0
     for mode in modes:
         dec = ContinuousDecoder(params, cfg, dataclasses.replace(opts.spec, mode=mode), slots=opts.batch_size,
-                                prompt_width=width, gamma=opts.gamma, temperature=opts.temperature, mesh=mesh)
+                                prompt_width=width, gamma=opts.gamma, temperature=opts.temperature, refill=opts.refill,
+                                mesh=mesh)
         totals[mode] = t = Totals()
         start = time.perf_counter()
         for i, row in dec.decode(reqs):
