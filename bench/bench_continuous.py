@@ -32,7 +32,6 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", default="16,512", help="per-row max_new_tokens drawn uniformly from [lo, hi]")
     ap.add_argument("--slots", default="16", help="comma list of batch sizes (slots)")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--refill", type=int, default=1, help="free slots that trigger a refill (ContinuousDecoder)")
     ap.add_argument("--gamma", type=float, default=20.0, help="EB gamma of the SBD rows (random weights: high)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -57,7 +56,7 @@ def main(argv=None) -> int:
             rate = {}
             for continuous in (False, True):
                 opts = DecodeOptions(spec=spec, gamma=args.gamma, batch_size=slots, pad_multiple=16,
-                                     continuous=continuous, refill=args.refill)
+                                     continuous=continuous)
                 s = decode_prompts(params, cfg, prompts, opts)
                 rate[continuous] = s["tokens_per_s"]
             print(f"| {slots} | {mode} | {rate[False]:.0f} | {rate[True]:.0f} | {rate[True] / rate[False]:.2f}x | "

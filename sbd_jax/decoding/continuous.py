@@ -58,14 +58,14 @@ def _empty(params, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None, slots: int,
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"), donate_argnums=(1,))
-def _run(params, state: _State, rows: _Rows, finished, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None):
-    """Decode until every row is done or `finished` of the rows that were running have finished."""
+def _run(params, state: _State, rows: _Rows, stop_at_finish, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None):
+    """Decode until every row is done or (`stop_at_finish`) a row that was running finishes."""
     with mesh_context(mesh):
         env = _env(params, cfg, spec, rows, mesh)
         running = ~state.done
         step = functools.partial(_sbd_step if spec.mode == "sbd" else _ar_step, env=env)
         return jax.lax.while_loop(
-            lambda s: ~jnp.all(s.done) & (jnp.sum(s.done & running) < finished), step, state)
+            lambda s: ~jnp.all(s.done) & ~(stop_at_finish & jnp.any(s.done & running)), step, state)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"), donate_argnums=(1,))
@@ -127,7 +127,7 @@ class ContinuousDecoder:
     request's place in the stream); result: tokens, n_tokens, nfe, tokens_per_forward, stop, accepted."""
 
     def __init__(self, params, cfg: ModelConfig, spec: DecodeSpec, *, slots: int, prompt_width: int,
-                 gamma=0.35, temperature=0.0, refill: int = 1, mesh=None):
+                 gamma=0.35, temperature=0.0, mesh=None):
         if spec.finalize_cache or spec.return_cache:
             raise DecodeError("continuous batching returns no cache (finalize_cache / return_cache are off)")
         if prompt_width + spec.max_new_tokens > cfg.max_position_embeddings:
@@ -135,7 +135,6 @@ class ContinuousDecoder:
                               f"model's max_position_embeddings {cfg.max_position_embeddings}")
         self.params, self.cfg, self.spec, self.mesh = params, cfg, spec, mesh
         self.slots, self.width, self.gamma, self.temperature = slots, prompt_width, gamma, temperature
-        self.refill = refill  # while prompts wait, return to the host once this many slots are free
         self.compile_s = 0.0
         self._programs: dict = {}
 
@@ -179,7 +178,7 @@ class ContinuousDecoder:
                                           f"{self.width} (prompt_width)")
                     owner[b] = i
                 state, rows = self._admit(state, rows, [b for b, _ in batch], [r for _, (_, r) in batch])
-            args = (self.params, state, rows, np.int32(self.refill if waiting is not None else self.slots + 1))
+            args = (self.params, state, rows, np.bool_(waiting is not None))
             state = self._program("run", _run, *args)(*args)
             done, n, nfe, eos, accepted, lengths, seq = jax.device_get(
                 (state.done, state.n_generated, state.nfe, state.eos, state.accepted, rows.lengths, state.seq))

@@ -42,12 +42,11 @@ class DecodeOptions:
     # batch_size slots, a finished row's slot taking the next prompt at once (continuous.py); False: fixed
     # batches, each waiting for its slowest row
     continuous: bool = False
-    refill: int = 1  # continuous: while prompts wait, slots are refilled once this many are free
 
     def __post_init__(self):
         check_rate("gamma", self.gamma)
         check_rate("temperature", self.temperature)
-        for name in ("batch_size", "pad_multiple", "refill"):
+        for name in ("batch_size", "pad_multiple"):
             if getattr(self, name) < 1:
                 raise DecodeError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -221,8 +220,7 @@ def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: De
     totals, results, compile_s, same_as_ar = {}, {}, 0.0, 0
     for mode in modes:
         dec = ContinuousDecoder(params, cfg, dataclasses.replace(opts.spec, mode=mode), slots=opts.batch_size,
-                                prompt_width=width, gamma=opts.gamma, temperature=opts.temperature, refill=opts.refill,
-                                mesh=mesh)
+                                prompt_width=width, gamma=opts.gamma, temperature=opts.temperature, mesh=mesh)
         totals[mode] = t = Totals()
         start = time.perf_counter()
         for i, row in dec.decode(reqs):
