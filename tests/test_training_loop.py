@@ -26,6 +26,7 @@ from sbd_jax.models import causal_meta
 from sbd_jax.training.checkpoint import Checkpointer
 from sbd_jax.training.config import TrainConfig
 from sbd_jax.training.data import build_iterator
+from sbd_jax.io.tokenizer import Tokenizer
 from sbd_jax.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,6 +213,50 @@ def test_hf_export_loads_in_transformers(straight, hf_ref):
     ours, _ = jax.jit(sbd_jax.forward, static_argnums=1)(params, cfg, tokens, causal_meta(np.array([8]), 8))
     ref = hf_ref.logits(res.hf_dir, tokens)
     assert np.abs(np.asarray(ours) - ref).max() <= 1e-4
+
+
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def test_export_is_a_complete_model_directory(straight, tmp_path):
+    """SFT on a chat template whose turns end with <|end|> (not the EOS): the export carries the tokenizer
+    files and generation_config.json whose stop ids add <|end|>; decode.py reads both from the directory (a
+    `messages` prompt is rendered by the exported template; its stop ids are EOS and <|end|>); the files get the
+    umask's permissions."""
+    d, cfg_path, res = straight
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {f.name for f in res.hf_dir.iterdir()}
+    assert json.loads((res.hf_dir / "generation_config.json").read_text())["eos_token_id"] == [2]
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    tk = HFTokenizer.from_file(str(d / "tok" / "tokenizer.json"))
+    tk.add_special_tokens(["<|user|>", "<|assistant|>", "<|end|>"])
+    tk.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                              "chat_template": CHAT}))
+    end = tk.token_to_id("<|end|>")
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps({"prompt": a, "response": b}) + "\n"
+                                                for a, b in zip(CORPUS, CORPUS[1:])))
+    cfg = load_config(TrainConfig, cfg_path, [f"out_dir={tmp_path / 'run'}", f"data.path={tmp_path / 'sft.jsonl'}",
+                                              f"data.tokenizer={tok_dir}", "steps=3", "data.mode=sft"])
+    out = train(cfg)
+    gen = json.loads((out.hf_dir / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [2, end] and (out.hf_dir / "tokenizer.json").read_bytes() == \
+        (tok_dir / "tokenizer.json").read_bytes()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert all(f.stat().st_mode & 0o777 == 0o666 & ~umask for f in out.hf_dir.iterdir())
+    import decode
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "c", "messages": [{"role": "user", "content": "the quick brown fox"}]}) + "\n")
+    rc = decode.main(["--model", str(out.hf_dir), "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"),
+                      "--max-new-tokens", "8", "--block-size", "4", "--no-progress", "--summary",
+                      str(tmp_path / "s.json")])
+    assert rc == 0
+    row = json.loads((tmp_path / "o.jsonl").read_text())
+    assert row["prompt_tokens"] == len(Tokenizer.load(tok_dir).apply_chat_template(
+        [{"role": "user", "content": "the quick brown fox"}])) and isinstance(row["text"], str)
+    assert decode.generation_eos(sbd_jax.io.load_hf_config(out.hf_dir), out.hf_dir) == (2, end)
 
 
 def test_init_from_hf_dir_continues_from_the_weights(straight):

@@ -200,6 +200,22 @@ def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | os.PathLike, 
     return out_dir
 
 
+def save_generation_files(out_dir: str | os.PathLike, cfg: ModelConfig, tokenizer=None, *, chat: bool = False) -> None:
+    """Complete an exported model directory: the tokenizer's files (tokenizer.json, tokenizer_config.json, chat
+    template) and generation_config.json, whose EOS ids add the chat template's end-of-turn token when the model
+    was trained on the template (`chat`), so that decoding stops at the end of a turn."""
+    out_dir = Path(out_dir)
+    for f in getattr(tokenizer, "files", ()):
+        _atomic(out_dir / f.name, lambda p, f=f: Path(p).write_bytes(f.read_bytes()))
+    eos = list(cfg.eos_ids)
+    turn_end = tokenizer.end_of_turn_id() if chat and tokenizer is not None else None
+    if turn_end is not None and turn_end not in eos:
+        eos.append(turn_end)
+    gen = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", eos or None),
+                             ("pad_token_id", cfg.pad_token_id)) if v is not None}
+    _atomic(out_dir / "generation_config.json", lambda p: Path(p).write_text(json.dumps(gen, indent=2) + "\n"))
+
+
 def _write_safetensors(path, entries, dtype, tensor) -> None:
     """A safetensors file written one tensor at a time (the `safetensors` writers take every tensor of a file
     at once): a little-endian u64 header size, the JSON header padded to 8 bytes, then the raw tensors."""
@@ -216,12 +232,18 @@ def _write_safetensors(path, entries, dtype, tensor) -> None:
             f.write(tensor(e).tobytes())
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _atomic(path: Path, write) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide an export from the other users of a shared filesystem
+        os.chmod(tmp, 0o666 & ~_umask())  # as a plain open() would (mkstemp's 0600 hides it from other users)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -22,11 +22,14 @@ class Tokenizer:
     """Text <-> ids, the EOS id, and the chat template with the special-token strings it may use."""
 
     def __init__(self, encode: Callable[[str, bool], list[int]], decode: Callable[[list[int]], str] | None = None,
-                 *, eos_id: int | None = None, chat_template: str | None = None, special_tokens: dict | None = None):
+                 *, eos_id: int | None = None, chat_template: str | None = None, special_tokens: dict | None = None,
+                 special_ids: frozenset[int] = frozenset(), files: tuple[Path, ...] = ()):
         self._encode, self._decode = encode, decode
         self.eos_id = eos_id
         self.chat_template = chat_template
         self.special_tokens = special_tokens or {}
+        self.special_ids = special_ids  # ids of the special (added) tokens
+        self.files = files  # the files it was loaded from (what a model directory needs to carry it)
 
     @classmethod
     def from_callable(cls, fn: Callable[[str], list[int]], eos_id: int | None = None) -> Tokenizer:
@@ -60,9 +63,12 @@ class Tokenizer:
         special = {k: conf[k].get("content") if isinstance(conf[k], dict) else conf[k]
                    for k in SPECIAL_TOKENS if conf.get(k)}
         eos = special.get("eos_token")
+        files = tuple(f for f in (tok_file, conf_file, jinja_file, tok_file.parent / "special_tokens_map.json")
+                      if f.is_file())
         return cls(lambda text, add_special_tokens: hf.encode(text, add_special_tokens=add_special_tokens).ids,
                    lambda ids: hf.decode(ids, skip_special_tokens=True), eos_id=hf.token_to_id(eos) if eos else None,
-                   chat_template=template, special_tokens=special)
+                   chat_template=template, special_tokens=special, files=files,
+                   special_ids=frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special))
 
     @classmethod
     def find(cls, model_dir) -> Tokenizer | None:
@@ -95,6 +101,16 @@ class Tokenizer:
                 messages=messages, add_generation_prompt=add_generation_prompt, **special)
         except TemplateError as e:
             raise TokenizerError(f"the tokenizer's chat template failed to render: {e}") from None
+
+    def end_of_turn_id(self) -> int | None:
+        """The special token the chat template writes right after an assistant turn (`<|im_end|>`, `<|eot_id|>`),
+        where a model trained on the template stops; None without a template or such a token."""
+        if not self.chat_template:
+            return None
+        marker = "sbdturnend"
+        text = self.render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}], False)
+        after = text[text.rfind(marker) + len(marker):] if marker in text else ""
+        return next((t for t in self.encode(after, add_special_tokens=False) if t in self.special_ids), None)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """The ids of `messages` and the generation prompt (the template writes its own BOS)."""

@@ -27,7 +27,8 @@ import numpy as np
 from tqdm import tqdm
 
 from ..config import ConfigError, ModelConfig, to_dict
-from ..io.hf import from_pretrained, load_hf_config, save_pretrained
+from ..io.hf import from_pretrained, load_hf_config, save_generation_files, save_pretrained
+from ..io.tokenizer import Tokenizer
 from ..models.transformer import init_params
 from ..sharding import make_mesh, param_shardings, shard_params
 from .checkpoint import Checkpointer
@@ -133,7 +134,8 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
     ckpt = Checkpointer(out_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save)
     try:
-        return _run(cfg, ckpt, *_setup(cfg, ckpt, data, tokenizer, model, mesh), mesh, out_dir, stop_after, on_log)
+        return _run(cfg, ckpt, *_setup(cfg, ckpt, data, tokenizer, model, mesh), mesh, out_dir, stop_after, on_log,
+                    tokenizer)
     finally:
         ckpt.close()  # waits for in-flight saves: a Ctrl-C leaves the last started checkpoint complete
 
@@ -204,7 +206,7 @@ class _Prefetch:
 
 
 def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, step_fn, mesh, out_dir,
-         stop_after, on_log) -> TrainResult:
+         stop_after, on_log, tokenizer=None) -> TrainResult:
     """The step loop. Nothing waits on the host per step: batches are prefetched (`_Prefetch`), the metrics
     of a logged step are read after the next step is dispatched, checkpoints are written by orbax in the
     background; then the final save + HF export."""
@@ -271,4 +273,8 @@ def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, s
             ckpt.save(cfg.steps, state, data_state, force=True)
         if cfg.checkpoint.export_hf:
             hf_dir = save_pretrained(model_cfg, state.params, out_dir / "hf", dtype=cfg.checkpoint.export_dtype)
+            if lead:  # the run's tokenizer and stop ids, so that the directory decodes text as trained
+                tok = tokenizer if isinstance(tokenizer, Tokenizer) else (
+                    Tokenizer.load(cfg.data.tokenizer) if cfg.data.tokenizer else None)
+                save_generation_files(hf_dir, model_cfg, tok, chat=cfg.data.chat_template and cfg.data.mode != "text")
     return TrainResult(model_cfg, state, history, out_dir, hf_dir, resume, step_fn._cache_size())
