@@ -201,3 +201,21 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at top level")
     return from_dict(cls, apply_overrides(data, list(overrides)))
+
+
+def _flat(d: Mapping, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, Mapping) else {f"{prefix}{k}": v})
+    return out
+
+
+def changed_settings(saved: Mapping, wanted: Any, neutral=()) -> list[str]:
+    """Dotted keys whose values differ between `saved` (read back from JSON) and `wanted` (a dataclass or dict),
+    as "key: saved there, wanted now"; keys in `neutral`, or under a neutral "section.", are ignored."""
+    wanted = json.loads(json.dumps(to_dict(wanted) if dataclasses.is_dataclass(wanted) else wanted, default=str))
+    old, new = _flat(saved), _flat(wanted)
+    skip = lambda k: k in neutral or any(n.endswith(".") and k.startswith(n) for n in neutral)  # noqa: E731
+    return [f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in sorted(old.keys() | new.keys())
+            if not skip(k) and old.get(k) != new.get(k)]
+

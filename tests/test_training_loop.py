@@ -4,6 +4,7 @@ order identical), a SIGKILLed train.py leaves a complete checkpoint and resumes 
 the HF export loads in `transformers`, and train.py's errors."""
 import importlib.util
 import json
+import re
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from tokenizers.processors import TemplateProcessing
 
 import sbd_jax
-from sbd_jax.config import load_config
+from sbd_jax.config import ConfigError, load_config
 from sbd_jax.models import causal_meta
 from sbd_jax.training.checkpoint import Checkpointer
 from sbd_jax.training.config import TrainConfig
@@ -257,6 +258,20 @@ def test_export_is_a_complete_model_directory(straight, tmp_path):
     assert row["prompt_tokens"] == len(Tokenizer.load(tok_dir).apply_chat_template(
         [{"role": "user", "content": "the quick brown fox"}])) and isinstance(row["text"], str)
     assert decode.generation_eos(sbd_jax.io.load_hf_config(out.hf_dir), out.hf_dir) == (2, end)
+
+
+def test_resume_refuses_changed_settings(straight, tmp_path):
+    """A run directory resumes only under the settings it was made with: each changed key is named; a change
+    allowed on purpose (allow_changes) and settings that cannot change the result (logging, the mesh) pass."""
+    _, cfg_path, _ = straight
+    base = [f"out_dir={tmp_path / 'r'}", "checkpoint.every=2"]
+    train(load_config(TrainConfig, cfg_path, base + ["steps=4"]))
+    for change, key in (("sbd.ntp_only=true", "sbd.ntp_only"), ("optim.lr=0.5", "optim.lr"),
+                        ("model.config.rope_theta=500.0", "model.config.rope_theta"), ("steps=6", "steps")):
+        with pytest.raises(ConfigError, match=rf"other settings \({re.escape(key)}: .* there, .* now\)"):
+            train(load_config(TrainConfig, cfg_path, base + ["steps=4", change] if key != "steps" else base + [change]))
+    more = train(load_config(TrainConfig, cfg_path, base + ["steps=6", "allow_changes=[steps]", "log_every=2"]))
+    assert more.resumed_from == 4 and more.step == 6
 
 
 def test_init_from_hf_dir_continues_from_the_weights(straight):

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import ConfigError, ModelConfig, to_dict
+from ..config import ConfigError, ModelConfig, changed_settings, to_dict
 from ..sharding import MeshConfig
 from ..training.config import CheckpointConfig, DataConfig, ModelSource, OptimConfig, SBDConfig, TrainConfig
 from . import tasks
@@ -83,25 +83,13 @@ def train_config(cfg: DemoConfig, data_file: Path, tok_dir: Path, *, mode: str, 
 _NEUTRAL_KEYS = {"out_dir", "model.init_from", "data.path", "data.tokenizer", "model.scan_unroll", "model.remat"}
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def check_stage_settings(stage_dir: Path, saved: dict, wanted: dict) -> None:
     """Refuse to reuse or resume a stage whose saved settings differ from this run's (a rerun with
     `finetune_steps=4000` must not silently reuse a 2000-step model): ConfigError naming every difference."""
-    old, new = _flat(saved), _flat(json.loads(json.dumps(wanted, default=str)))  # saved: read from JSON already
-    diff = sorted(k for k in old.keys() | new.keys() if k not in _NEUTRAL_KEYS and old.get(k) != new.get(k))
+    diff = changed_settings(saved, wanted, _NEUTRAL_KEYS)
     if diff:
-        detail = ", ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in diff)
-        raise ConfigError(f"{stage_dir} was made with other settings ({detail}); pass a new --out directory or "
-                          f"delete {stage_dir} to redo that stage")
+        raise ConfigError(f"{stage_dir} was made with other settings ({', '.join(diff)}); pass a new --out "
+                          f"directory or delete {stage_dir} to redo that stage")
 
 
 def stage_train(name: str, tcfg: TrainConfig, log=print) -> Path:

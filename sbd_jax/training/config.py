@@ -96,6 +96,10 @@ class CheckpointConfig:
         require(self.every >= 1 and self.keep >= 1, "checkpoint.every and checkpoint.keep must be >= 1")
 
 
+RESUME_NEUTRAL = ("out_dir", "progress", "log_every", "allow_changes", "loss_chunk", "checkpoint.", "mesh.",
+                  "model.scan_unroll", "model.remat", "model.attention_impl")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     model: ModelSource
@@ -113,6 +117,9 @@ class TrainConfig:
     loss_chunk: int | None = None
     log_every: int = 1
     progress: bool = True  # tqdm progress bar
+    # settings a resumed run may change on purpose (e.g. [steps]); any other change is refused (RESUME_NEUTRAL:
+    # what never changes the result, like paths of outputs, logging, checkpointing, the mesh, remat)
+    allow_changes: tuple[str, ...] = ()
 
     def __post_init__(self):
         for key in ("steps", "batch_size", "log_every"):

@@ -26,13 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from ..config import ConfigError, ModelConfig, to_dict
+from ..config import ConfigError, ModelConfig, changed_settings, to_dict
 from ..io.hf import from_pretrained, load_hf_config, save_generation_files, save_pretrained
 from ..io.tokenizer import Tokenizer
 from ..models.transformer import init_params
 from ..sharding import make_mesh, param_shardings, shard_params
 from .checkpoint import Checkpointer
-from .config import ModelSource, TrainConfig
+from .config import RESUME_NEUTRAL, ModelSource, TrainConfig
 from .data import DataError, build_iterator
 from .optim import make_optimizer
 from .spec import StepOptions
@@ -143,6 +143,13 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
 def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
     """Model, data iterator, compiled step and the initial (or restored) state."""
     resume = ckpt.manager.latest_step()
+    saved = ckpt.directory.parent / "train_config.json"
+    if resume is not None and saved.is_file():
+        diff = changed_settings(json.loads(saved.read_text())["train"], cfg, RESUME_NEUTRAL + cfg.allow_changes)
+        if diff:
+            raise ConfigError(f"{ckpt.directory.parent} holds a run with other settings ({'; '.join(diff)}): resume "
+                              "it with the same ones, allow a change on purpose with allow_changes=[key, ...], or "
+                              "use another out_dir")
     if model is not None:
         model_cfg, params = model[0], None if resume is not None else shard_params(model[1], model[0], mesh)
     else:
