@@ -69,6 +69,10 @@ def main(argv=None) -> int:
     except (DecodeError, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: every row in {args.output} is complete; rerun with --resume to continue",
+              file=sys.stderr)
+        return 130
 
 
 def run(args) -> int:

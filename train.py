@@ -42,7 +42,11 @@ def main(argv=None) -> int:
         print("interrupted: the last complete checkpoint is intact; run the same command to resume",
               file=sys.stderr)
         return 130
-    last = result.history[-1] if result.history else {}
+    if not result.history:  # nothing left to train: the run was complete
+        print(f"done: the run in {result.out_dir} is already complete at step {result.step} (raise steps, with "
+              "allow_changes=[steps], to train on)")
+        return 0
+    last = result.history[-1]
     print(f"done: step {result.step}, loss {last.get('loss', float('nan')):.4f} "
           f"(ntp {last.get('ntp_loss', float('nan')):.4f}, matp {last.get('matp_loss', float('nan')):.4f}); "
           f"checkpoints in {result.out_dir / 'checkpoints'}" + (f"; HF export in {result.hf_dir}" if result.hf_dir else "")

@@ -109,6 +109,26 @@ def test_decode_cli_static_batches_give_the_same_rows(first_run, model_dir, tmp_
                                                                    summary["accepted_per_forward"])
 
 
+def test_decode_cli_ctrl_c_leaves_a_resumable_output(first_run, model_dir, tmp_path, capsys, monkeypatch):
+    """Ctrl-C mid-run: a clean message (no traceback), every written row complete, --resume finishes the rest."""
+    inp, out, _ = first_run
+    part = tmp_path / "part.jsonl"
+    from sbd_jax.decoding import prompts as prompts_mod
+    write_row, calls = prompts_mod.write_row, []
+
+    def interrupted(f, row):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(row["id"])
+        write_row(f, row)
+    monkeypatch.setattr(prompts_mod, "write_row", interrupted)
+    assert decode.main(["--model", str(model_dir), "--input", str(inp), "--output", str(part), *FLAGS]) == 130
+    assert "interrupted: every row in" in capsys.readouterr().err and len(_read(part)) == 2
+    monkeypatch.setattr(prompts_mod, "write_row", write_row)
+    assert decode.main(["--model", str(model_dir), "--input", str(inp), "--output", str(part), "--resume", *FLAGS]) == 0
+    assert sorted(str(r["id"]) for r in _read(part)) == sorted(str(p["id"]) for p in PROMPTS)
+
+
 def test_decode_cli_per_prompt_max_new_tokens(model_dir, tmp_path, capsys):
     """A line's "max_new_tokens" caps that row (the run's --max-new-tokens sizes the cache); more than the run's
     is an error naming the line."""
@@ -167,6 +187,15 @@ def test_decode_cli_errors(model_dir, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": 1, "prompt": "w1"}\n{"id": 2, "prompt": \n')
     assert "line 2: not valid JSON" in _err(capsys, base + ["--input", str(bad)])
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"id": 1, "prompt": "w1"}\n{"id": 2, "prompt": "caf\xe9"}\n')
+    assert "latin.jsonl: line 2: not UTF-8 text (byte 0xe9 at column 25)" in _err(capsys, base + ["--input", str(latin)])
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for f in model_dir.iterdir():
+        (corrupt / f.name).write_bytes(f.read_bytes())
+    (corrupt / "tokenizer.json").write_text("{not json")
+    assert "cannot read tokenizer" in _err(capsys, ["--model", str(corrupt), "--output", out, "--input", str(bad)])
     nokey = _write_jsonl(tmp_path / "nokey.jsonl", [{"id": 1, "text": "w1"}])
     assert "line 1: needs exactly one of 'prompt'" in _err(capsys, base + ["--input", str(nokey)])
     good = _write_jsonl(tmp_path / "good.jsonl", PROMPTS[:2])

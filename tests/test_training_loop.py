@@ -308,3 +308,11 @@ def test_train_py_clear_errors(straight, tmp_path, capsys, overrides, message):
     rc = _main()(["--config", str(cfg_path), f"out_dir={tmp_path / 'x'}", *overrides])
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+def test_train_py_on_a_finished_run_says_so(straight, capsys):
+    """Rerunning the command of a finished run trains nothing and says the run is complete (no "loss nan")."""
+    d, cfg_path, _ = straight
+    assert _main()(["--config", str(cfg_path), f"out_dir={d / 'straight'}"]) == 0
+    out = capsys.readouterr().out
+    assert f"already complete at step {STEPS}" in out and "nan" not in out

@@ -40,11 +40,15 @@ def read_prompts(path, tokenizer: Tokenizer | None, *, chat: bool = False, vocab
     if not path.is_file():
         raise PromptFileError(f"input file {str(path)!r} does not exist")
     prompts, seen = [], {}
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"{path}: line {n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PromptFileError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
-            where = f"{path}: line {n}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
