@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compare-ar", action="store_true", help="also decode AR and report the speedup")
     ap.add_argument("--resume", action="store_true", help="append to --output, skipping ids already there")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    ap.add_argument("--allow-change", action="append", default=[], metavar="KEY",
+                    help="--resume: accept this changed setting (e.g. spec.max_new_tokens)")
     ap.add_argument("--pad-multiple", type=int, default=16, help="prompt widths are rounded up to this")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="compute dtype")
     ap.add_argument("--mesh-data", type=int, default=None, help="mesh data axis (-1 = the remaining devices)")
@@ -80,7 +82,7 @@ def run(args) -> int:
 
     from sbd_jax.decoding import DecodeError, DecodeSpec
     from sbd_jax.decoding.spec import check_model
-    from sbd_jax.decoding.prompts import open_output, read_prompts, write_row
+    from sbd_jax.decoding.prompts import check_output_settings, open_output, read_prompts, write_row
     from sbd_jax.decoding.runner import DecodeOptions, check_prompts, decode_prompts
     from sbd_jax.io.hf import from_pretrained
     from sbd_jax.io.tokenizer import Tokenizer
@@ -106,6 +108,15 @@ def run(args) -> int:
     check_prompts(cfg, opts, prompts)
     writer = jax.process_index() == 0
     done, out = open_output(args.output, resume=args.resume, overwrite=args.overwrite) if writer else (set(), None)
+    if writer:  # what the rows depend on (not how they are batched or shown)
+        settings = {"model": str(Path(args.model).resolve()), "input": str(Path(args.input).resolve()),
+                    "spec": dataclasses.asdict(opts.spec), "gamma": args.gamma, "temperature": args.temperature,
+                    "seed": args.seed, "compare_ar": args.compare_ar, "chat": args.chat, "dtype": args.dtype}
+        try:
+            check_output_settings(args.output, settings, resume=args.resume, allowed=tuple(args.allow_change))
+        except DecodeError:
+            out.close()
+            raise
     pending = [p for p in prompts if p.id not in done]
     if done:
         print(f"resume: {len(prompts) - len(pending)} of {len(prompts)} prompts already in {args.output}",

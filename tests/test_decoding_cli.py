@@ -129,6 +129,19 @@ def test_decode_cli_ctrl_c_leaves_a_resumable_output(first_run, model_dir, tmp_p
     assert sorted(str(r["id"]) for r in _read(part)) == sorted(str(p["id"]) for p in PROMPTS)
 
 
+def test_decode_cli_resume_refuses_changed_settings(first_run, model_dir, tmp_path, capsys):
+    """--resume under other decoding settings names each change; --allow-change accepts one on purpose."""
+    inp, out, _ = first_run
+    part = tmp_path / "part.jsonl"
+    part.write_text("".join(out.read_text().splitlines(keepends=True)[:2]))
+    (tmp_path / "part.jsonl.settings.json").write_text(Path(f"{out}.settings.json").read_text())
+    run = ["--model", str(model_dir), "--input", str(inp), "--output", str(part), "--resume", "--compare-ar"]
+    flags = [f if f != "2.0" else "1.0" for f in FLAGS]  # --gamma 1.0
+    msg = _err(capsys, run + flags)
+    assert "was written with other settings (gamma: 2.0 there, 1.0 now)" in msg and len(_read(part)) == 2
+    assert decode.main(run + flags + ["--allow-change", "gamma"]) == 0 and len(_read(part)) == 6
+
+
 def test_decode_cli_per_prompt_max_new_tokens(model_dir, tmp_path, capsys):
     """A line's "max_new_tokens" caps that row (the run's --max-new-tokens sizes the cache); more than the run's
     is an error naming the line."""
@@ -165,7 +178,7 @@ def test_decode_cli_resume_after_partial_line(first_run, model_dir, tmp_path, ca
     assert got == want  # same results as the uninterrupted run (greedy, per-id keys)
     # everything done: nothing to decode
     assert decode.main(["--model", str(model_dir), "--input", str(inp), "--output", str(part), "--resume",
-                        *FLAGS]) == 0
+                        "--compare-ar", *FLAGS]) == 0
     assert "nothing to do" in capsys.readouterr().out
     # an existing output without --resume / --overwrite is refused
     assert decode.main(["--model", str(model_dir), "--input", str(inp), "--output", str(part), *FLAGS]) == 2

@@ -131,6 +131,21 @@ def open_output(path, *, resume: bool, overwrite: bool) -> tuple[set, object]:
     return done, f
 
 
+def check_output_settings(path, settings: dict, *, resume: bool, allowed=()) -> None:
+    """The settings an output file is made with live next to it (`<output>.settings.json`); `--resume` under
+    other settings is refused, naming each changed key unless `allowed`. Written (again) once checked."""
+    from ..config import changed_settings
+    side = Path(f"{path}.settings.json")
+    if resume and side.is_file():
+        diff = changed_settings(json.loads(side.read_text()), settings, allowed)
+        if diff:
+            raise PromptFileError(f"{path} was written with other settings ({'; '.join(diff)}): resume with the "
+                                  "same ones, accept a change on purpose with --allow-change KEY, or write to "
+                                  "another --output")
+    side.parent.mkdir(parents=True, exist_ok=True)
+    side.write_text(json.dumps(settings, indent=2, default=str) + "\n")
+
+
 def write_row(f, row: dict) -> None:
     """One complete line per write, flushed before returning (a kill mid-line is cut off on resume)."""
     f.write(json.dumps(row, ensure_ascii=False) + "\n")
