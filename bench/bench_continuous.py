@@ -3,7 +3,8 @@
 256 prompts (16-128 tokens) whose max_new_tokens are spread uniformly over [16, 512], a random-weight model,
 EOS off (so every row generates what it asked for). Static: batches of `slots` rows cut from the prompts sorted
 by length, each running until its longest request is done. Continuous: `slots` rows, a finished row's slot
-taking the next prompt at once. Tokens/s = generated tokens / decoding seconds (compilation apart).
+taking the next prompt at once. Tokens/s = generated tokens / decoding seconds (compilation apart), the median
+of interleaved rounds (each round decodes the whole set once per variant).
 
     .venv/bin/python bench/bench_continuous.py                           # demo-shaped model, 16 slots
     .venv/bin/python bench/bench_continuous.py --slots 1,100 --prompts 100 --max-new 16,64   # the demo's sizes
@@ -32,6 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", default="16,512", help="per-row max_new_tokens drawn uniformly from [lo, hi]")
     ap.add_argument("--slots", default="16", help="comma list of batch sizes (slots)")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per variant (median reported)")
     ap.add_argument("--gamma", type=float, default=20.0, help="EB gamma of the SBD rows (random weights: high)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -53,12 +55,14 @@ def main(argv=None) -> int:
     for slots in map(int, args.slots.split(",")):
         for mode in ("ar", "sbd"):
             spec = DecodeSpec(mode=mode, block_size=args.block_size, max_new_tokens=hi, eos_ids=())
-            rate = {}
-            for continuous in (False, True):
-                opts = DecodeOptions(spec=spec, gamma=args.gamma, batch_size=slots, pad_multiple=16,
-                                     continuous=continuous)
-                s = decode_prompts(params, cfg, prompts, opts)
-                rate[continuous] = s["tokens_per_s"]
+            rate = {False: [], True: []}
+            for _ in range(args.rounds):  # interleaved rounds, median: first executions and load drift hit both
+                for continuous in (False, True):
+                    opts = DecodeOptions(spec=spec, gamma=args.gamma, batch_size=slots, pad_multiple=16,
+                                         continuous=continuous)
+                    s = decode_prompts(params, cfg, prompts, opts)
+                    rate[continuous].append(s["tokens_per_s"])
+            rate = {k: float(np.median(v)) for k, v in rate.items()}
             print(f"| {slots} | {mode} | {rate[False]:.0f} | {rate[True]:.0f} | {rate[True] / rate[False]:.2f}x | "
                   f"{s['tokens_per_forward']:.2f} |", flush=True)
     return 0
