@@ -50,6 +50,8 @@ def test_continuous_rows_equal_each_prompt_alone(params, mode):
         # 13 prompts through 3 slots on one loop program and admission programs for 1, 2 or 4 rows
         assert "run" in dec._programs and set(dec._programs) <= {"empty", "run", "admit1", "admit2", "admit4"}
     assert any(w["stop"] == "eos" for w in want) and any(w["stop"] == "length" for w in want)
+    again = ContinuousDecoder(params, CFG, spec, slots=3, prompt_width=8, **kw)  # a later call: no recompilation
+    assert dict(again.decode(reqs)) == got and again.compile_s == 0.0
 
 
 def test_decode_stream_and_errors(params):

@@ -24,11 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..attention import clean_meta
 from ..config import ModelConfig
-from ..models.transformer import KVCache, forward
+from ..models.transformer import KVCache
 from ..sharding import mesh_context
-from .decoder import _ar_step, _make_env, _new_state, _prompt_seq, _sbd_step, _State
+from .decoder import _ar_step, _make_env, _new_state, _prompt_seq, _sbd_step, _State, write_prompt
 from .spec import DecodeError, DecodeSpec
 
 
@@ -80,22 +79,14 @@ def _admit(params, state: _State, rows: _Rows, slot_R, prompt_RP, new: _Rows, *,
         rows = _Rows(*(put(a, v) for a, v in zip(rows, new)))
         env = _env(params, cfg, spec, rows, mesh)
         fresh = _new_state(_env(params, cfg, spec, new, None), _prompt_seq(prompt_RP, new.lengths, spec, env), P)
-        if spec.mode == "sbd":  # the first block's positions are masked up to the row's cap
-            fresh = fresh._replace(masked=jnp.arange(spec.window)[None] < new.max_new[:, None])
-        # the prompt's K/V, in pieces (AR leaves the last prompt token to its first step)
+        # the prompts' K/V (AR leaves the last prompt token to its first step), over these rows' cache only
         C = min(spec.prefill_chunk, P)
-        n_R = jnp.where(slot_R < B, new.lengths - (spec.mode == "ar"), 0)
         width = -(-P // C) * C
-        ids = jnp.pad(prompt_RP, ((0, 0), (0, width - P)))
         rows_k = jnp.minimum(slot_R, B - 1)
-        cache = KVCache(state.cache.k[:, rows_k], state.cache.v[:, rows_k], jnp.zeros((R,), jnp.int32))
-
-        def piece(i, cache):
-            pos = i * C + jnp.arange(C, dtype=jnp.int32)[None]
-            meta = clean_meta((pos < n_R[:, None]).astype(jnp.int32), jnp.broadcast_to(pos, (R, C)))
-            return forward(params, cfg, jax.lax.dynamic_slice_in_dim(ids, i * C, C, axis=1), meta, cache,
-                           return_hidden=True)[1]
-        cache = jax.lax.fori_loop(0, width // C, piece, cache)
+        cache, _ = write_prompt(params, cfg, KVCache(state.cache.k[:, rows_k], state.cache.v[:, rows_k],
+                                                     jnp.zeros((R,), jnp.int32)),
+                                jnp.pad(prompt_RP, ((0, 0), (0, width - P))),
+                                jnp.where(slot_R < B, new.lengths - (spec.mode == "ar"), 0), width // C, C)
         state = state._replace(
             **{f: put(getattr(state, f), getattr(fresh, f)) for f in
                ("block_offset", "masked", "commit", "done", "eos", "n_generated", "nfe", "accepted")},
@@ -104,6 +95,9 @@ def _admit(params, state: _State, rows: _Rows, slot_R, prompt_RP, new: _Rows, *,
                                         state.cache.v.at[:, slot_R].set(cache.v, mode="drop"),
                                         put(state.cache.lengths, cache.lengths))))
         return state, rows
+
+
+_COMPILED: dict = {}  # programs shared by every ContinuousDecoder of the process (see `_program`)
 
 
 class Request(NamedTuple):
@@ -136,14 +130,19 @@ class ContinuousDecoder:
         self.params, self.cfg, self.spec, self.mesh = params, cfg, spec, mesh
         self.slots, self.width, self.gamma, self.temperature = slots, prompt_width, gamma, temperature
         self.compile_s = 0.0
-        self._programs: dict = {}
+        self._programs: dict = {}  # name -> compiled program used by this decoder
+        self._layout = tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in jax.tree.leaves(params))
 
     def _program(self, name: str, fn, *args, **static):
-        """`fn` compiled ahead of time once per name (its compile time kept apart from decoding time)."""
+        """`fn` compiled ahead of time (its compile time kept apart from decoding time), once per process for a
+        model layout, spec, mesh and slot layout: later decoders (another call, another timing round) reuse it."""
         if name not in self._programs:
-            t = time.perf_counter()
-            self._programs[name] = fn.lower(*args, cfg=self.cfg, spec=self.spec, mesh=self.mesh, **static).compile()
-            self.compile_s += time.perf_counter() - t
+            key = (name, self._layout, self.cfg, self.spec, self.mesh, self.slots, self.width)
+            if key not in _COMPILED:
+                t = time.perf_counter()
+                _COMPILED[key] = fn.lower(*args, cfg=self.cfg, spec=self.spec, mesh=self.mesh, **static).compile()
+                self.compile_s += time.perf_counter() - t
+            self._programs[name] = _COMPILED[key]
         return self._programs[name]
 
     def _admit(self, state, rows, slots: list[int], reqs: list[Request]):

@@ -222,8 +222,9 @@ def _new_state(env: _Env, seq, P: int, done=None) -> _State:
     """The loop carry before the first call: an empty cache of P + max_new_tokens slots per row."""
     B, spec = seq.shape[0], env.spec
     zeros_B, false_B = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool)
+    masked = (jnp.arange(spec.window)[None] < env.max_new[:, None]) & (spec.mode == "sbd")  # the first block
     return _State(env.constrain(seq), env.constrain(init_cache(env.cfg, B, P + spec.max_new_tokens)), zeros_B,
-                  jnp.zeros((B, spec.window), bool), false_B, false_B if done is None else done, false_B, zeros_B,
+                  masked, false_B, false_B if done is None else done, false_B, zeros_B,
                   zeros_B, jnp.int32(0), jnp.int32(0), jnp.zeros((B, spec.window + 1), jnp.int32))
 
 
@@ -310,45 +311,49 @@ def _sbd_update(state: _State, env: _Env, logits_BKV, cache) -> _State:
     )
 
 
-def _prompt_meta(env: _Env, start, width: int):
-    """Clean metadata of the prompt columns [start, start + width) (segment 0 beyond each row's length)."""
-    pos = jnp.broadcast_to(start + jnp.arange(width, dtype=jnp.int32)[None], (env.lengths.shape[0], width))
-    return clean_meta((pos < env.lengths[:, None]).astype(jnp.int32), pos)
+def _prompt_meta(lengths_B, start, width: int):
+    """Clean metadata of the prompt columns [start, start + width) (segment 0 from each row's length on)."""
+    pos = jnp.broadcast_to(start + jnp.arange(width, dtype=jnp.int32)[None], (lengths_B.shape[0], width))
+    return clean_meta((pos < lengths_B[:, None]).astype(jnp.int32), pos)
 
 
-def _prefill(state: _State, env: _Env, prompt_ids):
-    """Write the K/V of the prompt columns before its last `prefill_chunk`-wide piece, one piece per call
-    (attention and activations then scale with the piece, not the prompt). -> (state, the last piece's first
-    column, each row's final hidden state at its last prompt token where a piece held it, else 0)."""
-    B, P = prompt_ids.shape
-    C = env.spec.prefill_chunk
-    start = (P - 1) // C * C
-    h_last = jnp.zeros((B, 1, env.cfg.hidden_size), env.cfg.dtype)
+def write_prompt(params, cfg: ModelConfig, cache: KVCache, prompt_ids, upto_B, pieces: int, C: int,
+                 constrain=lambda x: x):
+    """Write the K/V of each row's prompt columns [0, upto_B) among the first `pieces` x C columns, one call per
+    C-column piece (attention and activations scale with the piece, not the prompt). -> (cache, each row's final
+    hidden state [B, 1, D] at column upto_B - 1 where a piece held it, else 0)."""
+    h_last = jnp.zeros((prompt_ids.shape[0], 1, cfg.hidden_size), cfg.dtype)
 
     def piece(i, carry):
         cache, h_last = carry
         tok = jax.lax.dynamic_slice_in_dim(prompt_ids, i * C, C, axis=1)
-        h, cache = forward(env.params, env.cfg, tok, _prompt_meta(env, i * C, C), cache, return_hidden=True)
-        idx = env.lengths - 1 - i * C
-        here = (idx >= 0) & (idx < C)
+        h, cache = forward(params, cfg, tok, _prompt_meta(upto_B, i * C, C), cache, return_hidden=True)
+        idx = upto_B - 1 - i * C
         h_at = jnp.take_along_axis(h, jnp.clip(idx, 0, C - 1)[:, None, None], axis=1)
-        return env.constrain(cache), jnp.where(here[:, None, None], h_at, h_last)
+        return constrain(cache), jnp.where(((idx >= 0) & (idx < C))[:, None, None], h_at, h_last)
 
+    return jax.lax.fori_loop(0, pieces, piece, (cache, h_last))
+
+
+def _prefill(state: _State, env: _Env, prompt_ids):
+    """Write the prompt's K/V before its last `prefill_chunk`-wide piece (which rides with the first step).
+    -> (state, that piece's first column, the hidden state at each row's last prompt token where written)."""
+    P, C = prompt_ids.shape[1], env.spec.prefill_chunk
+    start = (P - 1) // C * C
     if start == 0:  # the prompt is one piece
-        return state, 0, h_last
-    cache, h_last = jax.lax.fori_loop(0, start // C, piece, (state.cache, h_last))
+        return state, 0, jnp.zeros((prompt_ids.shape[0], 1, env.cfg.hidden_size), env.cfg.dtype)
+    cache, h_last = write_prompt(env.params, env.cfg, state.cache, prompt_ids, env.lengths, start // C, C,
+                                 env.constrain)
     return state._replace(cache=cache), start, h_last
 
 
 def _sbd_first(state: _State, env: _Env, prompt_ids) -> _State:
     """NFE 1: [prompt CLEAN ; first block COPY] (a long prompt's earlier pieces prefilled first)."""
-    B, P = prompt_ids.shape
-    K = env.spec.block_size
+    P = prompt_ids.shape[1]
     state, start, _ = _prefill(state, env, prompt_ids)
-    state = state._replace(masked=jnp.arange(K)[None] < env.max_new[:, None])
     ctok, cmeta = _copy_window(state, env)
     tokens = jnp.concatenate([prompt_ids[:, start:], ctok], axis=1)
-    h, cache = forward(env.params, env.cfg, tokens, concat_meta(_prompt_meta(env, start, P - start), cmeta),
+    h, cache = forward(env.params, env.cfg, tokens, concat_meta(_prompt_meta(env.lengths, start, P - start), cmeta),
                        state.cache, return_hidden=True)
     return _sbd_update(state, env, lm_head(env.params, env.cfg, h[:, P - start:]), env.constrain(cache))
 
@@ -397,7 +402,7 @@ def _ar_update(state: _State, env: _Env, logits_B1V, cache) -> _State:
 def _ar_first(state: _State, env: _Env, prompt_ids) -> _State:
     P = prompt_ids.shape[1]
     state, start, h_last = _prefill(state, env, prompt_ids)
-    h, cache = forward(env.params, env.cfg, prompt_ids[:, start:], _prompt_meta(env, start, P - start), state.cache,
+    h, cache = forward(env.params, env.cfg, prompt_ids[:, start:], _prompt_meta(env.lengths, start, P - start), state.cache,
                        return_hidden=True)
     idx = env.lengths - 1 - start
     h_at = jnp.take_along_axis(h, jnp.clip(idx, 0, P - start - 1)[:, None, None], axis=1)

@@ -71,6 +71,19 @@ def row_key(pid) -> int:
     return zlib.crc32(repr(pid).encode()) & 0x7FFFFFFF
 
 
+def prompt_keys(seed: int, prompts: list[Prompt]):
+    """Typed PRNG keys [len(prompts)]: fold_in(key(seed), row_key(id)), whatever the batch or slot."""
+    return jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), jnp.asarray([row_key(p.id) for p in prompts]))
+
+
+def prompt_width(cfg: ModelConfig, opts: DecodeOptions, prompts: list[Prompt]) -> int:
+    """The padded prompt width for `prompts`: the longest rounded up to pad_multiple (fewer compilations), capped
+    so that width + max_new_tokens fits the model."""
+    longest = max(len(p.ids) for p in prompts)
+    cap = cfg.max_position_embeddings - opts.spec.max_new_tokens
+    return max(longest, min(-(-longest // opts.pad_multiple) * opts.pad_multiple, cap))
+
+
 class BatchDecoder:
     """Decodes fixed-shape batches with one compiled program per (mode, prompt width)."""
 
@@ -79,13 +92,8 @@ class BatchDecoder:
         self._compiled: dict = {}
         self.compile_s = 0.0
 
-    def width(self, batch: list[Prompt]) -> int:
-        m = self.opts.pad_multiple
-        longest = max(len(p.ids) for p in batch)
-        return max(longest, min(-(-longest // m) * m, self.cfg.max_position_embeddings - self.opts.spec.max_new_tokens))
-
     def arrays(self, batch: list[Prompt]):
-        B, P = self.opts.batch_size, self.width(batch)
+        B, P = self.opts.batch_size, prompt_width(self.cfg, self.opts, batch)
         rows = list(batch) + [batch[0]] * (B - len(batch))
         lens = np.array([len(p.ids) for p in rows], np.int32)
         caps = np.array([p.max_new_tokens or self.opts.spec.max_new_tokens for p in batch] + [1] * (B - len(batch)),
@@ -93,8 +101,7 @@ class BatchDecoder:
         ids = np.zeros((B, P), np.int32)
         for i, p in enumerate(rows):
             ids[i, :lens[i]] = p.ids
-        base = jax.random.key(self.opts.seed)
-        keys = jax.vmap(jax.random.fold_in, (None, 0))(base, jnp.asarray([row_key(p.id) for p in rows]))
+        keys = prompt_keys(self.opts.seed, rows)
         if self.mesh is not None:
             from ..sharding import batch_sharding
             ids = _global(ids, batch_sharding(self.mesh, 2, B))
@@ -210,11 +217,8 @@ def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: De
     """`decode_prompts` with `opts.batch_size` continuous slots; with compare_ar, AR then runs the same prompts
     on the same slots and each row is handed out once both are done."""
     from .continuous import ContinuousDecoder, Request
-    longest = max(len(p.ids) for p in prompts)
-    m = opts.pad_multiple
-    width = max(longest, min(-(-longest // m) * m, cfg.max_position_embeddings - opts.spec.max_new_tokens))
-    keys = np.asarray(jax.random.key_data(jax.vmap(jax.random.fold_in, (None, 0))(
-        jax.random.key(opts.seed), jnp.asarray([row_key(p.id) for p in prompts]))))
+    width = prompt_width(cfg, opts, prompts)
+    keys = np.asarray(jax.random.key_data(prompt_keys(opts.seed, prompts)))
     reqs = [Request(p.ids, k, p.max_new_tokens) for p, k in zip(prompts, keys)]
     modes = [opts.spec.mode] + (["ar"] if opts.compare_ar and opts.spec.mode != "ar" else [])
     totals, results, compile_s, same_as_ar = {}, {}, 0.0, 0
