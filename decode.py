@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mesh-tensor", type=int, default=None, help="tensor-parallel degree")
     ap.add_argument("overrides", nargs="*", help="mesh overrides in train.py's syntax: mesh.data=4 mesh.tensor=2")
     ap.add_argument("--summary", default=None, help="also write the summary JSON here")
+    ap.add_argument("--bandwidth", action="store_true",
+                    help="report the achieved weight bandwidth and peak memory (default on GPU/TPU, off on CPU)")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -63,6 +65,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from sbd_jax.runtime import use_decode_xla_flags
+    use_decode_xla_flags()  # before jax creates its backend
     from sbd_jax.config import ConfigError
     from sbd_jax.decoding import DecodeError
     from sbd_jax.io.hf import CheckpointError
@@ -86,6 +90,7 @@ def run(args) -> int:
     from sbd_jax.decoding.runner import DecodeOptions, check_prompts, decode_prompts
     from sbd_jax.io.hf import from_pretrained
     from sbd_jax.io.tokenizer import Tokenizer
+    from sbd_jax.models import unstack_layers
     from sbd_jax.sharding import make_mesh, maybe_initialize_distributed
 
     if args.resume and args.overwrite:
@@ -100,6 +105,7 @@ def run(args) -> int:
                          pad_multiple=args.pad_multiple, seed=args.seed, compare_ar=args.compare_ar,
                          continuous=not args.static and jax.process_count() == 1)
     cfg, params = from_pretrained(args.model, dtype=args.dtype, mesh=mesh)  # each process reads its shards
+    params = unstack_layers(params, delete=True)  # the decoding layout, converted once
     if spec.eos_ids is None:
         opts = dataclasses.replace(opts, spec=dataclasses.replace(spec, eos_ids=generation_eos(cfg, args.model)))
     check_model(cfg, opts.spec)  # before reading any prompt
@@ -145,6 +151,12 @@ def run(args) -> int:
         print("nothing to do: every prompt is already in the output")
         return 0
     summary["command"] = " ".join(["python", "decode.py", *args.argv])
+    if args.bandwidth or jax.default_backend() != "cpu":
+        from sbd_jax.decoding.roofline import bandwidth_report, copy_bandwidth
+        copy_bw = copy_bandwidth()
+        for s in (summary, summary.get("ar")):
+            if s and s["model_calls"] and s["seconds"]:
+                s["bandwidth"] = bandwidth_report(params, s["model_calls"], s["seconds"], copy_bw)
     if writer:
         print(format_summary(summary))
         if args.summary:
@@ -182,6 +194,9 @@ def format_summary(s: dict) -> str:
               f"(+ {s['compile_seconds']:.1f} s compilation)"),
              (f"{s['mode']}: {s['tokens_per_s']:.1f} tokens/s, {s['tokens_per_forward']:.3f} tokens per forward "
               f"({s['nfe']} forwards)")]
+    from sbd_jax.decoding.roofline import format_bandwidth
+    if "bandwidth" in s:
+        lines.append(f"{s['mode']}: {format_bandwidth(s['bandwidth'])}")
     hist = s["accepted_per_forward"]
     if s["mode"] == "sbd" and sum(hist):
         shares = ", ".join(f"{n}: {100 * c / sum(hist):.0f}%" for n, c in enumerate(hist) if c)
@@ -190,6 +205,8 @@ def format_summary(s: dict) -> str:
         a = s["ar"]
         lines.append(f"ar:  {a['tokens_per_s']:.1f} tokens/s, {a['tokens_per_forward']:.3f} tokens per forward "
                      f"({a['nfe']} forwards, {a['tokens']} tokens)")
+        if "bandwidth" in a:
+            lines.append(f"ar:  {format_bandwidth(a['bandwidth'])}")
         lines.append(f"measured speedup over AR (tokens/s): {s['speedup_tokens_per_s']:.2f}x; "
                      f"NFE ratio for the same output length: {s['tokens_per_forward']:.2f}x; "
                      f"rows identical to AR: {100 * s['same_tokens_as_ar']:.0f}%")

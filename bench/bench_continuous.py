@@ -12,6 +12,7 @@ of interleaved rounds (each round decodes the whole set once per variant).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -20,14 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from sbd_jax.config import ModelConfig  # noqa: E402
 from sbd_jax.decoding import DecodeSpec  # noqa: E402
 from sbd_jax.decoding.prompts import Prompt  # noqa: E402
 from sbd_jax.decoding.runner import DecodeOptions, decode_prompts  # noqa: E402
-from sbd_jax.models import init_params  # noqa: E402
+from sbd_jax.models import init_params, unstack_layers  # noqa: E402
+from sbd_jax.runtime import use_decode_xla_flags  # noqa: E402
+from shapes import add_model_args, describe, model_config  # noqa: E402
 
 
 def main(argv=None) -> int:
+    use_decode_xla_flags()  # what decode.py runs with; XLA reads it when jax creates its backend
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--max-new", default="16,512", help="per-row max_new_tokens drawn uniformly from [lo, hi]")
@@ -35,36 +38,43 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per variant (median reported)")
     ap.add_argument("--gamma", type=float, default=20.0, help="EB gamma of the SBD rows (random weights: high)")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--pad-multiple", type=int, default=16, help="prompt width rounding of the static batches")
+    ap.add_argument("--modes", default="ar,sbd")
+    add_model_args(ap, hidden=128, layers=4, heads=4, kv_heads=2, vocab=1024)
     args = ap.parse_args(argv)
     lo, hi = map(int, args.max_new.split(","))
-    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
-                      max_position_embeddings=1024, mask_token_id=args.vocab - 1)
-    params = jax.jit(lambda k: init_params(cfg, k, std=0.1))(jax.random.key(0))
+    if not args.shape and args.intermediate is None:
+        args.intermediate = 3 * args.hidden
+    cfg = model_config(args, 128 + hi)
+    std = 0.02 if args.shape else 0.1  # the small model: less uniform entropies
+    params = unstack_layers(jax.jit(lambda k: init_params(cfg, k, std=std))(jax.random.key(0)), delete=True)
+    V = cfg.vocab_size
     rng = np.random.default_rng(0)
-    prompts = [Prompt(i, i + 1, tuple(int(t) for t in rng.integers(0, args.vocab - 1, rng.integers(16, 129))),
+    prompts = [Prompt(i, i + 1, tuple(int(t) for t in rng.integers(0, V - 1, rng.integers(16, 129))),
                       int(rng.integers(lo, hi + 1))) for i in range(args.prompts)]
-    print(f"{args.prompts} prompts of 16-128 tokens, max_new_tokens ~ U[{lo}, {hi}], EOS off; model hidden "
-          f"{args.hidden}, {args.layers} layers, vocab {args.vocab}; SBD block {args.block_size}, EB gamma {args.gamma}; "
-          f"{jax.default_backend()}")
-    print("| slots | mode | static tok/s | continuous tok/s | continuous / static | tokens per forward |")
-    print("|---:|---|---:|---:|---:|---:|")
+    n = sum(x.size for x in jax.tree.leaves(params))
+    dev = jax.devices()[0]
+    print(f"{args.prompts} prompts of 16-128 tokens, max_new_tokens ~ U[{lo}, {hi}], EOS off; model {describe(cfg, n)}; "
+          f"SBD block {args.block_size}, EB gamma {args.gamma}; {dev.platform} {dev.device_kind}; "
+          f"XLA_FLAGS `{os.environ.get('XLA_FLAGS', '')}`")
+    print("| slots | mode | static tok/s | continuous tok/s | continuous / static | tokens per forward | "
+          "static model calls | continuous model calls | compile s |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for slots in map(int, args.slots.split(",")):
-        for mode in ("ar", "sbd"):
+        for mode in args.modes.split(","):
             spec = DecodeSpec(mode=mode, block_size=args.block_size, max_new_tokens=hi, eos_ids=())
-            rate = {False: [], True: []}
+            rate, calls, compile_s = {False: [], True: []}, {}, 0.0
             for _ in range(args.rounds):  # interleaved rounds, median: first executions and load drift hit both
                 for continuous in (False, True):
-                    opts = DecodeOptions(spec=spec, gamma=args.gamma, batch_size=slots, pad_multiple=16,
-                                         continuous=continuous)
+                    opts = DecodeOptions(spec=spec, gamma=args.gamma, batch_size=slots,
+                                         pad_multiple=args.pad_multiple, continuous=continuous)
                     s = decode_prompts(params, cfg, prompts, opts)
                     rate[continuous].append(s["tokens_per_s"])
+                    calls[continuous] = s["model_calls"]
+                    compile_s += s["compile_seconds"]
             rate = {k: float(np.median(v)) for k, v in rate.items()}
             print(f"| {slots} | {mode} | {rate[False]:.0f} | {rate[True]:.0f} | {rate[True] / rate[False]:.2f}x | "
-                  f"{s['tokens_per_forward']:.2f} |", flush=True)
+                  f"{s['tokens_per_forward']:.2f} | {calls[False]} | {calls[True]} | {compile_s:.0f} |", flush=True)
     return 0
 
 

@@ -51,6 +51,17 @@ print(jax.__version__, flax.__version__, optax.__version__, jax.devices(), jax.d
                 --kv-heads 8 --vocab 32000 --intermediate 8192 --batch $b --prompt 512 --new 256 --dtype bfloat16 \
                 --attention $impl --reps 3 --out "$LOG/decode_${impl}_b$b.md"
             done; done ;;
+    # Llama-3.1-8B shapes, random bf16 weights, Pallas attention (what "auto" picks on a GPU)
+    decode8b-b*) b=${s#decode8b-b}; stage "decode8b_b$b" 560 $PY bench/bench_decode.py --shape llama3-8b \
+                   --dtype bfloat16 --attention pallas --batch "$b" --prompt 1024 --new 256 --tpf "${TPF:-4,8}" --reps 3 \
+                   ${UNROLL:+--unroll $UNROLL} --out "$LOG/decode8b_b$b.md" ;;
+    # LAYOUT=stacked|per-layer (the weights as training stacks them, or as decoders use them)
+    profile8b) for u in ${UNROLLS:-1}; do stage "profile8b_${LAYOUT:-per-layer}_u$u" 300 $PY bench/profile_decode.py \
+                 --shape llama3-8b --dtype bfloat16 --attention pallas --batch "${PB:-1}" --prompt 1024 --new 64 \
+                 --tpf 4 --unroll "$u" --layout "${LAYOUT:-per-layer}" --top 30 --out-dir "/tmp/profile8b_u$u"; done ;;
+    continuous8b) stage continuous8b 560 $PY bench/bench_continuous.py --shape llama3-8b --dtype bfloat16 \
+                    --attention pallas --slots "${SLOTS:-16,64}" --rounds 1 --gamma 36.3 --pad-multiple 128 \
+                    ${UNROLL:+--unroll $UNROLL} ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

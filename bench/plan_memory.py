@@ -27,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 
-from sbd_jax.config import ModelConfig, RopeScaling  # noqa: E402
+from shapes import SHAPES  # noqa: E402
+
+from sbd_jax.config import ModelConfig  # noqa: E402
 from sbd_jax.decoding import DecodeSpec  # noqa: E402
 from sbd_jax.decoding.decoder import generate_jit  # noqa: E402
 from sbd_jax.models.transformer import param_specs  # noqa: E402
@@ -40,22 +42,6 @@ from sbd_jax.training.step import (abstract_state, batch_shardings, jit_train_st
                                    state_shardings)
 
 GiB = 1024 ** 3
-_LLAMA31 = dict(model_type="llama", vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
-                rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), num_key_value_heads=8, mask_token_id=128002)
-SHAPES = {  # the HF config.json values of each checkpoint
-    "llama3-8b": ModelConfig(**_LLAMA31, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                             num_attention_heads=32),
-    "qwen3-8b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                            rope_theta=1000000.0, max_position_embeddings=40960, qk_norm=True, rms_norm_eps=1e-6,
-                            mask_token_id=151662),
-    "llama3-70b": ModelConfig(**_LLAMA31, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                              num_attention_heads=64),
-    "llama3.2-1b": ModelConfig(**_LLAMA31, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                               num_attention_heads=32, tie_word_embeddings=True),
-}
-
-
 def train_step_memory(cfg: ModelConfig, *, seq_len: int, rows_per_device: int, mesh_cfg: MeshConfig,
                       ntp_only: bool, devices, grad_accum: int = 1) -> dict:
     """AOT-compile one optimizer step (AdamW, f32 master weights; `rows_per_device` rows per device in each of

@@ -60,9 +60,9 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of activations / matmuls
     # "auto": the Pallas kernels on GPU/TPU, the XLA reference on CPU | "xla" | "pallas"
     attention_impl: str = "auto"
-    # layers per iteration of the `lax.scan` over layers in the cache-free forward (training): 1 = a rolled
-    # loop (compiles once per layer shape, what big models want); num_hidden_layers = fully unrolled, which
-    # spares the loop's stacked residual buffers (faster at small shapes, see BENCHMARKS.md)
+    # layers per iteration of the `lax.scan` over layers (training and decoding): 1 = a rolled loop (compiles
+    # once per layer shape, what big models want); num_hidden_layers = fully unrolled, which spares the loop's
+    # stacked residual buffers (faster at small shapes, see BENCHMARKS.md)
     scan_unroll: int = 1
     # what the backward pass keeps of each layer of the cache-free forward (`REMAT_POLICIES`): "none" keeps every
     # activation, "full" only the layer's input (the layer is recomputed), "save_dots" also the matmul outputs

@@ -99,3 +99,23 @@ def test_training_layout_equals_decoding_calls():
                         copy_meta(np.ones((1, k)), np.arange(P + k, P + 2 * k)[None], np.full((1, k), P + k)))
     got2, _ = fwd(PARAMS, CFG, np.concatenate([x[None, P:P + k], b2], 1), meta2, cache)
     np.testing.assert_allclose(np.asarray(got2)[0, k:], train[P + k:P + 2 * k], atol=2e-5)
+
+
+def test_per_layer_weights_equal_the_stacked_forward():
+    """`unstack_layers` (the decoders' layout: one buffer per layer, a Python loop instead of the scan) computes
+    what the stacked scan computes, with and without a cache; `delete` frees the stacked buffers."""
+    from sbd_jax.models import unstack_layers
+    params = jax.tree.map(jnp.array, PARAMS)  # a copy: `delete` must not free the module's weights
+    per_layer = unstack_layers(params, delete=True)
+    assert all(x.is_deleted() for x in jax.tree.leaves(params["layers"]))
+    assert len(per_layer["layers"]) == CFG.num_hidden_layers and unstack_layers(per_layer) is per_layer
+    np.testing.assert_array_equal(np.asarray(per_layer["layers"][1]["wq"]), np.asarray(PARAMS["layers"]["wq"][1]))
+    toks = np.random.default_rng(3).integers(0, 48, (2, 9)).astype(np.int32)
+    meta = causal_meta(np.array([9, 6]), 9)
+    want, _ = fwd(PARAMS, CFG, toks, meta)
+    got, _ = fwd(per_layer, CFG, toks, meta)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    want_c, cache_a = fwd(PARAMS, CFG, toks, meta, init_cache(CFG, 2, 12))
+    got_c, cache_b = fwd(per_layer, CFG, toks, meta, init_cache(CFG, 2, 12))
+    np.testing.assert_allclose(np.asarray(got_c), np.asarray(want_c), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(cache_b.k), np.asarray(cache_a.k), atol=1e-5)

@@ -4,6 +4,7 @@ import json
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from test_decoding import CFG, make_params
@@ -66,7 +67,7 @@ def first_run(model_dir, tmp_path_factory):
     inp = _write_jsonl(d / "in.jsonl", PROMPTS)
     out = d / "out.jsonl"
     rc = decode.main(["--model", str(model_dir), "--input", str(inp), "--output", str(out), "--compare-ar",
-                      "--summary", str(d / "summary.json"), *FLAGS])
+                      "--summary", str(d / "summary.json"), "--bandwidth", *FLAGS])
     assert rc == 0
     return inp, out, json.loads((d / "summary.json").read_text())
 
@@ -93,6 +94,16 @@ def test_decode_cli_outputs_and_summary(first_run, capsys):
     assert "tokens accepted per forward" in decode.format_summary(summary)
     assert summary["speedup_tokens_per_s"] > 0 and summary["tokens_per_s"] > 0
     assert summary["command"].startswith("python decode.py")
+    # --bandwidth: every weight read once per batched model call (float32 here), over the measured copy bandwidth
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    for s in (summary, summary["ar"]):
+        bw = s["bandwidth"]
+        assert bw["weight_bytes_per_device"] == 4 * n_params and 0 < s["model_calls"] <= s["nfe"]
+        assert bw["achieved_bytes_per_s"] == pytest.approx(bw["weight_bytes_per_device"] * s["model_calls"]
+                                                           / s["seconds"], rel=1e-3)
+        assert bw["share_of_copy"] == pytest.approx(bw["achieved_bytes_per_s"] / bw["copy_bytes_per_s"])
+    assert summary["ar"]["model_calls"] >= 18  # one 1-token step per new token, rows side by side
+    assert "ar:  achieved bandwidth" in decode.format_summary(summary)
 
 
 def test_decode_cli_static_batches_give_the_same_rows(first_run, model_dir, tmp_path):

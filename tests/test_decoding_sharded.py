@@ -17,29 +17,36 @@ import json, sys
 import jax, numpy as np
 from test_decoding import BASE, CFG, LENGTHS, make_params, make_prompts
 from sbd_jax.decoding import generate
+from sbd_jax.models import unstack_layers
 from sbd_jax.sharding import MeshConfig, batch_sharding, make_mesh, shard_params
 mesh = make_mesh(MeshConfig(data=4, fsdp=1, tensor=2))
-params = shard_params(make_params(), CFG, mesh)
+stacked = shard_params(make_params(), CFG, mesh)
+per_layer = unstack_layers(stacked)
 ids = jax.device_put(make_prompts(), batch_sharding(mesh, 2, 4))
 lens = jax.device_put(LENGTHS, batch_sharding(mesh, 1, 4))
 res = {}
 for name, kw in json.loads(sys.argv[2]).items():
+    params = per_layer if kw.pop("per_layer", False) else stacked
     out = generate(params, CFG, ids, lens, key=jax.random.key(kw.pop("seed")), mesh=mesh, **kw, **BASE)
     res[name] = dict(tokens=np.asarray(out.tokens).tolist(), nfe=np.asarray(out.nfe).tolist(),
-                     cache_spec=list(out.cache.k.sharding.spec), wq_spec=list(params["layers"]["wq"].sharding.spec))
+                     cache_spec=list(out.cache.k.sharding.spec), wq_spec=list(stacked["layers"]["wq"].sharding.spec),
+                     wq0_spec=list(per_layer["layers"][0]["wq"].sharding.spec))
 print("RESULT" + json.dumps(res))
 """
 
 CASES = {"greedy": {"gamma": 2.0, "temperature": 0.0, "seed": 0, "eos_ids": []},
          "sampled": {"gamma": 1.0, "temperature": 1.0, "seed": 7, "eos_ids": []},
-         "ar": {"mode": "ar", "temperature": 1.0, "seed": 3, "eos_ids": []}}
+         "ar": {"mode": "ar", "temperature": 1.0, "seed": 3, "eos_ids": []},
+         # the decoders' layout (`unstack_layers`): one buffer per layer, sharded as the stacked weight
+         "sampled_per_layer": {"gamma": 1.0, "temperature": 1.0, "seed": 7, "eos_ids": [], "per_layer": True},
+         "ar_per_layer": {"mode": "ar", "temperature": 1.0, "seed": 3, "eos_ids": [], "per_layer": True}}
 
 
 def test_sharded_tokens_equal_single_device():
     res = run_on_8_devices(SCRIPT, json.dumps(CASES))
     params = make_params()
     for name, kw in CASES.items():
-        kw = dict(kw)
+        kw = {k: v for k, v in kw.items() if k != "per_layer"}
         out = brute_force_generate(params, CFG, make_prompts(), LENGTHS, key=jax.random.key(kw.pop("seed")),
                                    max_new_tokens=BASE["max_new_tokens"], block_size=BASE["block_size"],
                                    pad_id=BASE["pad_id"], **kw)
@@ -49,3 +56,4 @@ def test_sharded_tokens_equal_single_device():
         # tensor-parallel over heads, as in training
         assert (res[name]["cache_spec"] + [None] * 5)[:5] == [None, "data", None, "tensor", None], res[name]
         assert (res[name]["wq_spec"] + [None] * 4)[:4] == [None, None, "tensor", None], res[name]
+        assert (res[name]["wq0_spec"] + [None] * 3)[:3] == [None, "tensor", None], res[name]

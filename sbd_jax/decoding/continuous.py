@@ -130,6 +130,7 @@ class ContinuousDecoder:
         self.params, self.cfg, self.spec, self.mesh = params, cfg, spec, mesh
         self.slots, self.width, self.gamma, self.temperature = slots, prompt_width, gamma, temperature
         self.compile_s = 0.0
+        self.calls = 0  # batched model calls of the decode loop so far (admissions' prefills apart)
         self._programs: dict = {}  # name -> compiled program used by this decoder
         self._layout = tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in jax.tree.leaves(params))
 
@@ -179,8 +180,10 @@ class ContinuousDecoder:
                 state, rows = self._admit(state, rows, [b for b, _ in batch], [r for _, (_, r) in batch])
             args = (self.params, state, rows, np.bool_(waiting is not None))
             state = self._program("run", _run, *args)(*args)
-            done, n, nfe, eos, accepted, lengths, seq = jax.device_get(
-                (state.done, state.n_generated, state.nfe, state.eos, state.accepted, rows.lengths, state.seq))
+            done, n, nfe, eos, accepted, lengths, seq, self.calls = jax.device_get(
+                (state.done, state.n_generated, state.nfe, state.eos, state.accepted, rows.lengths, state.seq,
+                 state.iters))
+            self.calls = int(self.calls)
             for b in [b for b in owner if done[b]]:
                 tokens = seq[b, lengths[b]:lengths[b] + n[b]].tolist()
                 yield owner.pop(b), {"tokens": tokens, "n_tokens": int(n[b]), "nfe": int(nfe[b]),

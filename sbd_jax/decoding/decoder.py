@@ -146,6 +146,7 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: D
 
     params, cfg: the model (`init_params` / `from_pretrained`); params may be sharded
       (`sbd_jax.sharding.shard_params`): pass `mesh` to lay the cache and per-row state out to match.
+      On GPU pass them through `models.unstack_layers` once (the stacked layout is slower to decode).
     prompt_ids [B, P] int, prompt_lengths [B] int (1 <= len <= P, right padding).
     spec: a `DecodeSpec` (static: one compiled decoder per spec and shape); `options` are DecodeSpec
       fields that build one or replace those of `spec` (`generate(..., max_new_tokens=64, mode="ar")`).

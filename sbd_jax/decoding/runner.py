@@ -125,6 +125,7 @@ class BatchDecoder:
         secs = time.perf_counter() - t
         n = len(batch)
         res = {f: _host(getattr(out, f))[:n] for f in ("tokens", "lengths", "nfe", "stopped_by_eos", "accepted")}
+        res["calls"] = int(out.iterations)
         return res, secs
 
     def decode(self, prompts: list[Prompt], on_row: Callable[[Prompt, dict], None] = lambda p, r: None,
@@ -177,6 +178,7 @@ class Totals:
     rows: int = 0
     tokens: int = 0
     nfe: int = 0
+    calls: int = 0  # batched model calls of the decode loops (prefill pieces apart)
     seconds: float = 0.0
     accepted: np.ndarray | None = None  # model calls that decoded 0, 1, ... tokens (summed over rows)
 
@@ -184,6 +186,7 @@ class Totals:
         self.rows += len(res["lengths"])
         self.tokens += int(res["lengths"].sum())
         self.nfe += int(res["nfe"].sum())
+        self.calls += res.get("calls", 0)
         self.seconds += secs
         hist = res["accepted"].sum(0)
         self.accepted = hist if self.accepted is None else self.accepted + hist
@@ -193,7 +196,8 @@ class Totals:
                   "accepted": np.asarray([row["accepted"]])}, 0.0)
 
     def as_dict(self):
-        return {"rows": self.rows, "tokens": self.tokens, "nfe": self.nfe, "seconds": round(self.seconds, 4),
+        return {"rows": self.rows, "tokens": self.tokens, "nfe": self.nfe, "model_calls": self.calls,
+                "seconds": round(self.seconds, 4),
                 "tokens_per_s": self.tokens / self.seconds if self.seconds else float("nan"),
                 "tokens_per_forward": self.tokens / self.nfe if self.nfe else float("nan"),
                 "accepted_per_forward": [] if self.accepted is None else self.accepted.tolist()}
@@ -240,6 +244,7 @@ def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: De
             else:
                 results[i] = row
         t.seconds = time.perf_counter() - start - dec.compile_s
+        t.calls = dec.calls
         compile_s += dec.compile_s
     main = totals[modes[0]]
     summary = dict(mode=opts.spec.mode, **main.as_dict(), compile_seconds=round(compile_s, 3), continuous=True)

@@ -102,6 +102,30 @@ def init_params(cfg: ModelConfig, key, *, std: float = 0.02) -> dict:
     return jax.tree.unflatten(treedef, [init(s, k) for s, k in zip(specs, jax.random.split(key, len(specs)))])
 
 
+def unstack_layers(params: dict, *, delete: bool = False) -> dict:
+    """The decoding layout: `params["layers"]` as a tuple of per-layer dicts, each weight in its own buffer
+    (sharded as the stacked one was, minus the layer axis). `forward` accepts both layouts. A scan over stacked
+    weights slices them per layer, and XLA:GPU copies each slice before its matmul (BENCHMARKS.md: the copies
+    took half of an 8B decode step); decoders convert once. `delete`: free each stacked leaf once split (peak
+    memory: the weights plus one leaf). Already unstacked params are returned as they are."""
+    if isinstance(params["layers"], (tuple, list)):
+        return params
+    L = jax.tree.leaves(params["layers"])[0].shape[0]
+
+    def split(x):
+        sh = getattr(x, "sharding", None)
+        out = (jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*sh.spec[1:]))
+               if isinstance(sh, jax.sharding.NamedSharding) else sh)
+        parts = jax.jit(lambda a: tuple(a[i] for i in range(L)), out_shardings=(out,) * L if out else None)(x)
+        if delete and isinstance(x, jax.Array):
+            x.delete()
+        return parts
+    leaves, treedef = jax.tree.flatten(params["layers"])
+    parts = [split(x) for x in leaves]
+    layers = tuple(jax.tree.unflatten(treedef, [p[i] for p in parts]) for i in range(L))
+    return {**params, "layers": layers}
+
+
 class KVCache(NamedTuple):
     """Static-shape KV cache. Slot s of row b holds the (clean, causal) K/V of position s of that
     row's sequence; `lengths[b]` = number of committed slots. k, v: [L, B, S, K, Dh]."""
@@ -190,12 +214,17 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
     inv_freq = rope_inv_freq(cfg)
     h = params["embed"].astype(dt)[tokens_BT]
 
+    per_layer = isinstance(params["layers"], (tuple, list))  # `unstack_layers`: a Python loop, no scan
     if cache is None:
         def body(h, lp):
             return _layer(cfg, inv_freq, h, lp, meta, None, None, None, clean_prefix)[0], None
         if cfg.remat != "none":  # the backward pass recomputes each layer from its input (and the saved dots)
             body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
-        h, _ = jax.lax.scan(body, h, params["layers"], unroll=cfg.scan_unroll)
+        if per_layer:
+            for lp in params["layers"]:
+                h, _ = body(h, lp)
+        else:
+            h, _ = jax.lax.scan(body, h, params["layers"], unroll=cfg.scan_unroll)
         new_cache = None
     else:
         writes = (meta.stream == CLEAN) & (meta.segment > 0)
@@ -209,8 +238,15 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
         def body(carry, xs):
             (h, (ks, vs)), (lp, li) = carry, xs
             return _layer(cfg, inv_freq, h, lp, meta, (ks, vs, li), write_slot, kv_meta), None
-        layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
-        (h, (ks, vs)), _ = jax.lax.scan(body, (h, (cache.k, cache.v)), (params["layers"], layer_ids))
+        if per_layer:
+            carry = (h, (cache.k, cache.v))
+            for li, lp in enumerate(params["layers"]):
+                carry, _ = body(carry, (lp, li))
+            h, (ks, vs) = carry
+        else:
+            layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
+            (h, (ks, vs)), _ = jax.lax.scan(body, (h, (cache.k, cache.v)), (params["layers"], layer_ids),
+                                            unroll=cfg.scan_unroll)
         new_cache = KVCache(ks, vs, new_len)
 
     h = rms_norm(h, params["final_norm"].astype(dt), cfg.rms_norm_eps)
