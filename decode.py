@@ -85,12 +85,9 @@ def run(args) -> int:
     import jax
 
     from sbd_jax.decoding import DecodeError, DecodeSpec
-    from sbd_jax.decoding.spec import check_model
     from sbd_jax.decoding.prompts import check_output_settings, open_output, read_prompts, write_row
-    from sbd_jax.decoding.runner import DecodeOptions, check_prompts, decode_prompts
-    from sbd_jax.io.hf import from_pretrained
-    from sbd_jax.io.tokenizer import Tokenizer
-    from sbd_jax.models import unstack_layers
+    from sbd_jax.decoding.runner import check_prompts
+    from sbd_jax.decoding.sampler import Sampler
     from sbd_jax.sharding import make_mesh, maybe_initialize_distributed
 
     if args.resume and args.overwrite:
@@ -101,17 +98,12 @@ def run(args) -> int:
     mesh_cfg = mesh_config(args)
     maybe_initialize_distributed()
     mesh = make_mesh(mesh_cfg)
-    opts = DecodeOptions(spec=spec, gamma=args.gamma, temperature=args.temperature, batch_size=args.batch_size,
-                         pad_multiple=args.pad_multiple, seed=args.seed, compare_ar=args.compare_ar,
-                         continuous=not args.static and jax.process_count() == 1)
-    cfg, params = from_pretrained(args.model, dtype=args.dtype, mesh=mesh)  # each process reads its shards
-    params = unstack_layers(params, delete=True)  # the decoding layout, converted once
-    if spec.eos_ids is None:
-        opts = dataclasses.replace(opts, spec=dataclasses.replace(spec, eos_ids=generation_eos(cfg, args.model)))
-    check_model(cfg, opts.spec)  # before reading any prompt
-    tok = Tokenizer.find(args.model)
-    prompts = read_prompts(args.input, tok, chat=args.chat, vocab_size=cfg.vocab_size)
-    check_prompts(cfg, opts, prompts)
+    sampler = Sampler.load(args.model, dtype=args.dtype, mesh=mesh)  # each process reads its shards
+    opts = sampler.options(spec=spec, gamma=args.gamma, temperature=args.temperature, batch_size=args.batch_size,
+                           pad_multiple=args.pad_multiple, seed=args.seed, compare_ar=args.compare_ar,
+                           continuous=not args.static and jax.process_count() == 1)  # checked before any prompt
+    prompts = read_prompts(args.input, sampler.tokenizer, chat=args.chat, vocab_size=sampler.cfg.vocab_size)
+    check_prompts(sampler.cfg, opts, prompts)  # before the output is opened
     writer = jax.process_index() == 0
     done, out = open_output(args.output, resume=args.resume, overwrite=args.overwrite) if writer else (set(), None)
     if writer:  # what the rows depend on (not how they are batched or shown)
@@ -129,21 +121,14 @@ def run(args) -> int:
               file=sys.stderr)
 
     def on_row(p, r):
-        if out is None:
-            return
-        row = {"id": p.id, "prompt_tokens": len(p.ids), **r}
-        if tok is not None:
-            row["text"] = tok.decode(r["tokens"])
-            if "ar" in r:
-                r["ar"]["text"] = tok.decode(r["ar"]["tokens"])
-        write_row(out, row)
+        if out is not None:
+            write_row(out, {"id": p.id, "prompt_tokens": len(p.ids), **r})
 
     from tqdm import tqdm
     with tqdm(total=len(pending), unit="prompt", desc=f"decode ({args.mode})", file=sys.stderr,
               disable=args.no_progress or not writer) as progress:
         try:
-            summary = decode_prompts(params, cfg, pending, opts, mesh=mesh, on_row=on_row, progress=progress,
-                                     checked=True) if pending else None
+            summary = sampler.decode(pending, opts, on_row=on_row, progress=progress) if pending else None
         finally:
             if out is not None:
                 out.close()
@@ -156,7 +141,7 @@ def run(args) -> int:
         copy_bw = copy_bandwidth()
         for s in (summary, summary.get("ar")):
             if s and s["model_calls"] and s["seconds"]:
-                s["bandwidth"] = bandwidth_report(params, s["model_calls"], s["seconds"], copy_bw)
+                s["bandwidth"] = bandwidth_report(sampler.params, s["model_calls"], s["seconds"], copy_bw)
     if writer:
         print(format_summary(summary))
         if args.summary:
@@ -177,16 +162,6 @@ def mesh_config(args):
         if getattr(args, f"mesh_{axis}") is not None:
             d[axis] = getattr(args, f"mesh_{axis}")
     return from_dict(MeshConfig, d, where="mesh")
-
-
-def generation_eos(cfg, model_dir) -> tuple[int, ...]:
-    """The model's EOS ids: config.json's, plus generation_config.json's when present."""
-    ids = list(cfg.eos_ids)
-    gc = Path(model_dir) / "generation_config.json"
-    if gc.is_file():
-        e = json.loads(gc.read_text()).get("eos_token_id")
-        ids += [e] if isinstance(e, int) else list(e or [])
-    return tuple(dict.fromkeys(ids))
 
 
 def format_summary(s: dict) -> str:

@@ -126,7 +126,6 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
                     done[b], stopped_eos[b], n_gen[b] = True, tok in eos, gen[b]
                 continue
             acc = _accept_row(rule, h[b], masked[b], gam[b])
-            accepted[b, acc.sum()] += 1
             for i in np.flatnonzero(acc):
                 seq[b, lengths[b] + gen[b] + i] = drawn[b, i]
             masked[b] &= ~acc
@@ -138,6 +137,8 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
                 if int(seq[b, lengths[b] + gen[b] + i]) in eos:
                     stop_at = i
                     break
+            kept = acc[:n_valid] if stop_at is None else acc[:stop_at + 1]  # what the output keeps of this call
+            accepted[b, kept.sum()] += 1
             if stop_at is not None:
                 done[b], stopped_eos[b], n_gen[b] = True, True, gen[b] + stop_at + 1
             elif not masked[b].any():

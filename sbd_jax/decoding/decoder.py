@@ -308,7 +308,9 @@ def _sbd_update(state: _State, env: _Env, logits_BKV, cache) -> _State:
         nfe=state.nfe + active.astype(jnp.int32),
         iters=state.iters + 1,
         wide=state.wide,
-        accepted=_tally(state.accepted, jnp.sum(acc, axis=1), active),
+        # tokens this call added to the output: none past the cap, none after the EOS that ends the row
+        accepted=_tally(state.accepted, jnp.sum(acc & valid & (~eos_hit[:, None] | (j <= first[:, None])), axis=1),
+                        active),
     )
 
 

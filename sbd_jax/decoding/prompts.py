@@ -61,7 +61,7 @@ def read_prompts(path, tokenizer: Tokenizer | None, *, chat: bool = False, vocab
             if pid in seen:
                 raise PromptFileError(f"{where}: duplicate id {pid!r} (first on line {seen[pid]})")
             seen[pid] = n
-            ids = _row_ids(row, tokenizer, chat, where)
+            ids = row_ids(row, tokenizer, chat, where)
             if not ids:
                 raise PromptFileError(f"{where}: the prompt is empty (0 tokens)")
             if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
@@ -75,7 +75,7 @@ def read_prompts(path, tokenizer: Tokenizer | None, *, chat: bool = False, vocab
     return prompts
 
 
-def _row_ids(row: dict, tokenizer: Tokenizer | None, chat: bool, where: str) -> list[int]:
+def row_ids(row: dict, tokenizer: Tokenizer | None, chat: bool, where: str) -> list[int]:
     kinds = [k for k in ("prompt", "prompt_ids", "messages") if k in row]
     if len(kinds) != 1:
         raise PromptFileError(f"{where}: needs exactly one of 'prompt' (text), 'prompt_ids' or 'messages', "

@@ -78,6 +78,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._encode(text, add_special_tokens))
 
+    @property
+    def can_decode(self) -> bool:
+        return self._decode is not None
+
     def decode(self, ids) -> str:
         if self._decode is None:
             raise TokenizerError("this tokenizer only encodes (it was built from a function)")

@@ -1,0 +1,125 @@
+"""Text in, text out: load a model directory once, then complete strings or chat conversations (the shape of
+google/tunix's `Sampler`). Wraps the batch runner (`decode_prompts`: continuous slots, per-row keys) and the
+model directory's tokenizer and stop ids; decode.py is this plus its files."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ..config import ModelConfig
+from ..io.tokenizer import Tokenizer
+from .prompts import Prompt, row_ids
+from .runner import DecodeOptions, check_prompts, decode_prompts
+from .spec import DecodeError, DecodeSpec, check_model
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    text: str  # the generated tokens as text (special tokens such as the end-of-turn one left out)
+    tokens: list[int]  # generated ids, the stop token included when the row stopped on one
+    stop: str  # "eos" (a stop id) or "length" (max_new_tokens)
+    prompt_tokens: int
+    nfe: int  # model forwards this row took
+    tokens_per_forward: float
+
+
+def generation_eos(cfg: ModelConfig, model_dir) -> tuple[int, ...]:
+    """The model's stop ids: config.json's EOS, plus generation_config.json's (where an export lists the chat
+    template's end-of-turn token)."""
+    ids = list(cfg.eos_ids)
+    gc = Path(model_dir) / "generation_config.json"
+    if gc.is_file():
+        try:
+            e = json.loads(gc.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as err:
+            raise DecodeError(f"cannot read {str(gc)!r}: not valid JSON ({err})") from None
+        ids += [e] if isinstance(e, int) else list(e or [])
+    return tuple(dict.fromkeys(ids))
+
+
+class Sampler:
+    """A loaded model with its tokenizer and stop ids.
+
+        sampler = Sampler.load("/models/my-sbd-export", dtype="bfloat16")
+        out = sampler(["Tell me a joke", [{"role": "user", "content": "hi"}]], chat=True, gamma=0.35)
+        out[0].text, out[0].stop, out[0].tokens_per_forward
+    """
+
+    def __init__(self, params, cfg: ModelConfig, tokenizer: Tokenizer | None, *, eos_ids: Sequence[int] = (),
+                 mesh=None):
+        self.params, self.cfg, self.tokenizer, self.mesh = params, cfg, tokenizer, mesh
+        self.eos_ids = tuple(eos_ids)
+
+    @classmethod
+    def load(cls, model_dir, *, dtype: str | None = None, mesh=None) -> Sampler:
+        """Weights (in `mesh`'s shards when given; each process reads its own), tokenizer.json when the directory
+        has one, and the stop ids of config.json and generation_config.json. The weights are converted once to
+        the decoding layout (`unstack_layers`)."""
+        from ..io.hf import from_pretrained
+        from ..models import unstack_layers
+        cfg, params = from_pretrained(model_dir, dtype=dtype, mesh=mesh)
+        return cls(unstack_layers(params, delete=True), cfg, Tokenizer.find(model_dir),
+                   eos_ids=generation_eos(cfg, model_dir), mesh=mesh)
+
+    def options(self, *, gamma: float = 0.35, temperature: float = 0.0, seed: int = 0, batch_size: int = 8,
+                pad_multiple: int = 16, continuous: bool = True, compare_ar: bool = False, spec: DecodeSpec | None = None,
+                **spec_fields) -> DecodeOptions:
+        """`DecodeOptions` with this model's stop ids unless `eos_ids` is given; `spec_fields` are DecodeSpec
+        fields (mode, block_size, rule, max_new_tokens, top_k, top_p, tempered_entropy, eos_ids)."""
+        spec = dataclasses.replace(spec or DecodeSpec(), **spec_fields)
+        if spec.eos_ids is None:
+            spec = dataclasses.replace(spec, eos_ids=self.eos_ids)
+        opts = DecodeOptions(spec=spec, gamma=gamma, temperature=temperature, batch_size=batch_size,
+                             pad_multiple=pad_multiple, seed=seed, compare_ar=compare_ar, continuous=continuous)
+        check_model(self.cfg, opts.spec)
+        return opts
+
+    def prompts(self, inputs: Sequence, *, chat: bool = False) -> list[Prompt]:
+        """Strings (with `chat`, each as one user message of the chat template), message lists (the template) or
+        id lists, as `Prompt`s with ids 0..n-1."""
+        out = []
+        for i, x in enumerate(inputs):
+            if isinstance(x, str):
+                row = {"prompt": x}
+            elif isinstance(x, (list, tuple)) and x and all(isinstance(m, dict) for m in x):
+                row = {"messages": list(x)}
+            elif isinstance(x, (list, tuple)) and x and all(isinstance(t, int) for t in x):
+                row = {"prompt_ids": list(x)}
+            else:
+                raise DecodeError(f"input {i}: expected a string, a list of {{'role', 'content'}} messages or a list "
+                                  f"of token ids, got {type(x).__name__} {str(x)[:60]!r}")
+            ids = row_ids(row, self.tokenizer, chat, f"input {i}")
+            if not ids or any(not 0 <= t < self.cfg.vocab_size for t in ids):
+                raise DecodeError(f"input {i}: the prompt is empty or has ids outside [0, {self.cfg.vocab_size})")
+            out.append(Prompt(i, i, tuple(ids)))
+        return out
+
+    def text(self, tokens) -> str | None:
+        return self.tokenizer.decode(tokens) if self.tokenizer is not None and self.tokenizer.can_decode else None
+
+    def decode(self, prompts: list[Prompt], opts: DecodeOptions, *, on_row: Callable[[Prompt, dict], None] = lambda p, r: None,
+               progress=None) -> dict:
+        """The token level (decode.py): every row handed to `on_row(prompt, row)` as it finishes, with its "text"
+        when the model has a tokenizer; returns the run's summary."""
+        check_prompts(self.cfg, opts, prompts)
+
+        def with_text(p, r):
+            for row in (r, r.get("ar")):
+                if row is not None and (text := self.text(row["tokens"])) is not None:
+                    row["text"] = text
+            on_row(p, r)
+        return decode_prompts(self.params, self.cfg, prompts, opts, mesh=self.mesh, on_row=with_text,
+                              progress=progress, checked=True)
+
+    def __call__(self, inputs: Sequence, *, chat: bool = False, **options) -> list[Completion]:
+        """Complete every input (see `prompts`); `options` as in `options` (SBD by default, mode="ar" for the
+        baseline). Returns one `Completion` per input, in order; `self.last_summary` holds the run's summary."""
+        opts = self.options(**options)
+        prompts = self.prompts(inputs, chat=chat)
+        rows: dict = {}
+        self.last_summary = self.decode(prompts, opts, on_row=lambda p, r: rows.__setitem__(p.id, (p, r)))
+        return [Completion(text=r.get("text", ""), tokens=r["tokens"], stop=r["stop"], prompt_tokens=len(p.ids),
+                           nfe=r["nfe"], tokens_per_forward=r["tokens_per_forward"])
+                for p, r in (rows[i] for i in range(len(prompts)))]
