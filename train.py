@@ -17,6 +17,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="training YAML (configs/*.yaml)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=100 optim.lr=1e-3")
+    ap.add_argument("--prepare", action="store_true",
+                    help="only tokenize the data into its store (data.store_dir; training reuses it) and report")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -32,6 +34,10 @@ def main(argv=None) -> int:
 
     try:
         cfg = load_config(TrainConfig, args.config, args.overrides)
+        if args.prepare:
+            from sbd_jax.training.data import build_iterator, format_report
+            print(format_report(build_iterator(cfg.data, cfg.batch_size).report))
+            return 0
         maybe_initialize_distributed()
         signal.signal(signal.SIGTERM, on_term)
         result = train(cfg)

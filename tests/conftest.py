@@ -4,6 +4,7 @@ project runs on Python 3.12 / jax 0.11.2. Set SBD_HF_PYTHON to point elsewhere."
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# tokenized training stores (sbd_jax/training/store.py) of this test session, not the user's cache
+os.environ.setdefault("SBD_DATA_STORE", tempfile.mkdtemp(prefix="sbd_test_stores_"))
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_REF_SCRIPT = Path(__file__).with_name("hf_ref.py")

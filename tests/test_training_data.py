@@ -235,3 +235,80 @@ def test_errors_name_the_problem(tmp_path, tok_dir):
     paths = _write_all_formats(tmp_path / "w", [{"text": t} for t in TEXTS])
     with pytest.raises(DataError, match="split 'validation'"):
         build_iterator(DataConfig(path=str(paths["disk_dict"]), split="validation", **base), 1)
+
+
+# ---------------------------------------------------------------------------------------------- the store
+
+
+def _counting(tok_dir):
+    """The tokenizer of tok_dir with its encode calls counted."""
+    tk = Tokenizer.load(tok_dir)
+    calls, encode = [0], tk._encode
+
+    def counted(text, add_special_tokens):
+        calls[0] += 1
+        return encode(text, add_special_tokens)
+    tk._encode = counted
+    return tk, calls
+
+
+def test_store_is_made_once_and_reused(tmp_path, tok_dir):
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    cfg = DataConfig(path=str(tmp_path / "t.jsonl"), tokenizer=str(tok_dir), seq_len=16, store_dir=str(tmp_path / "s"))
+    tk, calls = _counting(tok_dir)
+    first = build_iterator(cfg, 2, tokenizer=tk)
+    assert calls[0] == len(TEXTS) and len(list((tmp_path / "s").iterdir())) == 1
+    again = build_iterator(cfg, 2, tokenizer=tk)  # a restart: no tokenizer call, the same rows
+    assert calls[0] == len(TEXTS) and again.report["store"] == first.report["store"]
+    for _ in range(3):
+        for x, y in zip(first.next_batch(), again.next_batch()):
+            np.testing.assert_array_equal(x, y)
+    assert isinstance(again.docs.values, np.memmap)
+    assert first.report["records"] == first.report["used"] == len(TEXTS)
+    # another setting, another tokenizer, or a changed file: another store
+    build_iterator(DataConfig(**{**cfg.__dict__, "add_eos": False}), 2, tokenizer=tk)
+    assert calls[0] == 2 * len(TEXTS) and len(list((tmp_path / "s").iterdir())) == 2
+    other = tmp_path / "tok2"
+    other.mkdir()
+    (other / "tokenizer.json").write_text((tok_dir / "tokenizer.json").read_text().replace('"far"', '"FAR"'))
+    (other / "tokenizer_config.json").write_text((tok_dir / "tokenizer_config.json").read_text())
+    build_iterator(DataConfig(**{**cfg.__dict__, "tokenizer": str(other)}), 2)
+    assert len(list((tmp_path / "s").iterdir())) == 3
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[::-1]))
+    build_iterator(cfg, 2, tokenizer=tk)
+    assert calls[0] == 3 * len(TEXTS) and len(list((tmp_path / "s").iterdir())) == 4
+    assert not list((tmp_path / "s").glob(".*"))  # no partial store left behind
+
+
+def test_nothing_is_dropped_in_silence(tmp_path, tok_dir):
+    """95 of 100 records lack "response": an error naming the share and the first bad line; allowed, the report
+    counts each reason with its first record."""
+    recs = [{"prompt": "hello world", "response": "yes"} if i % 20 == 0 else {"prompt": "the cat"} for i in range(100)]
+    recs[41] = {"prompt": "the dog", "response": ""}
+    (tmp_path / "sft.jsonl").write_text("\n" + "".join(json.dumps(r) + "\n" for r in recs))  # a blank first line
+    cfg = DataConfig(path=str(tmp_path / "sft.jsonl"), tokenizer=str(tok_dir), seq_len=16)
+    with pytest.raises(DataError, match=r"95\.0% of the records are unusable \(95 of 100: missing_field 94 "
+                                        r"\(first: .*sft.jsonl line 3\), empty 1 \(first: .*sft.jsonl line 43\)\)"):
+        build_iterator(cfg, 1)
+    it = build_iterator(DataConfig(**{**cfg.__dict__, "max_drop_share": 1.0}), 1)
+    r = it.report
+    assert (r["records"], r["used"], r["dropped"]["missing_field"]["count"], r["dropped"]["empty"]["count"]) == \
+        (100, 5, 94, 1)
+    # packing drops too: a prompt that leaves no response token inside seq_len, with its line
+    recs = [{"prompt": "hello world", "response": "yes"}] * 3 + [{"prompt": " ".join(["the"] * 40), "response": "no"}]
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(DataError, match=r"25\.0% .* no_response_in_seq_len 1 \(first: .*long.jsonl line 4\)"):
+        build_iterator(DataConfig(path=str(tmp_path / "long.jsonl"), tokenizer=str(tok_dir), seq_len=16), 1)
+
+
+def test_bad_files_and_ids_are_clear_errors(tmp_path, tok_dir):
+    base = {"tokenizer": str(tok_dir), "seq_len": 16}
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match="empty.jsonl' is empty"):
+        build_iterator(DataConfig(path=str(tmp_path / "empty.jsonl"), **base), 1)
+    (tmp_path / "notjson.jsonl").write_text("hello world\nthe cat\n")
+    with pytest.raises(DataError, match="notjson.jsonl' cannot be read as json"):
+        build_iterator(DataConfig(path=str(tmp_path / "notjson.jsonl"), **base), 1)
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    with pytest.raises(DataError, match=r"token id 25 is outside the model's vocabulary \(vocab_size 20\)"):
+        build_iterator(DataConfig(path=str(tmp_path / "t.jsonl"), **base), 1, vocab_size=20)

@@ -257,7 +257,8 @@ def test_export_is_a_complete_model_directory(straight, tmp_path):
     row = json.loads((tmp_path / "o.jsonl").read_text())
     assert row["prompt_tokens"] == len(Tokenizer.load(tok_dir).apply_chat_template(
         [{"role": "user", "content": "the quick brown fox"}])) and isinstance(row["text"], str)
-    assert decode.generation_eos(sbd_jax.io.load_hf_config(out.hf_dir), out.hf_dir) == (2, end)
+    from sbd_jax.decoding.sampler import generation_eos
+    assert generation_eos(sbd_jax.io.load_hf_config(out.hf_dir), out.hf_dir) == (2, end)
 
 
 def test_resume_refuses_changed_settings(straight, tmp_path):

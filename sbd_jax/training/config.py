@@ -54,11 +54,18 @@ class DataConfig:
     min_doc_tokens: int = 2  # shorter pieces are dropped (NTP needs 2 tokens)
     cache_dir: str | None = None  # `datasets` cache directory
     num_proc: int | None = None  # tokenization workers
+    # where `prepare` keeps tokenized stores, one subdirectory per fingerprint of (files, tokenizer, settings);
+    # null: $SBD_DATA_STORE or ~/.cache/sbd_jax/data. On several hosts: a shared filesystem, or each host its own
+    store_dir: str | None = None
+    # more records than this share unusable (missing field, empty, no response token inside seq_len, shorter
+    # than min_doc_tokens) is an error naming the share and the first such record
+    max_drop_share: float = 0.01
 
     def __post_init__(self):
         require_choice("data.format", self.format, ("auto", "json", "parquet", "arrow", "disk"))
         require_choice("data.mode", self.mode, ("auto", "text", "sft"))
         require(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
+        require(0.0 <= self.max_drop_share <= 1.0, f"data.max_drop_share must be in [0, 1], got {self.max_drop_share}")
         require(self.copy_len is None or 1 <= self.copy_len <= self.seq_len,
                 f"data.copy_len must be in [1, seq_len={self.seq_len}] (or null), got {self.copy_len}")
 
@@ -97,6 +104,7 @@ class CheckpointConfig:
 
 
 RESUME_NEUTRAL = ("out_dir", "progress", "log_every", "allow_changes", "loss_chunk", "checkpoint.", "mesh.",
+                  "data.store_dir", "data.num_proc", "data.cache_dir", "data.max_drop_share",
                   "model.scan_unroll", "model.remat", "model.attention_impl")
 
 

@@ -3,6 +3,10 @@ deterministic, resumable order.
 
 - Records: plain text (`text_field`) or prompt/response, wrapped by the tokenizer's chat template when it
   has one (`sbd_jax.io.tokenizer`; or any callable text -> ids); the prompt's tokens are loss-masked out.
+  Tokenized once into a memory-mapped store (store.py), reused by every later start.
+- Nothing dropped in silence: the iterator's `report` counts the records used, truncated and dropped by
+  reason (missing field, empty, too short, no response token inside seq_len) with the first of each; more
+  than `max_drop_share` dropped is an error.
 - Packing: documents in a per-epoch permutation (a pure function of (seed, epoch)) are placed whole, in
   order, into rows of L tokens; a document that does not fit the rest of a row starts the next row (the
   rest is padding, segment 0). Text longer than L is cut into L-token pieces, each its own document; a
@@ -17,9 +21,7 @@ deterministic, resumable order.
 from __future__ import annotations
 
 import dataclasses
-import glob
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
@@ -31,50 +33,6 @@ from .examples import PackedBatch
 
 class DataError(ConfigError):
     """A dataset that cannot be used as configured (missing file/field, no usable rows...)."""
-
-
-_EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
-_SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # a `save_to_disk` directory
-
-
-def load_records(cfg: DataConfig):
-    """-> a `datasets.Dataset` of raw records."""
-    import datasets
-    if not cfg.path:
-        raise DataError("data.path is not set (a local jsonl/json/parquet/arrow file or a saved dataset dir)")
-    p = Path(cfg.path)
-    if cfg.format == "disk" or (p.is_dir() and any((p / f).exists() for f in _SAVED_MARKERS)):
-        if not p.is_dir():
-            raise DataError(f"data.path {cfg.path!r} is not a saved dataset directory")
-        ds = datasets.load_from_disk(str(p))
-        if isinstance(ds, datasets.DatasetDict):
-            if cfg.split not in ds:
-                raise DataError(f"split {cfg.split!r} is not in {cfg.path!r} (splits: {sorted(ds)})")
-            ds = ds[cfg.split]
-        return ds
-    files = sorted(str(f) for f in p.iterdir() if f.suffix in _EXT) if p.is_dir() else sorted(glob.glob(str(p)))
-    if not files:
-        raise DataError(f"data.path {cfg.path!r} does not exist or holds no jsonl/json/parquet/arrow files")
-    fmt = cfg.format
-    if fmt == "auto":
-        kinds = {_EXT.get(Path(f).suffix) for f in files}
-        if None in kinds or len(kinds) != 1:
-            raise DataError(f"data.path {cfg.path!r}: cannot infer one format from {files[:5]}; set data.format")
-        fmt = kinds.pop()
-    return datasets.load_dataset(fmt, data_files=files, split="train", cache_dir=cfg.cache_dir)
-
-
-def _resolve_mode(cfg: DataConfig, columns: list[str]) -> str:
-    if cfg.mode == "text" or (cfg.mode == "auto" and cfg.text_field in columns):
-        if cfg.text_field not in columns:
-            raise DataError(f"data.text_field {cfg.text_field!r} is not a column of {cfg.path!r} "
-                            f"(columns: {columns})")
-        return "text"
-    missing = [f for f in (cfg.prompt_field, cfg.response_field) if f not in columns]
-    if missing:
-        raise DataError(f"{cfg.path!r} has neither the text field {cfg.text_field!r} nor the prompt/response "
-                        f"fields {[cfg.prompt_field, cfg.response_field]} (columns: {columns})")
-    return "sft"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,54 +53,6 @@ class Documents:
         return cls(values, offsets, np.asarray(np.zeros(len(docs)) if n_prompt is None else n_prompt, np.int64))
 
 
-def tokenize_records(ds, cfg: DataConfig, tok: Tokenizer) -> Documents:
-    """Tokenize a `datasets.Dataset` into `Documents` (batched `map`, in memory)."""
-    columns = list(ds.column_names)
-    mode = _resolve_mode(cfg, columns)
-    use_template = mode == "sft" and cfg.chat_template and tok.chat_template
-    eos = tok.eos_id if cfg.add_eos and not use_template else None
-
-    def text_fn(batch):
-        ids = []
-        for t in batch[cfg.text_field]:
-            x = tok.encode(t) if isinstance(t, str) and t else []
-            if x and eos is not None and x[-1] != eos:
-                x.append(eos)
-            ids.append(x)
-        return {"input_ids": ids, "n_prompt": [0] * len(ids)}
-
-    def sft_fn(batch):
-        ids, n_prompt = [], []
-        for pr, re in zip(batch[cfg.prompt_field], batch[cfg.response_field]):
-            if not isinstance(pr, str) or not isinstance(re, str) or not re:
-                ids.append([])
-                n_prompt.append(0)
-                continue
-            if use_template:
-                user = [{"role": "user", "content": pr}]
-                p_text = tok.render_chat(user, True)
-                full = tok.render_chat(user + [{"role": "assistant", "content": re}], False)
-                if not full.startswith(p_text):
-                    raise DataError("the chat template's rendering of [user, assistant] does not start with "
-                                    "its rendering of [user] + generation prompt; set data.chat_template=false")
-                p_ids, r_ids = tok.encode(p_text, False), tok.encode(full[len(p_text):], False)
-            else:
-                p_ids, r_ids = tok.encode(pr), tok.encode(re, False) + ([] if eos is None else [eos])
-            ids.append(p_ids + r_ids)
-            n_prompt.append(len(p_ids))
-        return {"input_ids": ids, "n_prompt": n_prompt}
-
-    keep_in_memory = cfg.cache_dir is None
-    out = ds.map(text_fn if mode == "text" else sft_fn, batched=True, remove_columns=columns,
-                 keep_in_memory=keep_in_memory, num_proc=cfg.num_proc, desc="tokenizing",
-                 load_from_cache_file=not keep_in_memory)
-    table = out.with_format("arrow")[:]
-    col = table.column("input_ids").combine_chunks()
-    offsets = col.offsets.to_numpy().astype(np.int64)
-    values = col.values.to_numpy(zero_copy_only=False).astype(np.int32)
-    return Documents(values, offsets - offsets[0], table.column("n_prompt").to_numpy().astype(np.int64))
-
-
 class PackedIterator:
     """Endless source of `PackedBatch` (numpy int32 [batch_size, seq_len]) over `docs`: `next_batch()`."""
 
@@ -152,8 +62,9 @@ class PackedIterator:
         self.C = self.L if copy_len is None else int(copy_len)  # copy-stream tokens (from response starts) per row
         self.W = min(self.L, self.C)  # the longest text piece
         self.seed, self.shuffle, self.min_tokens = int(seed), bool(shuffle), max(int(min_doc_tokens), 1)
-        if self._count_usable() == 0:
-            raise DataError(f"{source} has no usable rows: {len(docs)} record(s), none gives a piece of at least "
+        self.usage = self._usage()
+        if self.usage["pieces"] == 0:
+            raise DataError(f"{source} has no usable rows: {len(docs)} document(s), none gives a piece of at least "
                             f"{self.min_tokens} tokens (with a response token inside seq_len={self.L} for "
                             "prompt/response data); check the field names and the data")
         self._epoch, self._cursor, self._offset, self._rows = 0, 0, 0, 0
@@ -179,11 +90,27 @@ class PackedIterator:
         n = len(self.docs)
         return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
 
-    def _count_usable(self) -> int:
-        lens, n_prompt = np.diff(self.docs.offsets), self.docs.n_prompt
-        n_text = lens // self.W * (self.W >= self.min_tokens) + (lens % self.W >= self.min_tokens)
-        sft_ok = (n_prompt < np.minimum(self.L, lens)) & (np.minimum(lens, self.L) >= self.min_tokens)
-        return int(np.sum(np.where(n_prompt == 0, n_text, sft_ok)))
+    def _usage(self, chunk: int = 1 << 20) -> dict:
+        """Pieces the documents give, and the documents packing drops (text shorter than min_doc_tokens; a
+        prompt/response with no response token inside seq_len) or truncates (a response cut at seq_len or
+        copy_len), with the first dropped one; read in chunks (memory-mapped stores stay on disk)."""
+        out = {"pieces": 0, "too_short": 0, "no_response_in_seq_len": 0, "truncated": 0, "first": {}}
+        for lo in range(0, len(self.docs), chunk):
+            offsets = np.asarray(self.docs.offsets[lo:lo + chunk + 1])
+            lens, n_prompt = np.diff(offsets), np.asarray(self.docs.n_prompt[lo:lo + chunk])
+            text = n_prompt == 0
+            n_text = lens // self.W * (self.W >= self.min_tokens) + (lens % self.W >= self.min_tokens)
+            kept = np.minimum(lens, np.minimum(self.L, n_prompt + self.C))
+            no_resp = ~text & (n_prompt >= kept)
+            short = np.where(text, n_text == 0, ~no_resp & (kept < self.min_tokens))
+            out["pieces"] += int(np.sum(np.where(text, n_text, ~no_resp & ~short)))
+            out["too_short"] += int(short.sum())
+            out["no_response_in_seq_len"] += int(no_resp.sum())
+            out["truncated"] += int(np.sum(~text & ~no_resp & ~short & (kept < lens)))
+            for reason, bad in (("too_short", short), ("no_response_in_seq_len", no_resp)):
+                if bad.any() and reason not in out["first"]:
+                    out["first"][reason] = lo + int(np.argmax(bad))
+        return out
 
     def _piece(self, i: int, offset: int):
         """Piece of document i starting at token `offset` -> (tokens, loss mask, next_offset); tokens is None
@@ -232,9 +159,12 @@ class PackedIterator:
 
 
 def build_iterator(cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | Callable | None = None,
-                   eos_id: int | None = None) -> PackedIterator:
-    """DataConfig -> PackedIterator. `tokenizer` overrides cfg.tokenizer (a Tokenizer or a callable
-    text -> ids); `eos_id` is used when the tokenizer does not name its EOS token."""
+                   eos_id: int | None = None, vocab_size: int | None = None) -> PackedIterator:
+    """DataConfig -> PackedIterator over the tokenized store (`store.prepare`: made once, then reused).
+    `tokenizer` overrides cfg.tokenizer (a Tokenizer or a callable text -> ids); `eos_id` is used when the
+    tokenizer does not name its EOS token; `vocab_size`: token ids must be below it. The iterator's `report`
+    says what was used, dropped and truncated, and why; more than `cfg.max_drop_share` dropped is an error."""
+    from .store import prepare
     if tokenizer is None:
         if not cfg.tokenizer:
             raise DataError("data.tokenizer is not set (a tokenizer.json or a directory that holds one)")
@@ -243,9 +173,38 @@ def build_iterator(cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | C
         tokenizer = Tokenizer.from_callable(tokenizer)
     if tokenizer.eos_id is None:
         tokenizer.eos_id = eos_id
-    ds = load_records(cfg)
-    if len(ds) == 0:
-        raise DataError(f"dataset {cfg.path!r} has no usable rows: it holds no records")
-    return PackedIterator(tokenize_records(ds, cfg, tokenizer), cfg.seq_len, batch_size, seed=cfg.seed,
-                          shuffle=cfg.shuffle, min_doc_tokens=cfg.min_doc_tokens, source=f"dataset {cfg.path!r}",
-                          copy_len=cfg.copy_len)
+    store = prepare(cfg, tokenizer)
+    meta = store.meta
+    if vocab_size is not None and meta["max_id"] >= vocab_size:
+        raise DataError(f"dataset {cfg.path!r}: token id {meta['max_id']} is outside the model's vocabulary "
+                        f"(vocab_size {vocab_size}): the tokenizer {cfg.tokenizer!r} does not match the model")
+    docs = store.documents()
+    if len(docs) == 0:
+        raise DataError(f"dataset {cfg.path!r} has no usable rows: none of its {meta['records']} record(s) has the "
+                        f"fields and a non-empty value ({_drops(meta['dropped'])})")
+    it = PackedIterator(docs, cfg.seq_len, batch_size, seed=cfg.seed, shuffle=cfg.shuffle,
+                        min_doc_tokens=cfg.min_doc_tokens, source=f"dataset {cfg.path!r}", copy_len=cfg.copy_len)
+    u = it.usage
+    dropped = dict(meta["dropped"])
+    for reason in ("too_short", "no_response_in_seq_len"):
+        dropped[reason] = {"count": u[reason], "first": store.record(u["first"][reason]) if u[reason] else None}
+    n_dropped = sum(d["count"] for d in dropped.values())
+    it.report = {"store": str(store.path), "records": meta["records"], "used": meta["records"] - n_dropped,
+                 "truncated": u["truncated"], "dropped": dropped, "tokens": meta["tokens"]}
+    share = n_dropped / meta["records"]
+    if share > cfg.max_drop_share:
+        raise DataError(f"dataset {cfg.path!r}: {100 * share:.1f}% of the records are unusable ({n_dropped} of "
+                        f"{meta['records']}: {_drops(dropped)}), more than data.max_drop_share="
+                        f"{cfg.max_drop_share}; fix the data or raise data.max_drop_share")
+    return it
+
+
+def _drops(dropped: dict) -> str:
+    parts = [f"{k} {d['count']}" + (f" (first: {d['first']})" if d["first"] else "") for k, d in dropped.items()
+             if d["count"]]
+    return ", ".join(parts) or "none dropped"
+
+
+def format_report(r: dict) -> str:
+    return (f"data: {r['used']} of {r['records']} records used ({r['tokens']} tokens, store {r['store']}); "
+            f"{r['truncated']} truncated; dropped: {_drops(r['dropped'])}")

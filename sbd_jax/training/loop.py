@@ -33,7 +33,7 @@ from ..models.transformer import init_params
 from ..sharding import make_mesh, param_shardings, shard_params
 from .checkpoint import Checkpointer
 from .config import RESUME_NEUTRAL, ModelSource, TrainConfig
-from .data import DataError, build_iterator
+from .data import DataError, build_iterator, format_report
 from .optim import make_optimizer
 from .spec import StepOptions
 from .step import (TrainState, abstract_state, jit_train_step, make_train_step, put_batch, state_initializer,
@@ -160,7 +160,12 @@ def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
                           "vocabulary by one row (or train the NTP baseline with sbd.ntp_only=true)")
     if data is None:
         data = build_iterator(cfg.data, cfg.batch_size, tokenizer=tokenizer,
-                              eos_id=model_cfg.eos_ids[0] if model_cfg.eos_ids else None)
+                              eos_id=model_cfg.eos_ids[0] if model_cfg.eos_ids else None,
+                              vocab_size=model_cfg.vocab_size)
+        if jax.process_index() == 0:
+            print(format_report(data.report), flush=True)
+            ckpt.directory.parent.mkdir(parents=True, exist_ok=True)
+            (ckpt.directory.parent / "data_report.json").write_text(json.dumps(data.report, indent=2))
     opts = cfg.step_options(model_cfg.mask_token_id)
     tx, shardings, step_fn, init_fn = _compiled(model_cfg, opts, cfg.optim, cfg.steps, mesh, cfg.batch_size)
     if resume is not None:

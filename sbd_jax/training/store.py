@@ -1,0 +1,267 @@
+"""Tokenize once, to disk: the data files -> a store of tokenized documents that training memory-maps.
+
+A store is a directory named by a fingerprint of (the files' paths, sizes and modification times, the tokenizer
+files' contents, the tokenization settings): a restart, another run or another host with the same inputs reuses
+it and never calls the tokenizer. Files are read one at a time through `datasets` (`map` with `num_proc`, Arrow
+on disk) and appended as flat arrays, so memory stays bounded whatever the corpus size:
+  tokens.bin int32 (all documents back to back), offsets.bin int64 [n + 1], n_prompt.bin int64 [n] (each
+  document's loss-masked prefix), record.bin int64 [n] (its record in its file), meta.json (counts, drops).
+A store is written to a temporary directory and renamed into place: it is complete or absent.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from .config import DataConfig
+
+STORE_VERSION = 1
+_EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+_SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # a `save_to_disk` directory
+# why a record gives no document at tokenize time (status codes of the map; 0 = used)
+RECORD_DROPS = {1: "missing_field", 2: "empty"}
+
+
+def _error(msg):
+    from .data import DataError
+    return DataError(msg)
+
+
+def sources(cfg: DataConfig) -> tuple[str, list[str]]:
+    """(format, files) of `cfg.path`; format "disk" for a `save_to_disk` directory (one source)."""
+    if not cfg.path:
+        raise _error("data.path is not set (a local jsonl/json/parquet/arrow file or a saved dataset dir)")
+    p = Path(cfg.path)
+    if cfg.format == "disk" or (p.is_dir() and any((p / f).exists() for f in _SAVED_MARKERS)):
+        if not p.is_dir():
+            raise _error(f"data.path {cfg.path!r} is not a saved dataset directory")
+        return "disk", [str(p)]
+    files = sorted(str(f) for f in p.iterdir() if f.suffix in _EXT) if p.is_dir() else sorted(glob.glob(str(p)))
+    if not files:
+        raise _error(f"data.path {cfg.path!r} does not exist or holds no jsonl/json/parquet/arrow files")
+    fmt = cfg.format
+    if fmt == "auto":
+        kinds = {_EXT.get(Path(f).suffix) for f in files}
+        if None in kinds or len(kinds) != 1:
+            raise _error(f"data.path {cfg.path!r}: cannot infer one format from {files[:5]}; set data.format")
+        fmt = kinds.pop()
+    return fmt, files
+
+
+def load_source(cfg: DataConfig, fmt: str, source: str):
+    """One file (or saved directory) as a `datasets.Dataset`; a file that is empty or not in its format is a
+    clear error naming it."""
+    import datasets
+    if fmt == "disk":
+        ds = datasets.load_from_disk(source)
+        if isinstance(ds, datasets.DatasetDict):
+            if cfg.split not in ds:
+                raise _error(f"split {cfg.split!r} is not in {source!r} (splits: {sorted(ds)})")
+            ds = ds[cfg.split]
+    else:
+        if os.path.getsize(source) == 0:
+            raise _error(f"data file {source!r} is empty")
+        try:
+            ds = datasets.load_dataset(fmt, data_files=[source], split="train", cache_dir=cfg.cache_dir)
+        except Exception as e:  # noqa: BLE001 - datasets wraps the reader's error in its own types
+            cause = e.__cause__ or e.__context__ or e
+            raise _error(f"data file {source!r} cannot be read as {fmt}: {type(cause).__name__}: "
+                         f"{str(cause)[:200]}") from None
+    if len(ds) == 0:
+        raise _error(f"data file {source!r} holds no records (empty)")
+    return ds
+
+
+def resolve_mode(cfg: DataConfig, columns: list[str], source: str) -> str:
+    if cfg.mode == "text" or (cfg.mode == "auto" and cfg.text_field in columns):
+        if cfg.text_field not in columns:
+            raise _error(f"data.text_field {cfg.text_field!r} is not a column of {source!r} (columns: {columns})")
+        return "text"
+    missing = [f for f in (cfg.prompt_field, cfg.response_field) if f not in columns]
+    if missing:
+        raise _error(f"{source!r} has neither the text field {cfg.text_field!r} nor the prompt/response fields "
+                     f"{[cfg.prompt_field, cfg.response_field]} (columns: {columns})")
+    return "sft"
+
+
+def record_fn(cfg: DataConfig, mode: str, tok):
+    """The batched `map` function: records -> {"input_ids", "n_prompt", "status"} (status: RECORD_DROPS)."""
+    use_template = mode == "sft" and cfg.chat_template and tok.chat_template
+    eos = tok.eos_id if cfg.add_eos and not use_template else None
+
+    def text_fn(batch):
+        ids, status = [], []
+        for t in batch[cfg.text_field]:
+            x = tok.encode(t) if isinstance(t, str) and t else []
+            if x and eos is not None and x[-1] != eos:
+                x.append(eos)
+            ids.append(x)
+            status.append(0 if x else 1 if not isinstance(t, str) else 2)
+        return {"input_ids": ids, "n_prompt": [0] * len(ids), "status": status}
+
+    def sft_fn(batch):
+        ids, n_prompt, status = [], [], []
+        for pr, re in zip(batch[cfg.prompt_field], batch[cfg.response_field]):
+            if not isinstance(pr, str) or not isinstance(re, str) or not re:
+                ids.append([])
+                n_prompt.append(0)
+                status.append(1 if not isinstance(pr, str) or not isinstance(re, str) else 2)
+                continue
+            if use_template:
+                user = [{"role": "user", "content": pr}]
+                p_text = tok.render_chat(user, True)
+                full = tok.render_chat(user + [{"role": "assistant", "content": re}], False)
+                if not full.startswith(p_text):
+                    raise _error("the chat template's rendering of [user, assistant] does not start with its "
+                                 "rendering of [user] + generation prompt; set data.chat_template=false")
+                p_ids, r_ids = tok.encode(p_text, False), tok.encode(full[len(p_text):], False)
+            else:
+                p_ids, r_ids = tok.encode(pr), tok.encode(re, False) + ([] if eos is None else [eos])
+            ids.append(p_ids + r_ids)
+            n_prompt.append(len(p_ids))
+            status.append(0)
+        return {"input_ids": ids, "n_prompt": n_prompt, "status": status}
+
+    return text_fn if mode == "text" else sft_fn
+
+
+def _file_id(path: str) -> list:
+    st = os.stat(path)
+    return [str(Path(path).resolve()), st.st_size, st.st_mtime_ns]
+
+
+def fingerprint(cfg: DataConfig, tok, fmt: str, files: list[str]) -> str | None:
+    """The store's name; None for a tokenizer that is a bare function (nothing identifies it: no store kept)."""
+    if not tok.files:
+        return None
+    settings = {k: getattr(cfg, k) for k in ("mode", "text_field", "prompt_field", "response_field", "chat_template",
+                                             "add_eos", "split")}
+    h = hashlib.sha256(json.dumps({
+        "version": STORE_VERSION, "format": fmt, "settings": settings, "eos": tok.eos_id,
+        "files": [_file_id(f) if os.path.isfile(f) else [_file_id(str(g)) for g in sorted(Path(f).rglob("*"))
+                                                          if g.is_file()] for f in files],
+        "tokenizer": [hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in tok.files]}).encode())
+    return h.hexdigest()[:24]
+
+
+def default_store_dir() -> Path:
+    return Path(os.environ.get("SBD_DATA_STORE") or Path.home() / ".cache" / "sbd_jax" / "data")
+
+
+@dataclasses.dataclass
+class Store:
+    """A tokenized store, memory-mapped."""
+
+    path: Path
+    meta: dict
+    _tmp: object = None  # the TemporaryDirectory of a store kept only for this process
+
+    def documents(self):
+        from .data import Documents
+        n = self.meta["documents"]
+
+        def arr(name, dtype, count):
+            return np.memmap(self.path / name, dtype=dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype)
+        return Documents(arr("tokens.bin", np.int32, self.meta["tokens"]), arr("offsets.bin", np.int64, n + 1),
+                         arr("n_prompt.bin", np.int64, n))
+
+    def record(self, doc: int) -> str:
+        """Where document `doc` came from: 'FILE line N' (jsonl) or 'FILE record N'."""
+        starts = self.meta["file_doc_starts"]
+        f = int(np.searchsorted(starts, doc, side="right")) - 1
+        rec = int(np.memmap(self.path / "record.bin", dtype=np.int64, mode="r", shape=(self.meta["documents"],))[doc])
+        return where(self.meta["files"][f], self.meta["format"], rec)
+
+
+def where(source: str, fmt: str, record: int) -> str:
+    """'FILE line N' for a json-lines file (blank lines counted, as an editor shows them), else 'FILE record N'."""
+    if fmt == "json" and os.path.isfile(source):
+        seen = -1
+        with open(source, "rb") as f:
+            for n, line in enumerate(f, 1):
+                seen += bool(line.strip())
+                if seen == record:
+                    return f"{source} line {n}"
+    return f"{source} record {record + 1}"
+
+
+def prepare(cfg: DataConfig, tok, *, store_dir=None) -> Store:
+    """The store for (cfg, tok): reused when present, else tokenized now (written aside, renamed into place)."""
+    fmt, files = sources(cfg)
+    fp = fingerprint(cfg, tok, fmt, files)
+    if fp is None:  # an anonymous tokenizer: a store for this process only
+        tmp = tempfile.TemporaryDirectory(prefix="sbd_store_")
+        final = Path(tmp.name) / "store"
+        _write(cfg, tok, fmt, files, final, fp)
+        return Store(final, json.loads((final / "meta.json").read_text()), tmp)
+    root = Path(store_dir or cfg.store_dir or default_store_dir())
+    final = root / fp
+    if not (final / "meta.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        part = root / f".{fp}.part-{uuid.uuid4().hex[:8]}"
+        try:
+            _write(cfg, tok, fmt, files, part, fp)
+            try:
+                os.rename(part, final)
+            except OSError:  # another process (host) finished the same store first: theirs is identical
+                if not (final / "meta.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(part, ignore_errors=True)
+    return Store(final, json.loads((final / "meta.json").read_text()))
+
+
+def _write(cfg: DataConfig, tok, fmt: str, files: list[str], out: Path, fp) -> None:
+    out.mkdir(parents=True)
+    n_docs, n_tokens, n_records, max_id = 0, 0, 0, -1
+    drops = {name: {"count": 0, "first": None} for name in RECORD_DROPS.values()}
+    file_doc_starts, mode = [], None
+    with (open(out / "tokens.bin", "wb") as f_tok, open(out / "offsets.bin", "wb") as f_off,
+          open(out / "n_prompt.bin", "wb") as f_np, open(out / "record.bin", "wb") as f_rec):
+        np.zeros(1, np.int64).tofile(f_off)
+        for source in files:
+            ds = load_source(cfg, fmt, source)
+            columns = list(ds.column_names)
+            m = resolve_mode(cfg, columns, source)
+            if mode is not None and m != mode:
+                raise _error(f"{source!r} holds {m} records but the files before it {mode} records")
+            mode = m
+            keep_in_memory = cfg.cache_dir is None
+            mapped = ds.map(record_fn(cfg, mode, tok), batched=True, remove_columns=columns, num_proc=cfg.num_proc,
+                            keep_in_memory=keep_in_memory, load_from_cache_file=not keep_in_memory,
+                            desc=f"tokenizing {Path(source).name}")
+            file_doc_starts.append(n_docs)
+            start = 0
+            for batch in mapped.with_format("arrow").iter(batch_size=65536):
+                status = batch.column("status").to_numpy()
+                ids = batch.column("input_ids").combine_chunks()
+                lens = np.diff(ids.offsets.to_numpy()).astype(np.int64)
+                for code, name in RECORD_DROPS.items():
+                    hit = np.flatnonzero(status == code)
+                    drops[name]["count"] += len(hit)
+                    if len(hit) and drops[name]["first"] is None:
+                        drops[name]["first"] = where(source, fmt, start + int(hit[0]))
+                keep = np.flatnonzero(status == 0)
+                values = ids.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
+                values.tofile(f_tok)  # dropped records have no tokens
+                max_id = max(max_id, int(values.max(initial=-1)))
+                (n_tokens + np.cumsum(lens[keep])).astype(np.int64).tofile(f_off)
+                batch.column("n_prompt").to_numpy().astype(np.int64)[keep].tofile(f_np)
+                (start + keep).astype(np.int64).tofile(f_rec)
+                n_tokens += int(lens[keep].sum())
+                n_docs += len(keep)
+                start += len(status)
+            n_records += start
+    meta = {"version": STORE_VERSION, "fingerprint": fp, "format": fmt, "files": files, "mode": mode,
+            "records": n_records, "documents": n_docs, "tokens": n_tokens, "max_id": max_id,
+            "file_doc_starts": file_doc_starts, "dropped": drops}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
