@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--allow-change", action="append", default=[], metavar="KEY",
                     help="--resume: accept this changed setting (e.g. spec.max_new_tokens)")
     ap.add_argument("--pad-multiple", type=int, default=16, help="prompt widths are rounded up to this")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="compute dtype")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    help="weights and compute dtype (default float32, whatever the checkpoint stores)")
     ap.add_argument("--mesh-data", type=int, default=None, help="mesh data axis (-1 = the remaining devices)")
     ap.add_argument("--mesh-fsdp", type=int, default=None)
     ap.add_argument("--mesh-tensor", type=int, default=None, help="tensor-parallel degree")

@@ -62,6 +62,13 @@ print(jax.__version__, flax.__version__, optax.__version__, jax.devices(), jax.d
     continuous8b) stage continuous8b 560 $PY bench/bench_continuous.py --shape llama3-8b --dtype bfloat16 \
                     --attention pallas --slots "${SLOTS:-16,64}" --rounds 1 --gamma 36.3 --pad-multiple 128 \
                     ${UNROLL:+--unroll $UNROLL} ;;
+    # decode.py end to end on a random export (SHAPE, default llama3.2-1b): flags, bandwidth line, summary
+    decodecli) stage make_export 200 $PY bench/make_random_export.py --shape "${SHAPE:-llama3.2-1b}" --dtype bfloat16 \
+                 --out /tmp/rexport --prompts "${NP:-64}" \
+               && stage decodecli 400 $PY decode.py --model /tmp/rexport --input /tmp/rexport/prompts.jsonl \
+                 --output /tmp/rexport_out.jsonl --overwrite --max-new-tokens 256 --batch-size "${SLOTS:-16}" \
+                 --gamma 36.3 --ignore-eos --compare-ar --dtype bfloat16 --pad-multiple 128 --no-progress \
+                 --summary "$LOG/decodecli_summary.json" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

@@ -110,6 +110,10 @@ def test_text_api(export):
     from sbd_jax.decoding.sampler import Sampler
     sampler = Sampler.load(export)
     assert sampler.eos_ids == (ENDOFTEXT, IM_END)
+    half = Sampler.load(export, dtype="bfloat16")  # weights in the decoding dtype, not float32 master copies
+    assert {x.dtype for x in jax.tree.leaves(half.params)} == {jax.numpy.dtype("bfloat16")}
+    assert half.cfg.dtype == "bfloat16"
+    del half
     inputs = [[{"role": "user", "content": "Say bye to friend number 11"}], "Say hi to friend number 5"]
     for mode in ("sbd", "ar"):
         out = sampler(inputs, chat=True, mode=mode, max_new_tokens=64, block_size=16, gamma=0.35)

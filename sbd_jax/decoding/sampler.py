@@ -54,12 +54,12 @@ class Sampler:
 
     @classmethod
     def load(cls, model_dir, *, dtype: str | None = None, mesh=None) -> Sampler:
-        """Weights (in `mesh`'s shards when given; each process reads its own), tokenizer.json when the directory
-        has one, and the stop ids of config.json and generation_config.json. The weights are converted once to
-        the decoding layout (`unstack_layers`)."""
+        """Weights in `dtype` (weights and compute; default float32), in `mesh`'s shards when given (each process
+        reads its own), tokenizer.json when the directory has one, and the stop ids of config.json and
+        generation_config.json. The weights are converted once to the decoding layout (`unstack_layers`)."""
         from ..io.hf import from_pretrained
         from ..models import unstack_layers
-        cfg, params = from_pretrained(model_dir, dtype=dtype, mesh=mesh)
+        cfg, params = from_pretrained(model_dir, param_dtype=dtype, dtype=dtype, mesh=mesh)  # no master weights here
         return cls(unstack_layers(params, delete=True), cfg, Tokenizer.find(model_dir),
                    eos_ids=generation_eos(cfg, model_dir), mesh=mesh)
 
