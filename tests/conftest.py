@@ -1,8 +1,10 @@
 """Shared fixtures. The HF reference runs in a separate interpreter (.venv-ref, Python 3.11 + torch CPU +
 transformers; see README) because torch's CPU wheel is only available for Python 3.11 here while the
 project runs on Python 3.12 / jax 0.11.2. Set SBD_HF_PYTHON to point elsewhere."""
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -13,7 +15,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # tokenized training stores (sbd_jax/training/store.py) of this test session, not the user's cache
-os.environ.setdefault("SBD_DATA_STORE", tempfile.mkdtemp(prefix="sbd_test_stores_"))
+if "SBD_DATA_STORE" not in os.environ:
+    os.environ["SBD_DATA_STORE"] = tempfile.mkdtemp(prefix="sbd_test_stores_")
+    atexit.register(shutil.rmtree, os.environ["SBD_DATA_STORE"], ignore_errors=True)
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_REF_SCRIPT = Path(__file__).with_name("hf_ref.py")
