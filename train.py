@@ -35,8 +35,12 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(TrainConfig, args.config, args.overrides)
         if args.prepare:
+            from sbd_jax.io.hf import load_hf_config
             from sbd_jax.training.data import build_iterator, format_report
-            print(format_report(build_iterator(cfg.data, cfg.batch_size).report))
+            model = cfg.model.config or load_hf_config(cfg.model.init_from)  # its EOS, as training uses it
+            it = build_iterator(cfg.data, cfg.batch_size, eos_id=model.eos_ids[0] if model.eos_ids else None,
+                                vocab_size=model.vocab_size)
+            print(format_report(it.report))
             return 0
         maybe_initialize_distributed()
         signal.signal(signal.SIGTERM, on_term)

@@ -317,3 +317,23 @@ def test_train_py_on_a_finished_run_says_so(straight, capsys):
     assert _main()(["--config", str(cfg_path), f"out_dir={d / 'straight'}"]) == 0
     out = capsys.readouterr().out
     assert f"already complete at step {STEPS}" in out and "nan" not in out
+
+
+def test_prepare_builds_the_store_training_reuses(tmp_path, capsys):
+    """`train.py --prepare` tokenizes into the store that training then opens without a tokenizer call, also when
+    the tokenizer names no EOS (the model's EOS is appended in both)."""
+    cfg_path = _write_inputs(tmp_path)
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))  # no eos_token
+    store = tmp_path / "store"
+    over = [f"data.store_dir={store}", f"out_dir={tmp_path / 'run'}"]
+    assert _main()(["--config", str(cfg_path), "--prepare", *over]) == 0
+    assert f"data: {4 * len(CORPUS)} of {4 * len(CORPUS)} records used" in capsys.readouterr().out
+    made = sorted(store.iterdir())
+    tk = Tokenizer.load(tmp_path / "tok")
+    calls, encode = [0], tk._encode
+    tk._encode = lambda *a: (calls.__setitem__(0, calls[0] + 1), encode(*a))[1]
+    cfg = load_config(TrainConfig, cfg_path, over)
+    it = build_iterator(cfg.data, cfg.batch_size, tokenizer=tk, eos_id=2)  # what train() passes: the model's EOS
+    assert calls[0] == 0 and sorted(store.iterdir()) == made and it.report["store"] == str(made[0])
+    b = it.next_batch()
+    assert 2 in b.tokens[0]  # documents end with the model's EOS
