@@ -34,6 +34,7 @@ import numpy as np
 
 from sbd_jax.attention import concat_meta, dense_mask, reference_attention
 from sbd_jax.attention.pallas import pallas_attention, pallas_attention_parts
+from sbd_jax.decoding.roofline import copy_bandwidth
 from sbd_jax.attention.pallas.tiling import tile_visibility
 from layouts import decode_meta, random_qkv, training_meta
 
@@ -99,21 +100,6 @@ def rel_err(a, b):
     la = [np.asarray(x, np.float32) for x in jax.tree.leaves(a)]
     lb = [np.asarray(x, np.float32) for x in jax.tree.leaves(b)]
     return f"{max(np.abs(x - y).max() / max(np.abs(y).max(), 1e-30) for x, y in zip(la, lb)):.1e}"
-
-
-def copy_bandwidth(gib=4.0):
-    """Device copy bandwidth (bytes read + written per second) of a large array copy."""
-    n = int(gib * 2**30) // 4
-    x = jnp.ones((n,), jnp.float32)
-    f = jax.jit(lambda x: x * 1.0000001)  # read + write every byte; not elided
-    for _ in range(3):
-        jax.block_until_ready(f(x))
-    ts = []
-    for _ in range(10):  # per-call timing: a copy of GiBs takes long next to the host overhead
-        t = time.perf_counter()
-        jax.block_until_ready(f(x))
-        ts.append(time.perf_counter() - t)
-    return 2 * x.nbytes / statistics.median(ts)
 
 
 def decode_case(B, k, S, rng):

@@ -180,10 +180,10 @@ class ContinuousDecoder:
                 state, rows = self._admit(state, rows, [b for b, _ in batch], [r for _, (_, r) in batch])
             args = (self.params, state, rows, np.bool_(waiting is not None))
             state = self._program("run", _run, *args)(*args)
-            done, n, nfe, eos, accepted, lengths, seq, self.calls = jax.device_get(
+            done, n, nfe, eos, accepted, lengths, seq, iters = jax.device_get(
                 (state.done, state.n_generated, state.nfe, state.eos, state.accepted, rows.lengths, state.seq,
                  state.iters))
-            self.calls = int(self.calls)
+            self.calls = int(iters)
             for b in [b for b in owner if done[b]]:
                 tokens = seq[b, lengths[b]:lengths[b] + n[b]].tolist()
                 yield owner.pop(b), {"tokens": tokens, "n_tokens": int(n[b]), "nfe": int(nfe[b]),

@@ -61,11 +61,7 @@ def read_prompts(path, tokenizer: Tokenizer | None, *, chat: bool = False, vocab
             if pid in seen:
                 raise PromptFileError(f"{where}: duplicate id {pid!r} (first on line {seen[pid]})")
             seen[pid] = n
-            ids = row_ids(row, tokenizer, chat, where)
-            if not ids:
-                raise PromptFileError(f"{where}: the prompt is empty (0 tokens)")
-            if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
-                raise PromptFileError(f"{where}: token ids must be in [0, {vocab_size})")
+            ids = row_ids(row, tokenizer, chat, where, vocab_size)
             cap = row.get("max_new_tokens")
             if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
                 raise PromptFileError(f"{where}: 'max_new_tokens' must be an integer >= 1, got {cap!r}")
@@ -75,7 +71,18 @@ def read_prompts(path, tokenizer: Tokenizer | None, *, chat: bool = False, vocab
     return prompts
 
 
-def row_ids(row: dict, tokenizer: Tokenizer | None, chat: bool, where: str) -> list[int]:
+def row_ids(row: dict, tokenizer: Tokenizer | None, chat: bool, where: str, vocab_size: int | None = None) -> list[int]:
+    """The prompt ids of one input row ({"prompt"}, {"prompt_ids"} or {"messages"}); a row that gives no ids, or
+    ids outside [0, vocab_size), is an error naming `where`."""
+    ids = _row_ids(row, tokenizer, chat, where)
+    if not ids:
+        raise PromptFileError(f"{where}: the prompt is empty (0 tokens)")
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
+        raise PromptFileError(f"{where}: token ids must be in [0, {vocab_size})")
+    return ids
+
+
+def _row_ids(row: dict, tokenizer: Tokenizer | None, chat: bool, where: str) -> list[int]:
     kinds = [k for k in ("prompt", "prompt_ids", "messages") if k in row]
     if len(kinds) != 1:
         raise PromptFileError(f"{where}: needs exactly one of 'prompt' (text), 'prompt_ids' or 'messages', "

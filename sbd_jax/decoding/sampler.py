@@ -90,10 +90,7 @@ class Sampler:
             else:
                 raise DecodeError(f"input {i}: expected a string, a list of {{'role', 'content'}} messages or a list "
                                   f"of token ids, got {type(x).__name__} {str(x)[:60]!r}")
-            ids = row_ids(row, self.tokenizer, chat, f"input {i}")
-            if not ids or any(not 0 <= t < self.cfg.vocab_size for t in ids):
-                raise DecodeError(f"input {i}: the prompt is empty or has ids outside [0, {self.cfg.vocab_size})")
-            out.append(Prompt(i, i, tuple(ids)))
+            out.append(Prompt(i, i, tuple(row_ids(row, self.tokenizer, chat, f"input {i}", self.cfg.vocab_size))))
         return out
 
     def text(self, tokens) -> str | None:

@@ -214,17 +214,12 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
     inv_freq = rope_inv_freq(cfg)
     h = params["embed"].astype(dt)[tokens_BT]
 
-    per_layer = isinstance(params["layers"], (tuple, list))  # `unstack_layers`: a Python loop, no scan
     if cache is None:
-        def body(h, lp):
-            return _layer(cfg, inv_freq, h, lp, meta, None, None, None, clean_prefix)[0], None
+        def body(h, xs):
+            return _layer(cfg, inv_freq, h, xs[0], meta, None, None, None, clean_prefix)[0], None
         if cfg.remat != "none":  # the backward pass recomputes each layer from its input (and the saved dots)
             body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=False)
-        if per_layer:
-            for lp in params["layers"]:
-                h, _ = body(h, lp)
-        else:
-            h, _ = jax.lax.scan(body, h, params["layers"], unroll=cfg.scan_unroll)
+        h = _over_layers(body, h, params["layers"], cfg)
         new_cache = None
     else:
         writes = (meta.stream == CLEAN) & (meta.segment > 0)
@@ -238,19 +233,22 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
         def body(carry, xs):
             (h, (ks, vs)), (lp, li) = carry, xs
             return _layer(cfg, inv_freq, h, lp, meta, (ks, vs, li), write_slot, kv_meta), None
-        if per_layer:
-            carry = (h, (cache.k, cache.v))
-            for li, lp in enumerate(params["layers"]):
-                carry, _ = body(carry, (lp, li))
-            h, (ks, vs) = carry
-        else:
-            layer_ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
-            (h, (ks, vs)), _ = jax.lax.scan(body, (h, (cache.k, cache.v)), (params["layers"], layer_ids),
-                                            unroll=cfg.scan_unroll)
+        h, (ks, vs) = _over_layers(body, (h, (cache.k, cache.v)), params["layers"], cfg)
         new_cache = KVCache(ks, vs, new_len)
 
     h = rms_norm(h, params["final_norm"].astype(dt), cfg.rms_norm_eps)
     return (h if return_hidden else lm_head(params, cfg, h)), new_cache
+
+
+def _over_layers(body, carry, layers, cfg: ModelConfig):
+    """`body(carry, (layer params, layer index))` over the layers: a `lax.scan` over stacked weights, a Python loop
+    over `unstack_layers`' per-layer ones (no per-step slicing of the weights)."""
+    if isinstance(layers, (tuple, list)):
+        for li, lp in enumerate(layers):
+            carry, _ = body(carry, (lp, li))
+        return carry
+    ids = jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32)
+    return jax.lax.scan(body, carry, (layers, ids), unroll=cfg.scan_unroll)[0]
 
 
 @jax.named_scope("lm_head")

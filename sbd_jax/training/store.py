@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import DataConfig
+from .data import DataError, Documents
 
 STORE_VERSION = 1
 _EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -31,28 +32,23 @@ _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # a `
 RECORD_DROPS = {1: "missing_field", 2: "empty"}
 
 
-def _error(msg):
-    from .data import DataError
-    return DataError(msg)
-
-
 def sources(cfg: DataConfig) -> tuple[str, list[str]]:
     """(format, files) of `cfg.path`; format "disk" for a `save_to_disk` directory (one source)."""
     if not cfg.path:
-        raise _error("data.path is not set (a local jsonl/json/parquet/arrow file or a saved dataset dir)")
+        raise DataError("data.path is not set (a local jsonl/json/parquet/arrow file or a saved dataset dir)")
     p = Path(cfg.path)
     if cfg.format == "disk" or (p.is_dir() and any((p / f).exists() for f in _SAVED_MARKERS)):
         if not p.is_dir():
-            raise _error(f"data.path {cfg.path!r} is not a saved dataset directory")
+            raise DataError(f"data.path {cfg.path!r} is not a saved dataset directory")
         return "disk", [str(p)]
     files = sorted(str(f) for f in p.iterdir() if f.suffix in _EXT) if p.is_dir() else sorted(glob.glob(str(p)))
     if not files:
-        raise _error(f"data.path {cfg.path!r} does not exist or holds no jsonl/json/parquet/arrow files")
+        raise DataError(f"data.path {cfg.path!r} does not exist or holds no jsonl/json/parquet/arrow files")
     fmt = cfg.format
     if fmt == "auto":
         kinds = {_EXT.get(Path(f).suffix) for f in files}
         if None in kinds or len(kinds) != 1:
-            raise _error(f"data.path {cfg.path!r}: cannot infer one format from {files[:5]}; set data.format")
+            raise DataError(f"data.path {cfg.path!r}: cannot infer one format from {files[:5]}; set data.format")
         fmt = kinds.pop()
     return fmt, files
 
@@ -65,30 +61,30 @@ def load_source(cfg: DataConfig, fmt: str, source: str):
         ds = datasets.load_from_disk(source)
         if isinstance(ds, datasets.DatasetDict):
             if cfg.split not in ds:
-                raise _error(f"split {cfg.split!r} is not in {source!r} (splits: {sorted(ds)})")
+                raise DataError(f"split {cfg.split!r} is not in {source!r} (splits: {sorted(ds)})")
             ds = ds[cfg.split]
     else:
         if os.path.getsize(source) == 0:
-            raise _error(f"data file {source!r} is empty")
+            raise DataError(f"data file {source!r} is empty")
         try:
             ds = datasets.load_dataset(fmt, data_files=[source], split="train", cache_dir=cfg.cache_dir)
         except Exception as e:  # noqa: BLE001 - datasets wraps the reader's error in its own types
             cause = e.__cause__ or e.__context__ or e
-            raise _error(f"data file {source!r} cannot be read as {fmt}: {type(cause).__name__}: "
+            raise DataError(f"data file {source!r} cannot be read as {fmt}: {type(cause).__name__}: "
                          f"{str(cause)[:200]}") from None
     if len(ds) == 0:
-        raise _error(f"data file {source!r} holds no records (empty)")
+        raise DataError(f"data file {source!r} holds no records (empty)")
     return ds
 
 
 def resolve_mode(cfg: DataConfig, columns: list[str], source: str) -> str:
     if cfg.mode == "text" or (cfg.mode == "auto" and cfg.text_field in columns):
         if cfg.text_field not in columns:
-            raise _error(f"data.text_field {cfg.text_field!r} is not a column of {source!r} (columns: {columns})")
+            raise DataError(f"data.text_field {cfg.text_field!r} is not a column of {source!r} (columns: {columns})")
         return "text"
     missing = [f for f in (cfg.prompt_field, cfg.response_field) if f not in columns]
     if missing:
-        raise _error(f"{source!r} has neither the text field {cfg.text_field!r} nor the prompt/response fields "
+        raise DataError(f"{source!r} has neither the text field {cfg.text_field!r} nor the prompt/response fields "
                      f"{[cfg.prompt_field, cfg.response_field]} (columns: {columns})")
     return "sft"
 
@@ -121,7 +117,7 @@ def record_fn(cfg: DataConfig, mode: str, tok):
                 p_text = tok.render_chat(user, True)
                 full = tok.render_chat(user + [{"role": "assistant", "content": re}], False)
                 if not full.startswith(p_text):
-                    raise _error("the chat template's rendering of [user, assistant] does not start with its "
+                    raise DataError("the chat template's rendering of [user, assistant] does not start with its "
                                  "rendering of [user] + generation prompt; set data.chat_template=false")
                 p_ids, r_ids = tok.encode(p_text, False), tok.encode(full[len(p_text):], False)
             else:
@@ -165,8 +161,7 @@ class Store:
     meta: dict
     _tmp: object = None  # the TemporaryDirectory of a store kept only for this process
 
-    def documents(self):
-        from .data import Documents
+    def documents(self) -> Documents:
         n = self.meta["documents"]
 
         def arr(name, dtype, count):
@@ -233,7 +228,7 @@ def _write(cfg: DataConfig, tok, fmt: str, files: list[str], out: Path, fp) -> N
             columns = list(ds.column_names)
             m = resolve_mode(cfg, columns, source)
             if mode is not None and m != mode:
-                raise _error(f"{source!r} holds {m} records but the files before it {mode} records")
+                raise DataError(f"{source!r} holds {m} records but the files before it {mode} records")
             mode = m
             keep_in_memory = cfg.cache_dir is None
             mapped = ds.map(record_fn(cfg, mode, tok), batched=True, remove_columns=columns, num_proc=cfg.num_proc,
