@@ -82,3 +82,47 @@ def test_two_processes_decode_like_one(runs, tmp_path):
     assert outs["one"].read_text() == outs["two"].read_text() and len(outs["one"].read_text().splitlines()) == 4
     rows = lambda p: sorted(p.read_text().splitlines())  # noqa: E731 - continuous writes in finishing order
     assert rows(outs["continuous"]) == rows(outs["one"])
+
+
+PACK = """
+import json, sys
+import numpy as np
+from sbd_jax.sharding import MeshConfig, make_mesh, maybe_initialize_distributed
+maybe_initialize_distributed()
+import jax
+from sbd_jax.training.data import Documents, PackedIterator, gather_state
+from sbd_jax.training.step import local_rows
+
+rng = np.random.default_rng(0)
+docs = Documents.from_lists([list(rng.integers(5, 90, rng.integers(2, 20))) for _ in range(300)])
+rows = local_rows(make_mesh(MeshConfig(data=4, fsdp=2)), 16)
+it = PackedIterator(docs, 24, 16, seed=3, rows=rows)
+before = [it.next_batch().tokens for _ in range(5)]  # past the first epoch of some rows
+state = gather_state(it.state())  # a collective, as at a checkpoint
+after = [it.next_batch().tokens for _ in range(3)]
+resumed = PackedIterator(docs, 24, 16, seed=3, rows=rows)
+resumed.restore(json.loads(json.dumps(state)))
+json.dump({"rows": rows, "tokens": np.stack(before + after).tolist(), "state": state,
+           "processes": jax.process_count(),
+           "resumed_exact": all(np.array_equal(a, resumed.next_batch().tokens) for a in after)},
+          open(sys.argv[1] + f".{jax.process_index()}", "w"))
+"""
+
+
+def test_two_processes_pack_disjoint_rows_whose_union_is_one_process(tmp_path):
+    """Each process packs only its devices' rows; over 2 processes the rows are disjoint and together exactly the
+    rows one process packs; the state gathered at a "checkpoint" is the same as one process's, and each process
+    resumes its own rows exactly from it."""
+    out = {}
+    for n in (1, 2):
+        finish(start_processes(["-c", PACK, str(tmp_path / f"p{n}")], processes=n, devices_each=8 // n,
+                               port=free_port()))
+        out[n] = [json.loads((tmp_path / f"p{n}.{i}").read_text()) for i in range(n)]
+    one, (a, b) = out[1][0], out[2]
+    assert one["rows"] == list(range(16)) and len(a["rows"]) == len(b["rows"]) == 8 and a["processes"] == 2
+    assert not set(a["rows"]) & set(b["rows"]) and sorted(a["rows"] + b["rows"]) == one["rows"]
+    full = np.asarray(one["tokens"])
+    for p in (a, b):
+        np.testing.assert_array_equal(np.asarray(p["tokens"]), full[:, p["rows"]])
+        assert p["resumed_exact"] and p["state"] == one["state"]
+    assert one["resumed_exact"] and one["state"]["rows"] == 5 * 16

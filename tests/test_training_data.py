@@ -14,6 +14,8 @@ from sbd_jax.config import ConfigError
 from sbd_jax.io.tokenizer import Tokenizer, TokenizerError
 from sbd_jax.training.config import DataConfig
 from sbd_jax.training.data import DataError, Documents, PackedIterator, build_iterator
+from sbd_jax.training.shuffle import Permutation
+from sbd_jax.training.store import FileArray
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "away", "big", "red", "sun", "hello", "world",
          "answer", "is", "yes", "no"]
@@ -78,7 +80,7 @@ def test_packing_hand_built():
     np.testing.assert_array_equal(rows[5].loss_mask[0], [0, 0, 0, 1, 1, 1])  # prompt tokens not counted
     np.testing.assert_array_equal(rows[4].segment[0], [1, 1, 0, 0, 0, 0])
     np.testing.assert_array_equal(rows[4].position[0], [0, 1, 0, 0, 0, 0])
-    assert it.state()["epoch"] == 1
+    assert it.epoch() == 1
     np.testing.assert_array_equal(rows[1].loss_mask[0], [1, 1, 1, 1, 1, 0])
 
 
@@ -112,18 +114,92 @@ def test_packing_with_a_copy_stream_budget():
 
 
 def test_packing_multiple_docs_per_row_and_epoch_coverage():
+    """Row r packs the documents at positions r, r + B, ... of each epoch's order: over the rows, every document
+    exactly once per epoch."""
     rng = np.random.default_rng(0)
     docs = [list(rng.integers(5, 50, rng.integers(2, 9))) for _ in range(40)]
-    it = PackedIterator(Documents.from_lists(docs), seq_len=16, batch_size=4, seed=3)
-    seen = []
-    while it.state()["epoch"] == 0:
+    B = 4
+    it = PackedIterator(Documents.from_lists(docs), seq_len=16, batch_size=B, seed=3)
+    seen = [[] for _ in range(B)]
+    while it.epoch() == 0:
         b = it.next_batch()
         _check_rows(b, 16)
-        for t, s in zip(b.tokens, b.segment):
-            seen += [t[s == k].tolist() for k in range(1, s.max() + 1)]
-    seen = seen[:40]  # the last batch may start the next epoch
-    assert sorted(map(tuple, seen)) == sorted(map(tuple, docs))  # every document exactly once per epoch
-    assert seen != docs  # shuffled
+        for r, (t, s) in enumerate(zip(b.tokens, b.segment)):
+            seen[r] += [t[s == k].tolist() for k in range(1, s.max() + 1)]
+    epoch0 = [d for r in range(B) for d in seen[r][:len(range(r, 40, B))]]  # rows may run into the next epoch
+    assert sorted(map(tuple, epoch0)) == sorted(map(tuple, docs))
+    assert [d for r in range(B) for d in seen[r][:2]] != [docs[i] for i in range(2 * B)]  # shuffled
+
+
+def test_permutation_is_a_bijection_in_constant_memory():
+    for n in (1, 2, 3, 7, 64, 1000, 4097):
+        p = Permutation(n, 5, 0, 1)
+        out = [p(i) for i in range(n)]
+        assert sorted(out) == list(range(n))
+    a, b = Permutation(1000, 5, 0, 1), Permutation(1000, 5, 0, 2)
+    assert [a(i) for i in range(20)] != [b(i) for i in range(20)]  # another epoch, another order
+    assert [a(i) for i in range(20)] == [Permutation(1000, 5, 0, 1)(i) for i in range(20)]
+    assert sum(a(i) == i for i in range(1000)) < 20  # not near the identity
+    with pytest.raises(IndexError):
+        a(1000)
+
+
+def test_rows_split_over_processes_pack_the_same_rows():
+    """Any split of the batch rows over iterators (processes) packs exactly the rows one iterator packs, each
+    state restores its own rows, and the merged state restores any split."""
+    rng = np.random.default_rng(1)
+    docs = Documents.from_lists([list(rng.integers(5, 50, rng.integers(2, 12))) for _ in range(57)])
+    one = PackedIterator(docs, 16, 6, seed=2)
+    parts = [PackedIterator(docs, 16, 6, seed=2, rows=r) for r in ([0, 3, 4], [5, 1], [2])]
+    for _ in range(5):
+        full = one.next_batch()
+        for part in parts:
+            got = part.next_batch()
+            for x, y in zip(full, got):
+                np.testing.assert_array_equal(x[list(part.rows)], y)
+    merged = {**one.state(), "streams": {k: v for p in parts for k, v in p.state()["streams"].items()}}
+    assert merged["streams"] == one.state()["streams"]
+    expected = [one.next_batch() for _ in range(4)]
+    again = PackedIterator(docs, 16, 6, seed=2, rows=[1, 2, 4])  # another split, restored from the merged state
+    again.restore(json.loads(json.dumps(merged)))
+    for e in expected:
+        for x, y in zip(e, again.next_batch()):
+            np.testing.assert_array_equal(x[[1, 2, 4]], y)
+    with pytest.raises(DataError, match="rows must be distinct batch rows|must be distinct"):
+        PackedIterator(docs, 16, 6, rows=[6])
+    with pytest.raises(DataError, match=r"no position for rows \[2\]"):
+        PackedIterator(docs, 16, 6, seed=2, rows=[2]).restore(parts[0].state())
+
+
+def test_sources_mixed_by_weights():
+    """Two sources, weights 3:1: each row draws documents in those shares (within one), each source keeps its own
+    epochs (every document of the small source once per its epoch), and the state restores the mix."""
+    big = Documents.from_lists([[10 + i % 30] * 3 for i in range(200)])
+    small = Documents.from_lists([[100 + i] * 2 for i in range(12)])
+    B = 2
+    it = PackedIterator([big, small], 8, B, weights=[3, 1], seed=0)
+    seen = [[] for _ in range(B)]
+    for _ in range(30):
+        b = it.next_batch()
+        for r, (t, s) in enumerate(zip(b.tokens, b.segment)):
+            seen[r] += [t[s == k][0] for k in range(1, s.max() + 1)]
+    for row in seen:
+        n_small = sum(v >= 100 for v in row)
+        assert abs(n_small - len(row) / 4) <= 1, (n_small, len(row))
+    first_epoch = [v for r in range(B) for v in [v for v in seen[r] if v >= 100][:len(range(r, 12, B))]]
+    assert sorted(first_epoch) == list(range(100, 112))
+    state = json.loads(json.dumps(it.state()))
+    expected = [it.next_batch() for _ in range(3)]
+    again = PackedIterator([big, small], 8, B, weights=[3, 1], seed=0)
+    again.restore(state)
+    for e in expected:
+        np.testing.assert_array_equal(e.tokens, again.next_batch().tokens)
+    with pytest.raises(DataError, match="weights"):
+        PackedIterator([big, small], 8, B, weights=[1, 1]).restore(state)
+    with pytest.raises(DataError, match="one positive number per source"):
+        PackedIterator([big, small], 8, B, weights=[1])
+    with pytest.raises(ConfigError, match="data.weights must be one positive number per data.path entry"):
+        DataConfig(path=("a.jsonl", "b.jsonl"), weights=(1.0,))
 
 
 def test_order_deterministic_from_seed_and_resumable():
@@ -148,6 +224,9 @@ def test_order_deterministic_from_seed_and_resumable():
     # a state with documents waiting for look-ahead packing (an option this version does not have)
     with pytest.raises(DataError, match="look-ahead packing"):
         d.restore({**state, "lookahead": 16, "pending": [[3, 0]]})
+    # a state of the single-order packer (before rows were streams): refused, not continued differently
+    with pytest.raises(DataError, match="another version of the packer"):
+        d.restore({"epoch": 1, "cursor": 3, "offset": 0, "rows": 20, "seed": 1, "seq_len": 12, "copy_len": 12})
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -263,7 +342,7 @@ def test_store_is_made_once_and_reused(tmp_path, tok_dir):
     for _ in range(3):
         for x, y in zip(first.next_batch(), again.next_batch()):
             np.testing.assert_array_equal(x, y)
-    assert isinstance(again.docs.values, np.memmap)
+    assert isinstance(again.docs.values, FileArray)  # read per piece, never loaded or mapped
     assert first.report["records"] == first.report["used"] == len(TEXTS)
     # another setting, another tokenizer, or a changed file: another store
     build_iterator(DataConfig(**{**cfg.__dict__, "add_eos": False}), 2, tokenizer=tk)
@@ -312,3 +391,23 @@ def test_bad_files_and_ids_are_clear_errors(tmp_path, tok_dir):
     (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     with pytest.raises(DataError, match=r"token id 25 is outside the model's vocabulary \(vocab_size 20\)"):
         build_iterator(DataConfig(path=str(tmp_path / "t.jsonl"), **base), 1, vocab_size=20)
+
+
+def test_several_files_mixed_each_its_own_store(tmp_path, tok_dir):
+    """data.path a list + data.weights: one store per source, a report per source and in all; a source with too
+    many unusable records is an error naming it."""
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": "yes no yes"}) + "\n" for _ in range(5)))
+    cfg = DataConfig(path=(str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")), weights=(1.0, 1.0),
+                     tokenizer=str(tok_dir), seq_len=16, store_dir=str(tmp_path / "s"))
+    it = build_iterator(cfg, 2)
+    r = it.report
+    assert [s["path"] for s in r["sources"]] == list(cfg.path) and len(list((tmp_path / "s").iterdir())) == 2
+    assert (r["records"], r["used"]) == (len(TEXTS) + 5, len(TEXTS) + 5)
+    yes = ids("yes no yes")
+    rows = [t[s == k].tolist() for _ in range(4) for t, s in zip(*it.next_batch()[:2]) for k in range(1, s.max() + 1)]
+    assert 0.3 < sum(d[1:4] == yes for d in rows) / len(rows) < 0.7  # half the documents from b
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "the cat"}) + "\n" + json.dumps({"other": 1}) + "\n")
+    bad = DataConfig(**{**cfg.__dict__, "path": (str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl"))})
+    with pytest.raises(DataError, match=r"dataset '.*c.jsonl': 50.0% of the records are unusable"):
+        build_iterator(bad, 2)

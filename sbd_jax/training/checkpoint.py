@@ -8,6 +8,7 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 
+from .data import gather_state
 from .step import TrainState
 
 
@@ -21,7 +22,11 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
 
     def save(self, step: int, state: TrainState, data_state: dict, *, force: bool = False) -> bool:
-        """Save if `step` is on the interval (or `force`). Returns whether a save started."""
+        """Save if `step` is on the interval (or `force`), with the data position of every process's rows
+        (`gather_state`: all processes call this at the same steps). Returns whether a save started."""
+        if not (force or self.manager.should_save(step)):
+            return False
+        data_state = gather_state(data_state)
         return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state._asdict()),
                                                                data=ocp.args.JsonSave(data_state)),
                                  force=force)

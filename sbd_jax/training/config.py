@@ -35,7 +35,10 @@ class ModelSource:
 class DataConfig:
     """A local dataset read through `datasets`, tokenized and packed into rows of `seq_len` tokens."""
 
-    path: str | None = None  # jsonl/json/parquet/arrow file(s) (glob ok) or a `save_to_disk` directory
+    # jsonl/json/parquet/arrow file(s) (glob ok) or a `save_to_disk` directory; a list of them: several sources
+    # mixed by `weights` (each its own store)
+    path: str | tuple[str, ...] | None = None
+    weights: tuple[float, ...] | None = None  # one per source of a `path` list: shares of the documents drawn
     format: str = "auto"  # auto | json | parquet | arrow | disk
     split: str = "train"  # split to use when the source holds several
     mode: str = "auto"  # auto | text | sft  (auto: `text_field` present -> text, else prompt/response)
@@ -68,6 +71,17 @@ class DataConfig:
         require(0.0 <= self.max_drop_share <= 1.0, f"data.max_drop_share must be in [0, 1], got {self.max_drop_share}")
         require(self.copy_len is None or 1 <= self.copy_len <= self.seq_len,
                 f"data.copy_len must be in [1, seq_len={self.seq_len}] (or null), got {self.copy_len}")
+        if isinstance(self.path, tuple):
+            require(len(self.path) >= 1 and all(isinstance(p, str) and p for p in self.path),
+                    f"data.path must be a path or a non-empty list of paths, got {list(self.path)}")
+        if self.weights is not None:
+            n = len(self.path) if isinstance(self.path, tuple) else 1
+            require(len(self.weights) == n and all(w > 0 for w in self.weights), f"data.weights must be one "
+                    f"positive number per data.path entry ({n}), got {list(self.weights)}")
+
+    def paths(self) -> list[str]:
+        """The sources: one path, or the entries of a `path` list."""
+        return list(self.path) if isinstance(self.path, tuple) else [self.path]
 
 
 @dataclasses.dataclass(frozen=True)

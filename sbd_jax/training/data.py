@@ -3,25 +3,37 @@ deterministic, resumable order.
 
 - Records: plain text (`text_field`) or prompt/response, wrapped by the tokenizer's chat template when it
   has one (`sbd_jax.io.tokenizer`; or any callable text -> ids); the prompt's tokens are loss-masked out.
-  Tokenized once into a memory-mapped store (store.py), reused by every later start.
+  Tokenized once into a store on disk (store.py), read per piece, reused by every later start.
 - Nothing dropped in silence: the iterator's `report` counts the records used, truncated and dropped by
   reason (missing field, empty, too short, no response token inside seq_len) with the first of each; more
   than `max_drop_share` dropped is an error.
-- Packing: documents in a per-epoch permutation (a pure function of (seed, epoch)) are placed whole, in
-  order, into rows of L tokens; a document that does not fit the rest of a row starts the next row (the
-  rest is padding, segment 0). Text longer than L is cut into L-token pieces, each its own document; a
-  prompt/response pair longer than L is truncated (dropped when no response token fits). Pieces shorter
-  than `min_doc_tokens` are dropped.
+- Packing: every row of the global batch is its own stream. Row r of source j takes the documents at positions
+  r, r + B, r + 2B, ... of the concatenated epoch orders of j (epoch e: a permutation that is a pure function of
+  (seed, j, e), computed per index in O(1) memory, shuffle.py) and places them whole, in order, into its rows
+  of L tokens; a document that does not fit the rest of a row starts the row's next one (the rest is padding,
+  segment 0). A process packs only the rows its devices train on and reads only their documents; the rows do
+  not depend on how they are split over processes. Text longer than L is cut into L-token pieces, each its own
+  document; a prompt/response pair longer than L is truncated (dropped when no response token fits). Pieces
+  shorter than `min_doc_tokens` are dropped.
+- Several sources (`data.path` a list, `data.weights`): each row draws its next document from the source whose
+  share of the row's documents so far lags its weight most (a deterministic weighted round robin: document
+  shares, as `datasets.interleave_datasets` probabilities are); each source keeps its own epochs.
 - `copy_len` C (SBD choice; needs response-aligned blocks): no row holds more than C tokens from a response
   start on (longer responses and text pieces are cut to C tokens), so the SBD example's copy stream
   (examples.py) needs only C slots and no prompt.
-- Iterator state {epoch, cursor, offset, rows} (JSON) is saved with each checkpoint; `restore` continues
-  with exactly the rows an uninterrupted run would have produced.
+- Why not Grain (MaxText's input library: per-process sharding, checkpointable iterators, an index shuffle):
+  `datasets` is already the project's reader and tokenizer driver, and the packer is SBD-specific (response-
+  aligned pieces, the copy_len budget per row), so Grain would add a dependency around ~100 lines of packing
+  without replacing them; the two things taken from its design are the per-index shuffle and per-row streams.
+- Iterator state (JSON; per row: documents taken per source, offset in the current one, rows packed) is saved
+  with each checkpoint, merged over processes (`gather_state`); `restore` continues with exactly the rows an
+  uninterrupted run would have produced, on any number of processes.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -29,6 +41,9 @@ from ..config import ConfigError
 from ..io.tokenizer import Tokenizer
 from .config import DataConfig
 from .examples import PackedBatch
+from .shuffle import Permutation
+
+STATE_VERSION = 2  # one packing stream per batch row
 
 
 class DataError(ConfigError):
@@ -54,50 +69,101 @@ class Documents:
 
 
 class PackedIterator:
-    """Endless source of `PackedBatch` (numpy int32 [batch_size, seq_len]) over `docs`: `next_batch()`."""
+    """Endless source of `PackedBatch` (numpy int32 [len(rows), seq_len]) over one or several sources of
+    documents, mixed by `weights`: `next_batch()`. `rows`: the global batch rows this process packs (default
+    all of them); every row is its own packing stream, so any split of the rows over processes packs the same
+    rows as one process does."""
 
-    def __init__(self, docs: Documents, seq_len: int, batch_size: int, *, seed: int = 0, shuffle: bool = True,
-                 min_doc_tokens: int = 2, source: str = "the dataset", copy_len: int | None = None):
-        self.docs, self.L, self.B = docs, int(seq_len), int(batch_size)
+    def __init__(self, docs: Documents | Sequence[Documents], seq_len: int, batch_size: int, *,
+                 weights: Sequence[float] | None = None, rows: Sequence[int] | None = None, seed: int = 0,
+                 shuffle: bool = True, min_doc_tokens: int = 2, source: str | Sequence[str] = "the dataset",
+                 copy_len: int | None = None):
+        self.sources = [docs] if isinstance(docs, Documents) else list(docs)
+        names = [source] if isinstance(source, str) else list(source)
+        if len(names) != len(self.sources):
+            names = [f"source {j}" for j in range(len(self.sources))]
+        w = [1.0] * len(self.sources) if weights is None else [float(x) for x in weights]
+        if len(w) != len(self.sources) or not all(x > 0 for x in w):
+            raise DataError(f"weights {list(w)} must be one positive number per source ({len(self.sources)})")
+        self.weights = [x / sum(w) for x in w]
+        self.L, self.B = int(seq_len), int(batch_size)
+        self.rows = tuple(range(self.B)) if rows is None else tuple(sorted(int(r) for r in rows))
+        if not self.rows or len(set(self.rows)) != len(self.rows) or not 0 <= self.rows[0] <= self.rows[-1] < self.B:
+            raise DataError(f"rows {list(self.rows)} must be distinct batch rows in [0, batch_size={self.B})")
         self.C = self.L if copy_len is None else int(copy_len)  # copy-stream tokens (from response starts) per row
         self.W = min(self.L, self.C)  # the longest text piece
         self.seed, self.shuffle, self.min_tokens = int(seed), bool(shuffle), max(int(min_doc_tokens), 1)
-        self.usage = self._usage()
-        if self.usage["pieces"] == 0:
-            raise DataError(f"{source} has no usable rows: {len(docs)} document(s), none gives a piece of at least "
-                            f"{self.min_tokens} tokens (with a response token inside seq_len={self.L} for "
-                            "prompt/response data); check the field names and the data")
-        self._epoch, self._cursor, self._offset, self._rows = 0, 0, 0, 0
-        self._perm = self._permutation(0)
+        self.usages = [self._usage(d) for d in self.sources]
+        for name, d, u in zip(names, self.sources, self.usages):
+            if u["pieces"] == 0:
+                raise DataError(f"{name} has no usable rows: {len(d)} document(s), none gives a piece of at least "
+                                f"{self.min_tokens} tokens (with a response token inside seq_len={self.L} for "
+                                "prompt/response data); check the field names and the data")
+        self.usage = self.usages[0]
+        # per row: [documents taken from each source..., token offset in the current document, rows packed]
+        self._streams = {r: [0] * len(self.sources) + [0, 0] for r in self.rows}
+        self._perms: dict = {}
+
+    @property
+    def docs(self) -> Documents:
+        return self.sources[0]
+
+    def epoch(self, source: int = 0) -> int:
+        """The epoch of `source` every local row has reached (rows move through their shares at their own pace)."""
+        n = len(self.sources[source])
+        return min((s[source] * self.B + r) // n for r, s in self._streams.items())
 
     def state(self) -> dict:
-        return {"epoch": self._epoch, "cursor": self._cursor, "offset": self._offset, "rows": self._rows,
-                "seed": self.seed, "seq_len": self.L, "copy_len": self.C}
+        """JSON-able position of the local rows (`streams`, by row), which `restore` continues from."""
+        return {"version": STATE_VERSION, "seed": self.seed, "seq_len": self.L, "copy_len": self.C,
+                "batch_size": self.B, "shuffle": self.shuffle, "weights": self.weights,
+                "documents": [len(d) for d in self.sources], "rows": sum(s[-1] for s in self._streams.values()),
+                "streams": {str(r): list(s) for r, s in self._streams.items()}}
 
     def restore(self, state: dict) -> None:
-        if (state.get("seq_len", self.L), state.get("seed", self.seed), state.get("copy_len", self.L)) != (
-                self.L, self.seed, self.C):
-            raise DataError(f"data iterator state {state} was saved with another seq_len/seed/copy_len "
-                            f"(now seq_len={self.L}, seed={self.seed}, copy_len={self.C})")
         if state.get("lookahead") or state.get("copy_reserve") or state.get("pending"):
             raise DataError(f"data iterator state {state} was saved with look-ahead packing or a copy reserve, "
                             "which this version does not have: resuming would drop or repack documents")
-        self._epoch, self._cursor = int(state["epoch"]), int(state["cursor"])
-        self._offset, self._rows = int(state["offset"]), int(state["rows"])
-        self._perm = self._permutation(self._epoch)
+        if state.get("version") != STATE_VERSION:
+            raise DataError(f"data iterator state {_short(state)} was saved by another version of the packer (one "
+                            "order for all rows); resuming it here would not continue the same rows")
+        now = self.state()
+        keys = ("seed", "seq_len", "copy_len", "batch_size", "shuffle", "weights", "documents")
+        diff = [f"{k} {state.get(k)!r} there, {now[k]!r} now" for k in keys if state.get(k) != now[k]]
+        if diff:
+            raise DataError(f"the data iterator state was saved with other settings or data ({'; '.join(diff)}); "
+                            "resuming would not continue the same rows")
+        missing = [r for r in self.rows if str(r) not in state["streams"]]
+        if missing:
+            raise DataError(f"the data iterator state has no position for rows {missing[:8]} (saved rows: "
+                            f"{sorted(state['streams'], key=int)[:8]}...)")
+        self._streams = {r: [int(x) for x in state["streams"][str(r)]] for r in self.rows}
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        n = len(self.docs)
-        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+    def _document(self, r: int) -> tuple[int, int]:
+        """The current (source, document) of row r's stream: the source whose share of the draws so far lags its
+        weight most (deterministic weighted round robin), and in it position taken * B + r of the concatenated
+        epoch orders (epoch e: a permutation that is a pure function of (seed, source, e))."""
+        s = self._streams[r]
+        j = min(range(len(self.sources)), key=lambda j: (s[j] + 1) / self.weights[j]) if len(self.sources) > 1 else 0
+        n = len(self.sources[j])
+        epoch, i = divmod(s[j] * self.B + r, n)
+        if not self.shuffle:
+            return j, i
+        perm = self._perms.get((j, epoch))
+        if perm is None:
+            if len(self._perms) > 4 * len(self.sources):
+                self._perms.clear()
+            perm = self._perms[(j, epoch)] = Permutation(n, self.seed, j, epoch)
+        return j, perm(i)
 
-    def _usage(self, chunk: int = 1 << 20) -> dict:
+    def _usage(self, docs: Documents, chunk: int = 1 << 20) -> dict:
         """Pieces the documents give, and the documents packing drops (text shorter than min_doc_tokens; a
         prompt/response with no response token inside seq_len) or truncates (a response cut at seq_len or
-        copy_len), with the first dropped one; read in chunks (memory-mapped stores stay on disk)."""
+        copy_len), with the first dropped one; read in chunks (a store stays on disk)."""
         out = {"pieces": 0, "too_short": 0, "no_response_in_seq_len": 0, "truncated": 0, "first": {}}
-        for lo in range(0, len(self.docs), chunk):
-            offsets = np.asarray(self.docs.offsets[lo:lo + chunk + 1])
-            lens, n_prompt = np.diff(offsets), np.asarray(self.docs.n_prompt[lo:lo + chunk])
+        for lo in range(0, len(docs), chunk):
+            offsets = np.asarray(docs.offsets[lo:lo + chunk + 1])
+            lens, n_prompt = np.diff(offsets), np.asarray(docs.n_prompt[lo:lo + chunk])
             text = n_prompt == 0
             n_text = lens // self.W * (self.W >= self.min_tokens) + (lens % self.W >= self.min_tokens)
             kept = np.minimum(lens, np.minimum(self.L, n_prompt + self.C))
@@ -112,58 +178,84 @@ class PackedIterator:
                     out["first"][reason] = lo + int(np.argmax(bad))
         return out
 
-    def _piece(self, i: int, offset: int):
-        """Piece of document i starting at token `offset` -> (tokens, loss mask, next_offset); tokens is None
-        for an unusable piece."""
-        d, n_prompt = self.docs.values[self.docs.offsets[i]:self.docs.offsets[i + 1]], int(self.docs.n_prompt[i])
+    def _piece(self, docs: Documents, i: int, offset: int):
+        """Piece of document i starting at token `offset` -> (tokens, loss mask, next_offset, copy tokens);
+        tokens is None for an unusable piece. Reads only the piece."""
+        lo, hi = (int(x) for x in docs.offsets[i:i + 2])
+        n_prompt = int(docs.n_prompt[i])
         if n_prompt == 0:
-            piece = d[offset:offset + self.W]
-            nxt = offset + self.W if offset + self.W < len(d) else None
-            return (piece if len(piece) >= self.min_tokens else None), 1, nxt
-        piece = d[:min(self.L, n_prompt + self.C)]  # at most C counted (response) tokens
+            piece = docs.values[lo + offset:min(hi, lo + offset + self.W)]
+            nxt = offset + self.W if lo + offset + self.W < hi else None
+            return (piece if len(piece) >= self.min_tokens else None), 1, nxt, len(piece)
+        piece = docs.values[lo:min(hi, lo + self.L, lo + n_prompt + self.C)]  # at most C counted (response) tokens
         ok = n_prompt < len(piece) and len(piece) >= self.min_tokens
-        return (piece if ok else None), np.arange(len(piece)) >= n_prompt, None
+        return (piece if ok else None), np.arange(len(piece)) >= n_prompt, None, len(piece) - n_prompt
 
-    def _advance(self, nxt):
-        if nxt is not None:
-            self._offset = nxt
-            return
-        self._offset = 0
-        self._cursor += 1
-        if self._cursor >= len(self._perm):
-            self._epoch += 1
-            self._cursor = 0
-            self._perm = self._permutation(self._epoch)
-
-    def _row(self):
+    def _row(self, r: int):
         tokens, segment, position, loss_mask = (np.zeros(self.L, np.int32) for _ in range(4))
-        used, used_copy, seg = 0, 0, 0
+        s = self._streams[r]
+        used, used_copy, seg, skipped = 0, 0, 0, 0
         while used < self.L:
-            i = int(self._perm[self._cursor])
-            piece, counted, nxt = self._piece(i, self._offset)
+            j, i = self._document(r)
+            docs = self.sources[j]
+            piece, counted, nxt, n_copy = self._piece(docs, i, s[-2])  # copy tokens: from the response on
             if piece is not None:
-                n, n_copy = len(piece), len(piece) - int(self.docs.n_prompt[i])  # copy tokens: from the response on
+                n = len(piece)
                 if used + n > self.L or used_copy + n_copy > self.C:
                     break  # the piece starts the next row
                 seg += 1
                 tokens[used:used + n], segment[used:used + n] = piece, seg
                 position[used:used + n], loss_mask[used:used + n] = np.arange(n), counted
-                used, used_copy = used + n, used_copy + n_copy
-            self._advance(nxt)
-        self._rows += 1
+                used, used_copy, skipped = used + n, used_copy + n_copy, 0
+            else:
+                skipped += 1
+                if skipped > sum(map(len, self.sources)) + self.B:
+                    raise DataError(f"batch row {r} met no usable document in {skipped} draws: too few usable "
+                                    "documents for this batch size without shuffling (see the data report)")
+            if nxt is not None:
+                s[-2] = nxt
+            else:
+                s[-2] = 0
+                s[j] += 1
+        s[-1] += 1
         return tokens, segment, position, loss_mask
 
     def next_batch(self) -> PackedBatch:
-        rows = [self._row() for _ in range(self.B)]
+        rows = [self._row(r) for r in self.rows]
         return PackedBatch(*(np.stack(f) for f in zip(*rows)))
 
 
+def _short(state: dict) -> str:
+    return json.dumps({k: v for k, v in state.items() if k != "streams"})[:300]
+
+
+def gather_state(state: dict) -> dict:
+    """The iterator states of every process merged into one (all rows): what a checkpoint saves, so that any
+    process (or another process count) restores its own rows. A collective: every process calls it."""
+    import jax
+    if jax.process_count() == 1 or "streams" not in state:
+        return state
+    from jax.experimental import multihost_utils
+    B, width = state["batch_size"], len(next(iter(state["streams"].values())))
+    table = np.full((B, width), -1, np.int64)
+    for r, s in state["streams"].items():
+        table[int(r)] = s
+    if table.max() >= 2 ** 31:
+        raise DataError("data iterator position beyond int32: cannot be gathered across processes")
+    every = np.asarray(multihost_utils.process_allgather(table.astype(np.int32))).max(axis=0)
+    if (every < 0).any():
+        raise DataError(f"batch rows {np.flatnonzero((every < 0).any(axis=1))[:8].tolist()} are packed by no process")
+    return {**state, "rows": int(every[:, -1].sum()), "streams": {str(r): every[r].tolist() for r in range(B)}}
+
+
 def build_iterator(cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | Callable | None = None,
-                   eos_id: int | None = None, vocab_size: int | None = None) -> PackedIterator:
-    """DataConfig -> PackedIterator over the tokenized store (`store.prepare`: made once, then reused).
-    `tokenizer` overrides cfg.tokenizer (a Tokenizer or a callable text -> ids); `eos_id` is used when the
-    tokenizer does not name its EOS token; `vocab_size`: token ids must be below it. The iterator's `report`
-    says what was used, dropped and truncated, and why; more than `cfg.max_drop_share` dropped is an error."""
+                   eos_id: int | None = None, vocab_size: int | None = None,
+                   rows: Sequence[int] | None = None) -> PackedIterator:
+    """DataConfig -> PackedIterator over the tokenized stores of its sources (`store.prepare`: made once, then
+    reused), packing the batch `rows` of this process (default all). `tokenizer` overrides cfg.tokenizer (a
+    Tokenizer or a callable text -> ids); `eos_id` is used when the tokenizer does not name its EOS token;
+    `vocab_size`: token ids must be below it. The iterator's `report` says what was used, dropped and truncated,
+    and why, per source (`sources`) and in all; more than `cfg.max_drop_share` of a source dropped is an error."""
     from .store import prepare
     if tokenizer is None:
         if not cfg.tokenizer:
@@ -173,30 +265,44 @@ def build_iterator(cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | C
         tokenizer = Tokenizer.from_callable(tokenizer)
     if tokenizer.eos_id is None:
         tokenizer.eos_id = eos_id
-    store = prepare(cfg, tokenizer)
+    paths = cfg.paths()
+    stores = [prepare(dataclasses.replace(cfg, path=p, weights=None), tokenizer) for p in paths]
+    for p, store in zip(paths, stores):
+        meta = store.meta
+        if vocab_size is not None and meta["max_id"] >= vocab_size:
+            raise DataError(f"dataset {p!r}: token id {meta['max_id']} is outside the model's vocabulary "
+                            f"(vocab_size {vocab_size}): the tokenizer {cfg.tokenizer!r} does not match the model")
+        if meta["documents"] == 0:
+            raise DataError(f"dataset {p!r} has no usable rows: none of its {meta['records']} record(s) has the "
+                            f"fields and a non-empty value ({_drops(meta['dropped'])})")
+    it = PackedIterator([s.documents() for s in stores], cfg.seq_len, batch_size, weights=cfg.weights, rows=rows,
+                        seed=cfg.seed, shuffle=cfg.shuffle, min_doc_tokens=cfg.min_doc_tokens,
+                        source=[f"dataset {p!r}" for p in paths], copy_len=cfg.copy_len)
+    reports = [_source_report(p, store, u, cfg.max_drop_share) for p, store, u in zip(paths, stores, it.usages)]
+    if len(reports) == 1:
+        it.report = reports[0]
+    else:
+        dropped = {k: {"count": sum(r["dropped"][k]["count"] for r in reports),
+                       "first": next((r["dropped"][k]["first"] for r in reports if r["dropped"][k]["first"]), None)}
+                   for k in reports[0]["dropped"]}
+        it.report = {"store": ", ".join(r["store"] for r in reports), "dropped": dropped, "sources": reports,
+                     **{k: sum(r[k] for r in reports) for k in ("records", "used", "truncated", "tokens")}}
+    return it
+
+
+def _source_report(path: str, store, u: dict, max_drop_share: float) -> dict:
     meta = store.meta
-    if vocab_size is not None and meta["max_id"] >= vocab_size:
-        raise DataError(f"dataset {cfg.path!r}: token id {meta['max_id']} is outside the model's vocabulary "
-                        f"(vocab_size {vocab_size}): the tokenizer {cfg.tokenizer!r} does not match the model")
-    docs = store.documents()
-    if len(docs) == 0:
-        raise DataError(f"dataset {cfg.path!r} has no usable rows: none of its {meta['records']} record(s) has the "
-                        f"fields and a non-empty value ({_drops(meta['dropped'])})")
-    it = PackedIterator(docs, cfg.seq_len, batch_size, seed=cfg.seed, shuffle=cfg.shuffle,
-                        min_doc_tokens=cfg.min_doc_tokens, source=f"dataset {cfg.path!r}", copy_len=cfg.copy_len)
-    u = it.usage
     dropped = dict(meta["dropped"])
     for reason in ("too_short", "no_response_in_seq_len"):
         dropped[reason] = {"count": u[reason], "first": store.record(u["first"][reason]) if u[reason] else None}
     n_dropped = sum(d["count"] for d in dropped.values())
-    it.report = {"store": str(store.path), "records": meta["records"], "used": meta["records"] - n_dropped,
-                 "truncated": u["truncated"], "dropped": dropped, "tokens": meta["tokens"]}
     share = n_dropped / meta["records"]
-    if share > cfg.max_drop_share:
-        raise DataError(f"dataset {cfg.path!r}: {100 * share:.1f}% of the records are unusable ({n_dropped} of "
+    if share > max_drop_share:
+        raise DataError(f"dataset {path!r}: {100 * share:.1f}% of the records are unusable ({n_dropped} of "
                         f"{meta['records']}: {_drops(dropped)}), more than data.max_drop_share="
-                        f"{cfg.max_drop_share}; fix the data or raise data.max_drop_share")
-    return it
+                        f"{max_drop_share}; fix the data or raise data.max_drop_share")
+    return {"path": path, "store": str(store.path), "records": meta["records"], "used": meta["records"] - n_dropped,
+            "truncated": u["truncated"], "dropped": dropped, "tokens": meta["tokens"]}
 
 
 def _drops(dropped: dict) -> str:

@@ -36,8 +36,8 @@ from .config import RESUME_NEUTRAL, ModelSource, TrainConfig
 from .data import DataError, build_iterator, format_report
 from .optim import make_optimizer
 from .spec import StepOptions
-from .step import (TrainState, abstract_state, jit_train_step, make_train_step, put_batch, state_initializer,
-                   state_shardings)
+from .step import (TrainState, abstract_state, jit_train_step, local_rows, make_train_step, put_batch,
+                   state_initializer, state_shardings)
 
 
 @dataclasses.dataclass
@@ -161,7 +161,7 @@ def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
     if data is None:
         data = build_iterator(cfg.data, cfg.batch_size, tokenizer=tokenizer,
                               eos_id=model_cfg.eos_ids[0] if model_cfg.eos_ids else None,
-                              vocab_size=model_cfg.vocab_size)
+                              vocab_size=model_cfg.vocab_size, rows=local_rows(mesh, cfg.batch_size))
         if jax.process_index() == 0:
             print(format_report(data.report), flush=True)
             ckpt.directory.parent.mkdir(parents=True, exist_ok=True)
@@ -185,17 +185,17 @@ class _Prefetch:
     """Packs the next batches and puts them on the devices in a background thread while the steps run. Each
     comes with the iterator state after it: what a checkpoint taken after that batch's step saves."""
 
-    def __init__(self, data, place: Callable, depth: int = 2):
+    def __init__(self, data, place: Callable, scale: float = 1.0, depth: int = 2):
         self._queue: queue.Queue = queue.Queue(depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fill, args=(data, place), daemon=True, name="prefetch")
+        self._thread = threading.Thread(target=self._fill, args=(data, place, scale), daemon=True, name="prefetch")
         self._thread.start()
 
-    def _fill(self, data, place):
-        try:
+    def _fill(self, data, place, scale):
+        try:  # tokens: this process's rows' x (global / local rows), for the logged throughput
             while not self._stop.is_set():
                 batch = data.next_batch()
-                self._put((place(batch), data.state(), float(np.sum(np.asarray(batch.segment) > 0))))
+                self._put((place(batch), data.state(), scale * float(np.sum(np.asarray(batch.segment) > 0))))
         except BaseException as e:  # noqa: BLE001 - handed to the training thread, which raises it
             self._put(e)
 
@@ -235,11 +235,16 @@ def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, s
         metrics_path.write_text("".join(ln + "\n" for ln in kept))
     window_tokens, t0 = 0.0, time.perf_counter()
 
+    rows = getattr(data, "rows", None)  # the batch rows the iterator packs (this process's), or all of them
+    rows = None if rows is None or len(rows) == cfg.batch_size else rows
+
     def place(batch_np):
-        if np.ndim(batch_np.tokens) != 2 or len(batch_np.tokens) != cfg.batch_size:
-            raise DataError(f"the data iterator yields batches of shape {np.shape(batch_np.tokens)}, "
-                            f"expected [batch_size={cfg.batch_size}, L]")
-        return put_batch(batch_np, mesh, cfg.batch_size)
+        n = cfg.batch_size if rows is None else len(rows)
+        if np.ndim(batch_np.tokens) != 2 or len(batch_np.tokens) != n:
+            raise DataError(f"the data iterator yields batches of shape {np.shape(batch_np.tokens)}, expected "
+                            f"[{n}, L] (batch_size={cfg.batch_size}" + (")" if rows is None else
+                                                                        f", {n} rows on this process)"))
+        return put_batch(batch_np, mesh, cfg.batch_size, rows)
 
     def log(step, m, tokens):
         nonlocal t0
@@ -258,7 +263,8 @@ def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, s
                          tok_s=f"{rec['tokens_per_s']:.0f}", lr=f"{rec.get('lr', 0):.2e}", refresh=False)
 
     last_saved, pending, data_state = resume, None, None
-    prefetch = _Prefetch(data, place) if start < end else None
+    prefetch = _Prefetch(data, place, cfg.batch_size / (cfg.batch_size if rows is None else len(rows))) \
+        if start < end else None
     try:
         with tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True,
                   disable=not (cfg.progress and lead and start < end)) as pbar:

@@ -126,9 +126,22 @@ def jit_train_step(step_fn, mesh: Mesh, state_sh: TrainState, batch_size: int):
                    out_shardings=(state_sh, NamedSharding(mesh, P())), donate_argnums=(0,))
 
 
-def put_batch(batch_np: PackedBatch, mesh: Mesh, batch_size: int) -> PackedBatch:
-    """Host rows -> global arrays sharded over (data, fsdp). With several processes each passes the
-    full global batch; every process keeps the rows of its own devices."""
+def local_rows(mesh: Mesh, batch_size: int) -> list[int]:
+    """The global batch rows this process's devices hold: the only rows its data iterator needs to pack."""
+    shards = batch_shardings(mesh, batch_size).tokens.addressable_devices_indices_map((batch_size, 1))
+    return sorted({r for idx in shards.values() for r in range(*idx[0].indices(batch_size))})
+
+
+def put_batch(batch_np: PackedBatch, mesh: Mesh, batch_size: int, rows=None) -> PackedBatch:
+    """Host rows -> global arrays sharded over (data, fsdp). `batch_np` holds the global batch rows `rows`
+    (sorted; default all); each process passes at least the rows of its own devices (`local_rows`)."""
+    where = None if rows is None else {r: i for i, r in enumerate(rows)}
+
+    def take(a, idx):
+        if where is None:
+            return a[idx]
+        picked = [where[r] for r in range(*idx[0].indices(batch_size))]
+        return a[picked][(slice(None),) + tuple(idx[1:])]
     arrays = (np.asarray(a, np.int32) for a in batch_np)
-    return PackedBatch(*(jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx])
+    return PackedBatch(*(jax.make_array_from_callback((batch_size,) + a.shape[1:], s, lambda idx, a=a: take(a, idx))
                          for a, s in zip(arrays, batch_shardings(mesh, batch_size))))

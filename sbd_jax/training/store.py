@@ -1,4 +1,4 @@
-"""Tokenize once, to disk: the data files -> a store of tokenized documents that training memory-maps.
+"""Tokenize once, to disk: the data files -> a store of tokenized documents that training reads piece by piece.
 
 A store is a directory named by a fingerprint of (the files' paths, sizes and modification times, the tokenizer
 files' contents, the tokenization settings): a restart, another run or another host with the same inputs reuses
@@ -153,9 +153,49 @@ def default_store_dir() -> Path:
     return Path(os.environ.get("SBD_DATA_STORE") or Path.home() / ".cache" / "sbd_jax" / "data")
 
 
+class FileArray:
+    """A read-only 1-D array in a file, read with `os.pread` per item or slice. Nothing is mapped into the
+    process: its memory does not grow with how much of the store it has read (the OS page cache holds it)."""
+
+    def __init__(self, path: Path, dtype, count: int):
+        self.path, self.dtype, self._n = Path(path), np.dtype(dtype), int(count)
+        self._fd = os.open(self.path, os.O_RDONLY)  # open now: a process-only store's files are removed later
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _read(self, lo: int, hi: int) -> np.ndarray:
+        size, parts = self.dtype.itemsize, []
+        for a in range(lo, hi, 1 << 26):  # a pread returns at most ~2 GiB
+            b = min(hi, a + (1 << 26))
+            parts.append(np.frombuffer(os.pread(self._fd, (b - a) * size, a * size), self.dtype))
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+        if len(out) != hi - lo:
+            raise DataError(f"{self.path} is shorter than its meta.json says: the store is damaged; delete it")
+        return out
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            lo, hi, step = key.indices(self._n)
+            if step != 1:
+                raise IndexError("FileArray slices take no step")
+            return self._read(lo, max(lo, hi))
+        i = int(key) + (self._n if int(key) < 0 else 0)
+        if not 0 <= i < self._n:
+            raise IndexError(f"index {key} outside {self._n} items of {self.path}")
+        return self._read(i, i + 1)[0]
+
+    def __array__(self, dtype=None, copy=None):
+        return self[:] if dtype is None else self[:].astype(dtype)
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+
+
 @dataclasses.dataclass
 class Store:
-    """A tokenized store, memory-mapped."""
+    """A tokenized store on disk (its arrays read with pread, `FileArray`)."""
 
     path: Path
     meta: dict
@@ -163,11 +203,9 @@ class Store:
 
     def documents(self) -> Documents:
         n = self.meta["documents"]
-
-        def arr(name, dtype, count):
-            return np.memmap(self.path / name, dtype=dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype)
-        return Documents(arr("tokens.bin", np.int32, self.meta["tokens"]), arr("offsets.bin", np.int64, n + 1),
-                         arr("n_prompt.bin", np.int64, n))
+        return Documents(FileArray(self.path / "tokens.bin", np.int32, self.meta["tokens"]),
+                         FileArray(self.path / "offsets.bin", np.int64, n + 1),
+                         FileArray(self.path / "n_prompt.bin", np.int64, n))
 
     def record(self, doc: int) -> str:
         """Where document `doc` came from: 'FILE line N' (jsonl) or 'FILE record N'."""
