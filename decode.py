@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", choices=("sbd", "ar"), default="sbd")
     ap.add_argument("--gamma", type=float, default=0.35, help="acceptance threshold (SBD)")
     ap.add_argument("--rule", choices=("eb", "threshold"), default="eb")
+    ap.add_argument("--verify", action="store_true",
+                    help="lossless SBD: every block checked against AR's tokens (output == --mode ar's, same --seed)")
     ap.add_argument("--block-size", type=int, default=16, help="SBD block size k")
     ap.add_argument("--batch-size", type=int, default=8, help="rows decoded at once (continuous slots)")
     ap.add_argument("--static", action="store_true",
@@ -93,7 +95,8 @@ def run(args) -> int:
 
     if args.resume and args.overwrite:
         raise DecodeError("--resume and --overwrite exclude each other")
-    spec = DecodeSpec(mode=args.mode, block_size=args.block_size, rule=args.rule, max_new_tokens=args.max_new_tokens,
+    spec = DecodeSpec(mode=args.mode, verify=args.verify, block_size=args.block_size, rule=args.rule,
+                      max_new_tokens=args.max_new_tokens,
                       top_k=args.top_k, top_p=args.top_p, tempered_entropy=args.tempered_entropy,
                       eos_ids=() if args.ignore_eos else (tuple(args.eos_id) if args.eos_id else None))
     mesh_cfg = mesh_config(args)
@@ -169,14 +172,15 @@ def format_summary(s: dict) -> str:
     lines = [(f"{s['rows']} prompts, {s['tokens']} tokens generated in {s['seconds']:.3f} s "
               f"(+ {s['compile_seconds']:.1f} s compilation)"),
              (f"{s['mode']}: {s['tokens_per_s']:.1f} tokens/s, {s['tokens_per_forward']:.3f} tokens per forward "
-              f"({s['nfe']} forwards)")]
+              f"({s['nfe']} forwards)" + (" [verify: lossless]" if s.get("verify") else ""))]
     from sbd_jax.decoding.roofline import format_bandwidth
     if "bandwidth" in s:
         lines.append(f"{s['mode']}: {format_bandwidth(s['bandwidth'])}")
     hist = s["accepted_per_forward"]
     if s["mode"] == "sbd" and sum(hist):
         shares = ", ".join(f"{n}: {100 * c / sum(hist):.0f}%" for n, c in enumerate(hist) if c)
-        lines.append(f"tokens accepted per forward (share of forwards): {shares}")
+        lines.append(f"drafts that stood per verified block (share of blocks): {shares}" if s.get("verify") else
+                     f"tokens accepted per forward (share of forwards): {shares}")
     if "ar" in s:
         a = s["ar"]
         lines.append(f"ar:  {a['tokens_per_s']:.1f} tokens/s, {a['tokens_per_forward']:.3f} tokens per forward "
@@ -185,7 +189,12 @@ def format_summary(s: dict) -> str:
             lines.append(f"ar:  {format_bandwidth(a['bandwidth'])}")
         lines.append(f"measured speedup over AR (tokens/s): {s['speedup_tokens_per_s']:.2f}x; "
                      f"NFE ratio for the same output length: {s['tokens_per_forward']:.2f}x; "
-                     f"rows identical to AR: {100 * s['same_tokens_as_ar']:.0f}%")
+                     f"rows identical to AR: {s['rows'] - s['n_rows_differing_from_ar']} of {s['rows']} "
+                     f"({100 * s['same_tokens_as_ar']:.1f}%)")
+        if s["n_rows_differing_from_ar"]:
+            lines.append(f"rows differing from AR (ids, first 20): {s['rows_differing_from_ar']}"
+                         + (" - verify mode differs from AR only at float near-ties of the two forward shapes"
+                            if s.get("verify") else ""))
     return "\n".join(lines)
 
 

@@ -93,6 +93,7 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
     calls = 0
     wide = 0  # calls after which the cached decoder would carry a finished block (2k window)
     pending_commit = np.zeros(B, bool)
+    block_calls: list[list[np.ndarray]] = [[] for _ in range(B)]  # SBD: positions each call of the block decoded
     cols = np.broadcast_to(np.arange(W, dtype=np.int32), (B, W))
     while not done.all():
         calls += 1
@@ -111,7 +112,8 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
             meta = clean_meta(clean_seg, cols)
             last = lengths + gen - 1
             logits = jnp.take_along_axis(_forward(params, seq, meta, cfg=cfg), jnp.asarray(last)[:, None, None], 1)
-        h, drawn = score(logits, keys, jnp.asarray(nfe), temp, suppress=cfg.mask_token_id if mode == "sbd" else None)
+        index = jnp.asarray(nfe) if mode == "sbd" else jnp.asarray(gen)[:, None]  # AR: keyed by token index
+        h, drawn = score(logits, keys, index, temp, suppress=cfg.mask_token_id if mode == "sbd" else None)
         h, drawn = np.asarray(h), np.asarray(drawn)
         for b in range(B):
             if done[b]:
@@ -129,6 +131,7 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
             for i in np.flatnonzero(acc):
                 seq[b, lengths[b] + gen[b] + i] = drawn[b, i]
             masked[b] &= ~acc
+            block_calls[b].append(np.flatnonzero(acc))
             n_valid = min(k, cap[b] - gen[b])
             stop_at = None
             for i in range(n_valid):  # first EOS with everything before it decoded
@@ -137,8 +140,11 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
                 if int(seq[b, lengths[b] + gen[b] + i]) in eos:
                     stop_at = i
                     break
-            kept = acc[:n_valid] if stop_at is None else acc[:stop_at + 1]  # what the output keeps of this call
-            accepted[b, kept.sum()] += 1
+            if stop_at is not None or not masked[b].any():  # the block ends: each call counts what the output keeps
+                last = n_valid if stop_at is None else stop_at + 1
+                for decoded in block_calls[b]:
+                    accepted[b, int(np.sum(decoded < last))] += 1
+                block_calls[b] = []
             if stop_at is not None:
                 done[b], stopped_eos[b], n_gen[b] = True, True, gen[b] + stop_at + 1
             elif not masked[b].any():
@@ -153,3 +159,100 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
         out[b, :n_gen[b]] = seq[b, lengths[b]:lengths[b] + n_gen[b]]
     return GenerateOutput(jnp.asarray(out), jnp.asarray(n_gen), jnp.asarray(nfe), jnp.asarray(stopped_eos),
                           jnp.int32(calls), jnp.int32(wide), jnp.asarray(accepted), None)
+
+
+EVENTS: set[str] = set()  # how rows of the last brute_force_verify call stopped (for tests to assert coverage)
+
+
+def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None,
+                       *, gamma=0.35, temperature=0.0, key=None, row_max_new_tokens=None, **options) -> GenerateOutput:
+    """The verify-mode oracle (SBD.md "Lossless mode"), no cache: every call recomputes [the known text as CLEAN
+    tokens (the prompt, the verified tokens and those waiting to be verified) ; the current block as COPY tokens].
+    AR's token at generated index g comes from the clean query at g - 1; drafts are checked against it, the
+    agreeing prefix stays, AR's token corrects the first wrong draft or starts the next block."""
+    spec = DecodeSpec.make(spec, **options)
+    prompt_ids = np.asarray(prompt_ids, np.int32)
+    lengths = np.asarray(prompt_lengths, np.int32)
+    B, P = prompt_ids.shape
+    EVENTS.clear()
+    k, max_new_tokens = spec.block_size, spec.max_new_tokens
+    cap = np.broadcast_to(np.asarray(max_new_tokens if row_max_new_tokens is None else row_max_new_tokens), (B,))
+    eos, pad = set(spec.stop_ids(cfg)), spec.pad(cfg)
+    W = P + max_new_tokens + k
+    keys = sampling.row_keys(jax.random.key(0) if key is None else key, B)
+    gam = np.broadcast_to(np.asarray(gamma, np.float32), (B,))
+    temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
+    score = functools.partial(_score, tempered=spec.tempered_entropy, top_k=spec.top_k, top_p=spec.top_p)
+    seq = np.full((B, W), pad, np.int32)
+    for b in range(B):
+        seq[b, :lengths[b]] = prompt_ids[b, :lengths[b]]
+    blk = np.zeros(B, np.int32)                                  # generated index of the current block
+    masked = np.stack([np.arange(k) < cap[b] for b in range(B)])
+    todo = [(-1, 1)] * B                                         # (first, count) waiting for AR's check
+    done, stopped_eos = np.zeros(B, bool), np.zeros(B, bool)
+    n_gen, nfe = np.zeros(B, np.int32), np.zeros(B, np.int32)
+    accepted = np.zeros((B, k + 1), np.int32)
+    calls = 0
+    cols = np.broadcast_to(np.arange(W, dtype=np.int32), (B, W))
+    while not done.all():
+        calls += 1
+        known = np.array([lengths[b] + (todo[b][0] + todo[b][1] if todo[b] else blk[b]) for b in range(B)])
+        pos_c = (lengths + blk)[:, None] + np.arange(k, dtype=np.int32)[None]
+        ctok = np.where(masked, cfg.mask_token_id, np.take_along_axis(seq, np.minimum(pos_c, W - 1), 1))
+        cseg = ((blk[:, None] + np.arange(k)[None]) < cap[:, None]).astype(np.int32)
+        meta = concat_meta(clean_meta((cols < known[:, None]).astype(np.int32), cols),
+                           copy_meta(cseg, pos_c, np.repeat((lengths + blk)[:, None], k, 1)))
+        logits = _forward(params, np.concatenate([seq, ctok], 1), meta, cfg=cfg)
+        ar_all = np.asarray(score(logits[:, :W], keys, jnp.asarray(cols - lengths[:, None] + 1), temp,
+                                  suppress=None)[1])            # AR's token at column + 1
+        h, drawn = score(logits[:, W:], keys, jnp.asarray(pos_c - lengths[:, None]), temp,
+                         suppress=cfg.mask_token_id)
+        h, drawn = np.asarray(h), np.asarray(drawn)
+        for b in range(B):
+            if done[b]:
+                continue
+            nfe[b] += 1
+            L = lengths[b]
+            if todo[b]:
+                first, count = todo[b]
+                todo[b] = None
+                m = 0
+                while m < count - 1 and seq[b, L + first + 1 + m] == ar_all[b, L + first + m]:
+                    m += 1
+                if count > 1:
+                    accepted[b, m] += 1
+                stood = list(range(first + 1, first + m + 1))   # the drafts that stand (first itself stood before)
+                g = first + m + 1                               # AR's token goes here: correction or next block
+                tok = int(ar_all[b, L + first + m])
+                hit = next((i for i in stood if int(seq[b, L + i]) in eos), None)
+                if hit is not None:
+                    EVENTS.add("eos_in_prefix")
+                if hit is not None or first + m + 1 >= cap[b]:
+                    done[b], stopped_eos[b] = True, hit is not None
+                    n_gen[b] = hit + 1 if hit is not None else cap[b]
+                    continue
+                seq[b, L + g] = tok
+                if tok in eos:
+                    EVENTS.add("eos_as_correction" if m < count - 1 else "eos_as_next_first")
+                if tok in eos or g + 1 >= cap[b]:
+                    done[b], stopped_eos[b], n_gen[b] = True, tok in eos, g + 1
+                    continue
+                if m < count - 1:                               # rejected: a new block after the correction
+                    blk[b] = g + 1
+                    masked[b] = (blk[b] + np.arange(k)) < cap[b]
+                    todo[b] = (g, 1)
+                    continue
+                masked[b, 0] = False                            # accepted: AR's token opens the current block
+            acc = _accept_row(spec.rule, h[b], masked[b], gam[b])
+            for i in np.flatnonzero(acc):
+                seq[b, L + blk[b] + i] = drawn[b, i]
+            masked[b] &= ~acc
+            if not masked[b].any():
+                todo[b] = (int(blk[b]), int(min(k, cap[b] - blk[b])))
+                blk[b] += k
+                masked[b] = (blk[b] + np.arange(k)) < cap[b]
+    out = np.full((B, max_new_tokens), pad, np.int32)
+    for b in range(B):
+        out[b, :n_gen[b]] = seq[b, lengths[b]:lengths[b] + n_gen[b]]
+    return GenerateOutput(jnp.asarray(out), jnp.asarray(n_gen), jnp.asarray(nfe), jnp.asarray(stopped_eos),
+                          jnp.int32(calls), jnp.int32(0), jnp.asarray(accepted), None)

@@ -31,11 +31,12 @@ def _alone(params, spec, r, **kw):
             "stop": "eos" if bool(out.stopped_by_eos[0]) else "length", "accepted": np.asarray(out.accepted)[0].tolist()}
 
 
-@pytest.mark.parametrize("mode", ["sbd", "ar"])
+@pytest.mark.parametrize("mode", ["sbd", "ar", "verify"])
 def test_continuous_rows_equal_each_prompt_alone(params, mode):
     reqs = _requests(13)
     kw = dict(gamma=0.5, temperature=1.0)
-    plain = DecodeSpec(mode=mode, max_new_tokens=18, block_size=4, eos_ids=())
+    plain = DecodeSpec(mode="sbd" if mode == "verify" else mode, verify=mode == "verify", max_new_tokens=18,
+                       block_size=4, eos_ids=())
     alone = [_alone(params, plain, r, **kw) for r in reqs]
     # an EOS id the rows really emit, so that some stop early
     eos = max(set(range(62)), key=lambda t: sum(t in a["tokens"][1:] for a in alone))

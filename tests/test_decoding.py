@@ -136,10 +136,12 @@ def _causal_cache(params, seq, total):
     return cache
 
 
-@pytest.mark.parametrize("mode", ["sbd", "ar"])
+@pytest.mark.parametrize("mode", ["sbd", "ar", "verify"])
 def test_final_cache_equals_one_causal_forward(params, prompts, mode):
-    eos_id = pick_eos(generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(), mode=mode, **BASE).tokens)
-    out = generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(eos_id,), mode=mode, **BASE)
+    """verify: rejected drafts wrote K/V past the output during decoding; the final cache holds none."""
+    kw = dict(mode="sbd", verify=True) if mode == "verify" else dict(mode=mode)
+    eos_id = pick_eos(generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(), **kw, **BASE).tokens)
+    out = generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(eos_id,), **kw, **BASE)
     o = _np(out)
     total = LENGTHS + o["lengths"]
     assert o["stopped_by_eos"].any() and not o["stopped_by_eos"].all(), "want rows stopped by EOS and by length"

@@ -54,8 +54,13 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys):
     assert base["mode"] == "ar" and base["tokens_per_forward"] == 1.0  # AR: one token per forward
     for r in rows:
         assert 0.0 <= r["accuracy"] <= 1.0 and r["n"] == cfg.n_test and r["tokens_per_s"] > 0
-    sbd = [r for r in rows if r["mode"] == "sbd" and r["rule"] == "eb"]
+    sbd = [r for r in rows if r["mode"] == "sbd" and r["rule"] == "eb" and not r["verify"]]
     assert len(sbd) == len(cfg.gammas)
+    lossless = [r for r in rows if r["verify"]]
+    assert len(lossless) == len(cfg.verify_gammas) and rows[1]["same_as_sbd_ar"] == 1.0
+    for r in lossless:  # the SBD model's AR output, up to float near-ties of the two forward shapes
+        assert r["same_as_sbd_ar"] >= 0.95 and abs(r["accuracy"] - rows[1]["accuracy"]) <= 0.05, r
+        assert sum(r["accepted_per_forward"]) > 0
     assert len([r for r in rows if r["rule"] == "threshold"]) == len(cfg.threshold_gammas)
     for r in rows:  # the batch-1 (latency) pass: timed, and the same tokens as in the batch
         assert r["latency_n"] == min(cfg.latency_n, cfg.n_test) and r["latency_tokens_per_s"] > 0
@@ -71,7 +76,7 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys):
     assert len(saved["rows"]) == len(rows)
     main, families = (out / "table.md").read_text().strip().split("\n\nAccuracy per task family:\n\n")
     assert len(main.splitlines()) == 2 + len(rows)
-    assert main.splitlines()[0].count("|") == 10  # 9 columns: accuracy, NFE and two wall-clock settings
+    assert main.splitlines()[0].count("|") == 11  # 10 columns: accuracy, = AR, NFE and two wall-clock settings
     assert len(families.splitlines()) == 2 + len(rows)
     assert families.splitlines()[0].count("|") == 2 + len(tasks.FAMILIES)
     assert (out / "accuracy_vs_speedup.png").stat().st_size > 10_000

@@ -123,3 +123,21 @@ def test_text_api(export):
     assert out[0].nfe == len(out[0].tokens)  # AR: one forward per token
     with pytest.raises(sbd_jax.decoding.DecodeError, match="input 0: expected a string"):
         sampler([{"role": "user"}])
+
+
+def test_decode_verify_mode_equals_ar_in_fewer_forwards(export, tmp_path, capsys):
+    """decode.py --verify --compare-ar on the fine-tuned model, sampled: every row identical to AR's (the summary
+    counts and shows them), in fewer forwards than AR, with the per-block histogram of drafts that stood."""
+    prompts = [{"id": f"{w}{i}", "messages": [{"role": "user", "content": f"Say {w} to friend number {i}"}]}
+               for i in (3, 8, 21, 40) for w in ANSWERS]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    assert decode.main(["--model", str(export), "--input", str(tmp_path / "p.jsonl"), "--output",
+                        str(tmp_path / "o.jsonl"), "--verify", "--compare-ar", "--temperature", "0.7", "--gamma", "2",
+                        "--block-size", "8", "--max-new-tokens", "32", "--batch-size", "3",
+                        "--summary", str(tmp_path / "s.json"), "--no-progress"]) == 0
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["verify"] and s["n_rows_differing_from_ar"] == 0 and s["same_tokens_as_ar"] == 1.0
+    assert s["nfe"] < s["ar"]["nfe"] and sum(s["accepted_per_forward"]) > 0
+    assert "rows identical to AR: 8 of 8 (100.0%)" in capsys.readouterr().out
+    for r in map(json.loads, (tmp_path / "o.jsonl").read_text().splitlines()):
+        assert r["tokens"] == r["ar"]["tokens"] and r["nfe"] <= r["ar"]["nfe"]

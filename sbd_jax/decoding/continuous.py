@@ -79,17 +79,20 @@ def _admit(params, state: _State, rows: _Rows, slot_R, prompt_RP, new: _Rows, *,
         rows = _Rows(*(put(a, v) for a, v in zip(rows, new)))
         env = _env(params, cfg, spec, rows, mesh)
         fresh = _new_state(_env(params, cfg, spec, new, None), _prompt_seq(prompt_RP, new.lengths, spec, env), P)
-        # the prompts' K/V (AR leaves the last prompt token to its first step), over these rows' cache only
+        if spec.verify:  # the last prompt token rides as a 1-token commit: its query gives AR's first token
+            fresh = fresh._replace(commit_start=jnp.full_like(new.lengths, -1), commit_len=jnp.ones_like(new.lengths))
+        # the prompts' K/V (AR and verify mode leave the last prompt token to the first step), these rows' cache only
         C = min(spec.prefill_chunk, P)
         width = -(-P // C) * C
         rows_k = jnp.minimum(slot_R, B - 1)
         cache, _ = write_prompt(params, cfg, KVCache(state.cache.k[:, rows_k], state.cache.v[:, rows_k],
                                                      jnp.zeros((R,), jnp.int32)),
                                 jnp.pad(prompt_RP, ((0, 0), (0, width - P))),
-                                jnp.where(slot_R < B, new.lengths - (spec.mode == "ar"), 0), width // C, C)
+                                jnp.where(slot_R < B, new.lengths - (spec.mode == "ar" or spec.verify), 0), width // C, C)
         state = state._replace(
             **{f: put(getattr(state, f), getattr(fresh, f)) for f in
-               ("block_offset", "masked", "commit", "done", "eos", "n_generated", "nfe", "accepted")},
+               ("block_offset", "masked", "commit_start", "commit_len", "done", "eos", "n_generated", "nfe",
+                "accepted", "decoded_at")},
             seq=env.constrain(put(state.seq, fresh.seq)),
             cache=env.constrain(KVCache(state.cache.k.at[:, slot_R].set(cache.k, mode="drop"),
                                         state.cache.v.at[:, slot_R].set(cache.v, mode="drop"),

@@ -48,7 +48,8 @@ class GenerateOutput(NamedTuple):
     """tokens [B, max_new_tokens] (int32, the pad id beyond `lengths`), lengths [B] generated tokens (EOS
     included), nfe [B] model calls, stopped_by_eos [B], iterations (model calls of the batch = loop iterations
     + 1), wide_steps (SBD iterations that used the 2k commit window), accepted [B, window + 1]: per row, how many
-    of its model calls decoded 0, 1, ... window tokens, cache (KVCache or None)."""
+    of its model calls decoded 0, 1, ... window tokens of the output (counted when their block ends; verify mode:
+    how many verified blocks had 0, 1, ... drafts stand), cache (KVCache or None)."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -71,14 +72,18 @@ class _State(NamedTuple):
     cache: KVCache
     block_offset: jax.Array   # [B] generated tokens before the current block (AR: generated tokens)
     masked: jax.Array         # [B, K] still-masked positions of the current block (SBD)
-    commit: jax.Array         # [B] the previous block still needs its clean causal re-run (SBD)
+    # the tokens at generated indices [commit_start, commit_start + commit_len) still need their clean causal
+    # re-run (the previous block; in verify mode also the tokens to verify, or a 1-token correction)
+    commit_start: jax.Array   # [B]
+    commit_len: jax.Array     # [B] 0 = nothing to commit
     done: jax.Array           # [B]
     eos: jax.Array            # [B] stopped by EOS
     n_generated: jax.Array    # [B] final number of generated tokens (valid once done)
     nfe: jax.Array            # [B]
     iters: jax.Array          # scalar: model calls
     wide: jax.Array           # scalar: calls with the 2k commit window
-    accepted: jax.Array       # [B, window + 1] per row: calls that decoded 0, 1, ... tokens
+    accepted: jax.Array       # [B, window + 1] per row: calls that decoded 0, 1, ... tokens (of the output)
+    decoded_at: jax.Array     # [B, K] SBD: the call (counted within the block) that decoded each position; K = not yet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,8 +230,9 @@ def _new_state(env: _Env, seq, P: int, done=None) -> _State:
     zeros_B, false_B = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool)
     masked = (jnp.arange(spec.window)[None] < env.max_new[:, None]) & (spec.mode == "sbd")  # the first block
     return _State(env.constrain(seq), env.constrain(init_cache(env.cfg, B, P + spec.max_new_tokens)), zeros_B,
-                  masked, false_B, false_B if done is None else done, false_B, zeros_B,
-                  zeros_B, jnp.int32(0), jnp.int32(0), jnp.zeros((B, spec.window + 1), jnp.int32))
+                  masked, zeros_B, zeros_B, false_B if done is None else done, false_B, zeros_B,
+                  zeros_B, jnp.int32(0), jnp.int32(0), jnp.zeros((B, spec.window + 1), jnp.int32),
+                  jnp.full((B, spec.window), spec.window, jnp.int32))
 
 
 def _constrainer(cfg, mesh, B):
@@ -267,51 +273,125 @@ def _copy_window(state: _State, env: _Env):
     return tok, copy_meta(seg, pos, jnp.broadcast_to(pos[:, :1], pos.shape))
 
 
-def _sbd_update(state: _State, env: _Env, logits_BKV, cache) -> _State:
-    """Acceptance + sampling + block bookkeeping after one model call on the current block."""
+def _sbd_update(state: _State, env: _Env, logits_BKV, cache, ar_BK=None) -> _State:
+    """Acceptance + sampling + block bookkeeping after one model call on the current block (verify mode: first
+    the verification of the committed tokens against AR's tokens `ar_BK`, `_verify`)."""
     spec = env.spec
     K, max_new = spec.block_size, env.max_new
+    j = jnp.arange(K, dtype=jnp.int32)[None]
+    pos = _block_positions(state, env)
+    rows = jnp.arange(state.seq.shape[0])[:, None]
+    ran = ~state.done  # rows this call carried a token of
+    if spec.verify:
+        state, rejected = _verify(state, env, ar_BK)
     active = ~state.done
     with jax.named_scope("accept"):
         h = sampling.entropy(logits_BKV, env.temp, tempered=spec.tempered_entropy)
         masked = state.masked & active[:, None]
         acc = sampling.accept(spec.rule, h, masked, env.gamma)
-        drawn = sampling.sample(logits_BKV, env.keys, state.nfe, env.temp, top_k=spec.top_k, top_p=spec.top_p,
+        index = (state.block_offset[:, None] + j) if spec.verify else state.nfe  # verify: coupled to AR's draw
+        drawn = sampling.sample(logits_BKV, env.keys, index, env.temp, top_k=spec.top_k, top_p=spec.top_p,
                                 suppress=env.cfg.mask_token_id)
-    j = jnp.arange(K, dtype=jnp.int32)[None]
-    pos = _block_positions(state, env)
+    if spec.verify:
+        acc = acc & ~rejected[:, None]  # a rejected row's copy half drafted positions that no longer exist
+    call = jnp.max(jnp.where(state.decoded_at < K, state.decoded_at + 1, 0), axis=1)  # this call's number in the block
+    decoded_at = jnp.where(acc, call[:, None], state.decoded_at)
     block = jnp.where(acc, drawn, _gather(state.seq, pos))
-    rows = jnp.arange(state.seq.shape[0])[:, None]
     seq = state.seq.at[rows, pos].set(block, mode="drop")
     still = masked & ~acc
     valid = (state.block_offset[:, None] + j) < max_new[:, None]
-    decoded = valid & ~still
-    prefix = jnp.cumprod(decoded.astype(jnp.int32), axis=1).astype(bool)
-    stop = jnp.isin(block, env.eos) & decoded & prefix
-    eos_hit = active & jnp.any(stop, axis=1)
-    first = jnp.argmax(stop, axis=1).astype(jnp.int32)
-    complete = active & ~jnp.any(still, axis=1) & ~eos_hit
+    complete = active & ~jnp.any(still, axis=1)
     nxt = state.block_offset + K
-    cap_hit = complete & (nxt >= max_new)
-    advance = complete & ~cap_hit
-    n_generated = jnp.where(eos_hit, state.block_offset + first + 1, jnp.where(cap_hit, max_new, state.n_generated))
+    if spec.verify:  # drafts stop nothing: a complete block is verified by the next call (its commit window)
+        advance = complete & ~rejected
+        done, eos_hit, n_generated = state.done, jnp.zeros_like(state.done), state.n_generated
+        accepted = state.accepted
+        commit_start = jnp.where(advance, state.block_offset, state.commit_start)
+        commit_len = jnp.where(advance, jnp.minimum(K, max_new - state.block_offset), state.commit_len)
+    else:
+        decoded = valid & ~still
+        prefix = jnp.cumprod(decoded.astype(jnp.int32), axis=1).astype(bool)
+        stop = jnp.isin(block, env.eos) & decoded & prefix
+        eos_hit = active & jnp.any(stop, axis=1)
+        first = jnp.argmax(stop, axis=1).astype(jnp.int32)
+        complete = complete & ~eos_hit
+        cap_hit = complete & (nxt >= max_new)
+        advance = complete & ~cap_hit
+        done = state.done | eos_hit | cap_hit
+        n_generated = jnp.where(eos_hit, state.block_offset + first + 1,
+                                jnp.where(cap_hit, max_new, state.n_generated))
+        # when a block ends, each of its calls is counted with the tokens it added to the output: none past the
+        # cap, none after the EOS that ends the row (a call may have decoded those before the EOS was decoded)
+        calls = jnp.max(jnp.where(decoded_at < K, decoded_at + 1, 0), axis=1)  # [B] calls this block took
+        keep = valid & (decoded_at < K) & (~eos_hit[:, None] | (j <= first[:, None]))
+        per_call = jnp.sum(keep[:, None, :] & (decoded_at[:, None, :] == j[..., None]), axis=2)  # [B, call]
+        ends = active & (eos_hit | cap_hit | advance)
+        accepted = state.accepted + jnp.sum(jax.nn.one_hot(per_call, K + 1, dtype=jnp.int32)
+                                            * ((j < calls[:, None]) & ends[:, None])[..., None], axis=1)
+        commit_start, commit_len = state.block_offset, jnp.where(advance, K, 0)
+    block_offset = jnp.where(advance, nxt, state.block_offset)
     return _State(
         seq=env.constrain(seq),
         cache=cache,
-        block_offset=jnp.where(advance, nxt, state.block_offset),
+        block_offset=block_offset,
         masked=jnp.where(advance[:, None], (nxt[:, None] + j) < max_new[:, None],
                          jnp.where(active[:, None], still, state.masked)),
-        commit=advance,
-        done=state.done | eos_hit | cap_hit,
+        commit_start=commit_start,
+        commit_len=commit_len,
+        done=done,
         eos=state.eos | eos_hit,
         n_generated=n_generated,
-        nfe=state.nfe + active.astype(jnp.int32),
+        nfe=state.nfe + ran.astype(jnp.int32),
         iters=state.iters + 1,
         wide=state.wide,
-        # tokens this call added to the output: none past the cap, none after the EOS that ends the row
-        accepted=_tally(state.accepted, jnp.sum(acc & valid & (~eos_hit[:, None] | (j <= first[:, None])), axis=1),
-                        active),
+        accepted=accepted,
+        decoded_at=jnp.where(advance[:, None], K, decoded_at),
     )
+
+
+def _verify(state: _State, env: _Env, ar_BK):
+    """Verify mode (SBD.md "Lossless mode"): rows whose commit window ran in this call compare the drafts at
+    generated indices cs + 1 .. cs + cl - 1 with AR's tokens there (`ar_BK[:, i]`: AR's token at cs + 1 + i,
+    from the clean query at cs + i) and keep the agreeing prefix. All agree: AR's next token ar[cl - 1] becomes
+    the current block's first token. A draft differs at cs + 1 + m: AR's token replaces it, the rest is dropped,
+    the next block starts after it and the correction is committed (1 token) by the next call. A verified EOS
+    or the cap ends the row. -> (state, rows whose drafts were rejected)."""
+    K, max_new = env.spec.block_size, env.max_new
+    j = jnp.arange(K, dtype=jnp.int32)[None]
+    active = ~state.done
+    checked = active & (state.commit_len > 0)
+    cs, cl = state.commit_start, state.commit_len
+    drafts = _gather(state.seq, (env.lengths + cs)[:, None] + 1 + j)  # the draft at cs + 1 + i, for ar[:, i]
+    agree = jnp.cumprod(((drafts == ar_BK) & (j < cl[:, None] - 1)).astype(jnp.int32), axis=1)
+    m = jnp.sum(agree, axis=1)  # drafts that stand
+    rejected = checked & (m < cl - 1)
+    upto = jnp.where(rejected, m, cl - 1)  # commit tokens cs .. cs + upto stand
+    extra = jnp.take_along_axis(ar_BK, upto[:, None], axis=1)[:, 0]  # the correction or the next first token
+    g_extra = cs + upto + 1
+    # the first verified EOS: among the standing commit tokens (cs itself was verified before), then `extra`
+    kept = _gather(state.seq, (env.lengths + cs)[:, None] + j)
+    eos_at = jnp.isin(kept, env.eos) & (j >= 1) & (j <= upto[:, None])
+    in_commit = jnp.any(eos_at, axis=1)
+    extra_eos = ~in_commit & jnp.isin(extra, env.eos) & (g_extra < max_new)
+    length = jnp.where(in_commit, cs + jnp.argmax(eos_at, axis=1).astype(jnp.int32) + 1,
+                       jnp.where(g_extra < max_new, g_extra + 1, max_new))
+    length = jnp.minimum(length, max_new)
+    finished = checked & (in_commit | extra_eos | (length >= max_new))
+    rows = jnp.arange(state.seq.shape[0])
+    put = checked & (g_extra < max_new)
+    seq = state.seq.at[rows, jnp.where(put, env.lengths + g_extra, state.seq.shape[1])].set(extra, mode="drop")
+    restart = rejected & ~finished  # the next block starts after the correction
+    offset = jnp.where(restart, g_extra + 1, state.block_offset)
+    masked = jnp.where(restart[:, None], (offset[:, None] + j) < max_new[:, None],
+                       state.masked & ~((j == 0) & checked[:, None]))  # accepted: the first token is AR's
+    state = state._replace(
+        seq=env.constrain(seq), block_offset=offset, masked=masked,
+        commit_start=jnp.where(restart, g_extra, jnp.where(checked, 0, cs)),
+        commit_len=jnp.where(restart, 1, jnp.where(checked, 0, cl)),
+        done=state.done | finished, eos=state.eos | (finished & (in_commit | extra_eos)),
+        n_generated=jnp.where(finished, length, state.n_generated),
+        accepted=_tally(state.accepted, upto, checked & (cl > 1)))  # per verified block: drafts that stood
+    return state, rejected
 
 
 def _prompt_meta(lengths_B, start, width: int):
@@ -353,33 +433,48 @@ def _prefill(state: _State, env: _Env, prompt_ids):
 def _sbd_first(state: _State, env: _Env, prompt_ids) -> _State:
     """NFE 1: [prompt CLEAN ; first block COPY] (a long prompt's earlier pieces prefilled first)."""
     P = prompt_ids.shape[1]
-    state, start, _ = _prefill(state, env, prompt_ids)
+    state, start, h_last = _prefill(state, env, prompt_ids)
     ctok, cmeta = _copy_window(state, env)
     tokens = jnp.concatenate([prompt_ids[:, start:], ctok], axis=1)
     h, cache = forward(env.params, env.cfg, tokens, concat_meta(_prompt_meta(env.lengths, start, P - start), cmeta),
                        state.cache, return_hidden=True)
-    return _sbd_update(state, env, lm_head(env.params, env.cfg, h[:, P - start:]), env.constrain(cache))
+    ar = None
+    if env.spec.verify:  # AR's first token, from the last prompt token's query, is the first block's first token
+        last = _last_prompt_hidden(h, env.lengths, start, P, h_last)
+        first = sampling.sample(lm_head(env.params, env.cfg, last), env.keys, jnp.zeros_like(env.lengths)[:, None],
+                                env.temp, top_k=env.spec.top_k, top_p=env.spec.top_p)
+        ar = jnp.zeros(state.masked.shape, jnp.int32).at[:, :1].set(first)
+        state = state._replace(commit_start=jnp.full_like(env.lengths, -1), commit_len=jnp.ones_like(env.lengths))
+    return _sbd_update(state, env, lm_head(env.params, env.cfg, h[:, P - start:]), env.constrain(cache), ar)
 
 
 def _sbd_step(state: _State, env: _Env) -> _State:
-    K = env.spec.block_size
-    need = state.commit & ~state.done
+    K, spec = env.spec.block_size, env.spec
+    need = (state.commit_len > 0) & ~state.done
     ctok, cmeta = _copy_window(state, env)
+    j = jnp.arange(K, dtype=jnp.int32)[None]
+    no_ar = jnp.zeros(state.masked.shape, jnp.int32)
 
     def with_commit(cache):
-        pos = _block_positions(state, env, offset=-1)
-        meta = clean_meta(jnp.broadcast_to(need[:, None], pos.shape).astype(jnp.int32), pos)
+        gen = state.commit_start[:, None] + j
+        pos = env.lengths[:, None] + gen
+        meta = clean_meta((need[:, None] & (j < state.commit_len[:, None])).astype(jnp.int32), pos)
         tokens = jnp.concatenate([_gather(state.seq, pos), ctok], axis=1)
         h, cache = forward(env.params, env.cfg, tokens, concat_meta(meta, cmeta), cache, return_hidden=True)
-        return lm_head(env.params, env.cfg, h[:, K:]), cache
+        ar = no_ar
+        if spec.verify:  # AR's token at gen + 1 from each clean query: what the drafts are checked against
+            ar = sampling.sample(lm_head(env.params, env.cfg, h[:, :K]), env.keys, gen + 1, env.temp,
+                                 top_k=spec.top_k, top_p=spec.top_p)
+        return lm_head(env.params, env.cfg, h[:, K:]), ar, cache
 
     def copy_only(cache):
-        return forward(env.params, env.cfg, ctok, cmeta, cache)
+        logits, cache = forward(env.params, env.cfg, ctok, cmeta, cache)
+        return logits, no_ar, cache
 
     wide = jnp.any(need)
-    logits, cache = jax.lax.cond(wide, with_commit, copy_only, state.cache)
+    logits, ar, cache = jax.lax.cond(wide, with_commit, copy_only, state.cache)
     state = state._replace(wide=state.wide + wide.astype(jnp.int32))
-    return _sbd_update(state, env, logits, env.constrain(cache))
+    return _sbd_update(state, env, logits, env.constrain(cache), ar if spec.verify else None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -389,7 +484,9 @@ def _sbd_step(state: _State, env: _Env) -> _State:
 def _ar_update(state: _State, env: _Env, logits_B1V, cache) -> _State:
     active = ~state.done
     spec = env.spec
-    tok = sampling.sample(logits_B1V, env.keys, state.nfe, env.temp, top_k=spec.top_k, top_p=spec.top_p)[:, 0]
+    # the token at generated index j drawn from fold_in(key, j): what verify mode checks its drafts against
+    tok = sampling.sample(logits_B1V, env.keys, state.block_offset[:, None], env.temp, top_k=spec.top_k,
+                          top_p=spec.top_p)[:, 0]
     pos = env.lengths + state.block_offset
     rows = jnp.arange(state.seq.shape[0])
     seq = state.seq.at[rows, jnp.where(active, pos, state.seq.shape[1])].set(tok, mode="drop")
@@ -407,10 +504,16 @@ def _ar_first(state: _State, env: _Env, prompt_ids) -> _State:
     state, start, h_last = _prefill(state, env, prompt_ids)
     h, cache = forward(env.params, env.cfg, prompt_ids[:, start:], _prompt_meta(env.lengths, start, P - start), state.cache,
                        return_hidden=True)
-    idx = env.lengths - 1 - start
-    h_at = jnp.take_along_axis(h, jnp.clip(idx, 0, P - start - 1)[:, None, None], axis=1)
-    last = jnp.where((idx >= 0)[:, None, None], h_at, h_last)
+    last = _last_prompt_hidden(h, env.lengths, start, P, h_last)
     return _ar_update(state, env, lm_head(env.params, env.cfg, last), env.constrain(cache))
+
+
+def _last_prompt_hidden(h, lengths, start: int, P: int, h_last):
+    """[B, 1, D]: the hidden state at each row's last prompt token, from the window h of prompt columns
+    [start, P) (first) or from the prefilled pieces before it (`h_last`)."""
+    idx = lengths - 1 - start
+    h_at = jnp.take_along_axis(h, jnp.clip(idx, 0, P - start - 1)[:, None, None], axis=1)
+    return jnp.where((idx >= 0)[:, None, None], h_at, h_last)
 
 
 def _ar_step(state: _State, env: _Env) -> _State:
@@ -425,11 +528,17 @@ def _ar_step(state: _State, env: _Env) -> _State:
 
 def _finalize(state: _State, env: _Env) -> KVCache:
     """One extra clean call (not counted in NFE) writing the K/V the loop left uncommitted."""
-    if env.spec.mode == "sbd":
+    if env.spec.verify:  # the last K tokens: only the last verified token can lack its K/V
+        pos = (env.lengths + state.n_generated - env.spec.block_size)[:, None] + jnp.arange(env.spec.block_size)[None]
+    elif env.spec.mode == "sbd":
         pos = _block_positions(state, env)
     else:
         pos = (env.lengths + state.n_generated - 1)[:, None]
-    seg = (pos < (env.lengths + state.n_generated)[:, None]).astype(jnp.int32)
+    seg = ((pos >= 0) & (pos < (env.lengths + state.n_generated)[:, None])).astype(jnp.int32)
     _, cache = forward(env.params, env.cfg, _gather(state.seq, pos), clean_meta(seg, pos), state.cache,
                        return_hidden=True)
+    if env.spec.verify:  # rejected drafts wrote K/V past the output: clear them
+        total = env.lengths + state.n_generated
+        keep = (jnp.arange(cache.k.shape[2])[None] < total[:, None])[None, :, :, None, None]
+        cache = KVCache(jnp.where(keep, cache.k, 0), jnp.where(keep, cache.v, 0), total)
     return env.constrain(cache)

@@ -114,7 +114,7 @@ class BatchDecoder:
         ids, lens, keys, caps = self.arrays(batch)
         args, static = prepare_generate(self.params, self.cfg, ids, lens, o.spec, gamma=o.gamma,
                                         temperature=o.temperature, key=keys, row_max_new_tokens=caps, mesh=self.mesh,
-                                        check=False, mode=mode)
+                                        check=False, **_mode(o.spec, mode))
         sig = (mode, ids.shape)
         if sig not in self._compiled:
             t = time.perf_counter()
@@ -136,7 +136,7 @@ class BatchDecoder:
         opts = self.opts
         with_ar = opts.compare_ar and opts.spec.mode != "ar"
         main, ar = Totals(), Totals()
-        same_as_ar = 0
+        differ: list = []
         order = sorted(prompts, key=lambda p: len(p.ids))  # length buckets
         for batch in (order[i:i + opts.batch_size] for i in range(0, len(order), opts.batch_size)):
             res, secs = self.run(batch, opts.spec.mode)
@@ -148,16 +148,30 @@ class BatchDecoder:
                 row = _row(res, i)
                 if with_ar:
                     row["ar"] = _row(ares, i)
-                    same_as_ar += row["ar"]["tokens"] == row["tokens"]
+                    if row["ar"]["tokens"] != row["tokens"]:
+                        differ.append(p.id)
                 on_row(p, row)
                 if progress is not None:
                     progress.update(1)
-        summary = dict(mode=opts.spec.mode, **main.as_dict(), compile_seconds=round(self.compile_s, 3))
+        summary = dict(mode=opts.spec.mode, verify=opts.spec.verify, **main.as_dict(),
+                       compile_seconds=round(self.compile_s, 3))
         if with_ar:
-            summary["ar"] = ar.as_dict()
-            summary["speedup_tokens_per_s"] = summary["tokens_per_s"] / summary["ar"]["tokens_per_s"]
-            summary["same_tokens_as_ar"] = same_as_ar / max(main.rows, 1)
+            _compare(summary, ar, differ)
         return summary
+
+
+def _mode(spec, mode: str) -> dict:
+    """The spec fields of `mode` (the AR baseline of a verify-mode run is plain AR)."""
+    return {"mode": mode, "verify": spec.verify and mode == "sbd"}
+
+
+def _compare(summary: dict, ar: Totals, differ: list) -> None:
+    """The AR comparison of a summary: AR's totals, the speedup, the rows whose tokens differ from AR's."""
+    summary["ar"] = ar.as_dict()
+    summary["speedup_tokens_per_s"] = summary["tokens_per_s"] / summary["ar"]["tokens_per_s"]
+    summary["same_tokens_as_ar"] = 1 - len(differ) / max(summary["rows"], 1)
+    summary["rows_differing_from_ar"] = differ[:20]
+    summary["n_rows_differing_from_ar"] = len(differ)
 
 
 def _global(x: np.ndarray, sharding):
@@ -225,9 +239,9 @@ def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: De
     keys = np.asarray(jax.random.key_data(prompt_keys(opts.seed, prompts)))
     reqs = [Request(p.ids, k, p.max_new_tokens) for p, k in zip(prompts, keys)]
     modes = [opts.spec.mode] + (["ar"] if opts.compare_ar and opts.spec.mode != "ar" else [])
-    totals, results, compile_s, same_as_ar = {}, {}, 0.0, 0
+    totals, results, compile_s, differ = {}, {}, 0.0, []
     for mode in modes:
-        dec = ContinuousDecoder(params, cfg, dataclasses.replace(opts.spec, mode=mode), slots=opts.batch_size,
+        dec = ContinuousDecoder(params, cfg, dataclasses.replace(opts.spec, **_mode(opts.spec, mode)), slots=opts.batch_size,
                                 prompt_width=width, gamma=opts.gamma, temperature=opts.temperature, mesh=mesh)
         totals[mode] = t = Totals()
         start = time.perf_counter()
@@ -237,7 +251,8 @@ def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: De
             if mode == modes[-1]:
                 if len(modes) > 1:
                     row = dict(results.pop(i), ar=row)
-                    same_as_ar += row["ar"]["tokens"] == row["tokens"]
+                    if row["ar"]["tokens"] != row["tokens"]:
+                        differ.append(prompts[i].id)
                 on_row(prompts[i], row)
                 if progress is not None:
                     progress.update(1)
@@ -247,11 +262,10 @@ def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: De
         t.calls = dec.calls
         compile_s += dec.compile_s
     main = totals[modes[0]]
-    summary = dict(mode=opts.spec.mode, **main.as_dict(), compile_seconds=round(compile_s, 3), continuous=True)
+    summary = dict(mode=opts.spec.mode, verify=opts.spec.verify, **main.as_dict(), compile_seconds=round(compile_s, 3),
+                   continuous=True)
     if len(modes) > 1:
-        summary["ar"] = totals["ar"].as_dict()
-        summary["speedup_tokens_per_s"] = summary["tokens_per_s"] / summary["ar"]["tokens_per_s"]
-        summary["same_tokens_as_ar"] = same_as_ar / max(main.rows, 1)
+        _compare(summary, totals["ar"], differ)
     return summary
 
 

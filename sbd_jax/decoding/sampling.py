@@ -13,9 +13,10 @@ Acceptance rules (SBD.md inference step 4), both applied to the still-masked pos
 Ties in H are broken by position (stable sort / first argmin), so the rule is deterministic.
 
 Sampling: temperature, then top-k, then top-p (HF's order) shape the distribution p_i used to draw the token;
-temperature 0 means argmax of the raw logits. Row b at its n-th model call draws from `fold_in(key_b, n)`: a
-row's output does not depend on its batch (given per-row keys), and the cached and brute-force decoders draw
-identically.
+temperature 0 means argmax of the raw logits. SBD row b at its n-th model call draws from `fold_in(key_b, n)`;
+AR mode and verify mode draw the token at generated index j from `fold_in(key_b, j)` (SBD.md "Lossless mode" step
+3: the same key gives the same tokens in AR and verify mode). A row's output does not depend on its batch (given
+per-row keys), and the cached and brute-force decoders draw identically.
 """
 from __future__ import annotations
 
@@ -120,22 +121,29 @@ def row_keys(key, batch: int):
     return key
 
 
-def sample(logits_BKV, keys_B, step_B, temperature_B, *, top_k: int = 0, top_p: float = 1.0, suppress=None):
-    """Token per position [B, K] (int32): argmax for rows with temperature 0, else a draw from the
-    shaped distribution with key fold_in(keys_B[b], step_B[b]). `suppress`: a token id never drawn
-    (the SBD mask token: it is not text)."""
+def sample(logits_BKV, keys_B, index, temperature_B, *, top_k: int = 0, top_p: float = 1.0, suppress=None):
+    """Token per position [B, K] (int32): argmax for rows with temperature 0, else a Gumbel-max draw from the
+    shaped distribution. `index` [B]: row b draws all K positions from fold_in(keys_B[b], index[b]) (SBD: its
+    call count); `index` [B, K]: each position from fold_in(keys_B[b], index[b, k]) alone (its generated-token
+    index), so a token is a pure function of (logits, key, position) whatever window it was computed in: how
+    AR mode draws and how verify mode checks drafts. `suppress`: a token id never drawn (the SBD mask token)."""
     if suppress is not None:  # a select (fuses into the reductions), not a scatter (copies the logits)
         logits_BKV = jnp.asarray(logits_BKV)
         vocab = jax.lax.broadcasted_iota(jnp.int32, logits_BKV.shape, logits_BKV.ndim - 1)
         logits_BKV = jnp.where(vocab == suppress, -jnp.inf, logits_BKV)
     greedy = argmax(logits_BKV)
     t = jnp.asarray(temperature_B, jnp.float32)
+    index = jnp.asarray(index, jnp.int32)
 
     def drawn(_):
         shaped = shape_logits(logits_BKV, t, top_k=top_k, top_p=top_p)
-        step_keys = jax.vmap(jax.random.fold_in)(keys_B, step_B)
+        if index.ndim == 1:
+            step_keys = jax.vmap(jax.random.fold_in)(keys_B, index)
+            g = jax.vmap(lambda k: jax.random.gumbel(k, shaped.shape[1:], jnp.float32))(step_keys)
+        else:
+            pos_keys = jax.vmap(lambda k, i: jax.vmap(lambda n: jax.random.fold_in(k, n))(i))(keys_B, index)
+            g = jax.vmap(jax.vmap(lambda k: jax.random.gumbel(k, shaped.shape[-1:], jnp.float32)))(pos_keys)
         # Gumbel-max, as jax.random.categorical, with the fast argmax
-        g = jax.vmap(lambda k: jax.random.gumbel(k, shaped.shape[1:], jnp.float32))(step_keys)
         tok = argmax(jnp.where(jnp.isneginf(shaped), -jnp.inf, shaped + g))
         return jnp.where(t[:, None] > 0, tok, greedy)
 

@@ -31,6 +31,9 @@ class DecodeSpec:
     mode: str = "sbd"  # "sbd" (Set Block Decoding) | "ar" (next-token decoding, the baseline)
     block_size: int = 4  # SBD: positions per block (AR makes one token per step)
     rule: str = "eb"  # SBD acceptance rule: "eb" (the paper's entropy bound) | "threshold" (sampling.py)
+    # SBD lossless mode (SBD.md "Lossless mode"): every block is checked against AR's tokens by the next call's
+    # clean queries; the output equals AR mode's for the same key, drafts only decide how many calls it takes
+    verify: bool = False
     top_k: int = 0  # 0 = off; top_k and top_p shape the sampling distribution, not the entropies
     top_p: float = 1.0  # 1 = off
     tempered_entropy: bool = False  # entropies on the tempered distribution for rows with temperature > 0
@@ -49,6 +52,8 @@ class DecodeSpec:
             raise DecodeError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.rule not in RULES:
             raise DecodeError(f"rule must be one of {RULES}, got {self.rule!r}")
+        if self.verify and self.mode != "sbd":
+            raise DecodeError("verify=True is a mode of SBD decoding (mode='sbd'); AR mode is what it reproduces")
         for name, low in (("max_new_tokens", 1), ("block_size", 1), ("top_k", 0), ("prefill_chunk", 1)):
             v = getattr(self, name)
             if not _is_int(v) or v < low:

@@ -25,12 +25,16 @@ class Decoder:
     mode: str  # "ar" | "sbd"
     gamma: float | None = None
     rule: str | None = None  # SBD acceptance rule (SBD.md step 4); None for AR
+    verify: bool = False  # lossless: drafts checked against AR's tokens (SBD.md "Lossless mode")
 
 
 def decoders(cfg) -> list[Decoder]:
+    """The baseline, the SBD model decoded AR, the lossless rows, then the lossy rows (the paper's rules)."""
     out = [Decoder("NTP fine-tune, AR (baseline)", "ntp", "ar"), Decoder("SBD fine-tune, AR", "sbd", "ar")]
-    out += [Decoder(f"SBD fine-tune, SBD gamma={g:g}", "sbd", "sbd", g, "eb") for g in cfg.gammas]
-    out += [Decoder(f"SBD fine-tune, SBD threshold rule gamma={g:g}", "sbd", "sbd", g, "threshold")
+    out += [Decoder(f"SBD fine-tune, SBD lossless (verify) gamma={g:g}", "sbd", "sbd", g, "eb", True)
+            for g in cfg.verify_gammas]
+    out += [Decoder(f"SBD fine-tune, SBD gamma={g:g} (lossy)", "sbd", "sbd", g, "eb") for g in cfg.gammas]
+    out += [Decoder(f"SBD fine-tune, SBD threshold rule gamma={g:g} (lossy)", "sbd", "sbd", g, "threshold")
             for g in cfg.threshold_gammas]
     return out
 
@@ -40,9 +44,10 @@ def problem_prompts(tok: Tokenizer, problems: list[dict]) -> list[Prompt]:
 
 
 def batch_decoder(params, mcfg, *, mode: str, block_size: int, gamma, rule, max_new_tokens: int,
-                  batch_size: int) -> BatchDecoder:
+                  batch_size: int, verify: bool = False) -> BatchDecoder:
     """Greedy decoding; one prompt width for the whole suite (its prompts are short), so one compilation."""
-    spec = DecodeSpec(mode=mode, block_size=block_size, rule=rule or "eb", max_new_tokens=max_new_tokens)
+    spec = DecodeSpec(mode=mode, block_size=block_size, rule=rule or "eb", max_new_tokens=max_new_tokens,
+                      verify=verify)
     return BatchDecoder(params, mcfg, DecodeOptions(spec=spec, gamma=gamma or 0.0, batch_size=batch_size,
                                                     pad_multiple=mcfg.max_position_embeddings - max_new_tokens))
 
@@ -73,7 +78,7 @@ def run_decoder(d: Decoder, params, mcfg, tok: Tokenizer, problems: list[dict], 
     prompts = problem_prompts(tok, problems)
     n_lat = min(cfg.latency_n, len(problems))
     make = functools.partial(batch_decoder, params, mcfg, mode=d.mode, block_size=cfg.block_size, gamma=d.gamma,
-                             rule=d.rule, max_new_tokens=cfg.max_new_tokens)
+                             rule=d.rule, max_new_tokens=cfg.max_new_tokens, verify=d.verify)
     batched, single = make(batch_size=cfg.eval_batch), make(batch_size=1)
     rows, s = decode_all(batched, prompts, f"eval {d.label}" if progress else None)
     lat_rows, lat = decode_all(single, prompts[:n_lat], f"batch-1 {d.label}" if progress else None)
@@ -85,7 +90,8 @@ def run_decoder(d: Decoder, params, mcfg, tok: Tokenizer, problems: list[dict], 
     def retime():
         return batched.decode(prompts)["seconds"], single.decode(prompts[:n_lat])["seconds"]
 
-    return {"label": d.label, "model": d.model, "mode": d.mode, "gamma": d.gamma, "rule": d.rule,
+    return {"label": d.label, "model": d.model, "mode": d.mode, "gamma": d.gamma, "rule": d.rule, "verify": d.verify,
+            "outputs": [r["tokens"] for r in rows], "accepted_per_forward": s["accepted_per_forward"],
             "accuracy": float(np.mean(correct)), "n": len(problems), "tokens": s["tokens"], "nfe": s["nfe"],
             "tokens_per_forward": s["tokens_per_forward"], "seconds": s["seconds"], "timed_tokens": s["tokens"],
             "latency_n": n_lat, "latency_seconds": lat["seconds"], "latency_timed_tokens": lat["tokens"],
@@ -119,8 +125,11 @@ def evaluate(cfg, models: dict[str, Path], test_file: Path, tok_dir: Path, log=p
         r["tokens_per_s"] = r["timed_tokens"] / r["seconds"]
         r["latency_tokens_per_s"] = r["latency_timed_tokens"] / r["latency_seconds"] if r["latency_n"] else float("nan")
         r["seconds_rounds"], r["latency_seconds_rounds"] = batch_s, lat_s
-    base = rows[0]
+    base, sbd_ar = rows[0], rows[1]
+    for r in rows:  # rows with exactly the tokens of the SBD model decoded AR (lossless rows: all, up to near-ties)
+        r["same_as_sbd_ar"] = float(np.mean([a == b for a, b in zip(r["outputs"], sbd_ar["outputs"])]))
     for r in rows:
+        del r["outputs"]
         r["nfe_speedup"] = r["tokens_per_forward"] / base["tokens_per_forward"]
         r["wall_speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["latency_speedup"] = r["latency_tokens_per_s"] / base["latency_tokens_per_s"]

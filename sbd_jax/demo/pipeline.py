@@ -58,6 +58,8 @@ class DemoConfig:
     block_size: int = 16
     gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0)  # EB rule (the paper's): low 0.1, middle 0.35, high 0.6
     threshold_gammas: tuple[float, ...] = (0.1, 0.35, 0.6)  # the threshold rule (SBD.md step 4), for comparison
+    # lossless (verify) rows: the sweep's gammas and a larger one (drafts are only proposals there)
+    verify_gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0, 3.0)
     max_new_tokens: int = 48
     eval_batch: int = 100
     latency_n: int = 100  # problems also decoded one at a time (batch 1) for the latency-bound tokens/s
@@ -71,7 +73,8 @@ class DemoConfig:
     def quick(cls, **kw) -> "DemoConfig":
         base = dict(n_pretrain=3000, n_finetune=3000, n_test=64, hidden_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, intermediate_size=192, batch_size=16, pretrain_steps=300,
-                    finetune_steps=250, gammas=(0.35, 3.0), threshold_gammas=(0.35,), eval_batch=64,
+                    finetune_steps=250, gammas=(0.35, 3.0), threshold_gammas=(0.35,), verify_gammas=(0.35, 3.0),
+                    eval_batch=64,
                     latency_n=16, timing_rounds=2, out_dir="results/quick")
         return cls(**{**base, **kw})
 

@@ -5,12 +5,12 @@ from pathlib import Path
 
 
 def markdown_table(rows: list[dict], eval_batch: int) -> str:
-    head = ("| model, decoding | accuracy | Δ vs baseline | tokens / forward | NFE speedup "
+    head = ("| model, decoding | accuracy | Δ vs baseline | rows = SBD model's AR | tokens / forward | NFE speedup "
             f"| tokens/s, batch {eval_batch} | wall-clock speedup, batch {eval_batch} | tokens/s, batch 1 "
-            "| wall-clock speedup, batch 1 |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "| wall-clock speedup, batch 1 |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     body = "".join(
-        f"| {r['label']} | {100 * r['accuracy']:.1f}% | {r['acc_delta_pts']:+.1f} pts | {r['tokens_per_forward']:.2f} "
-        f"| {r['nfe_speedup']:.2f}x | {r['tokens_per_s']:.0f} | {r['wall_speedup']:.2f}x "
+        f"| {r['label']} | {100 * r['accuracy']:.1f}% | {r['acc_delta_pts']:+.1f} pts | {100 * r['same_as_sbd_ar']:.0f}% "
+        f"| {r['tokens_per_forward']:.2f} | {r['nfe_speedup']:.2f}x | {r['tokens_per_s']:.0f} | {r['wall_speedup']:.2f}x "
         f"| {r['latency_tokens_per_s']:.0f} | {r['latency_speedup']:.2f}x |\n" for r in rows)
     return head + body
 
@@ -31,9 +31,11 @@ def plot(rows: list[dict], path: Path, eval_batch: int) -> None:
     for ax, key, xlabel in ((axes[0], "nfe_speedup", "speedup in forward passes (NFE)"),
                             (axes[1], "latency_speedup", "measured wall-clock speedup, batch 1 (CPU)"),
                             (axes[2], "wall_speedup", f"measured wall-clock speedup, batch {eval_batch} (CPU)")):
-        for rule, color, name in (("eb", "C1", "SBD, EB rule (gamma sweep)"),
-                                  ("threshold", "C3", "SBD, threshold rule (gamma sweep)")):
-            sbd = [r for r in rows if r["mode"] == "sbd" and r["rule"] == rule]
+        for rule, verify, color, name in ((None, True, "C4", "SBD lossless (verify; gamma sweep)"),
+                                          ("eb", False, "C1", "SBD, EB rule (gamma sweep; lossy)"),
+                                          ("threshold", False, "C3", "SBD, threshold rule (gamma sweep; lossy)")):
+            sbd = [r for r in rows if r["mode"] == "sbd" and r.get("verify", False) == verify
+                   and (verify or r["rule"] == rule)]
             if not sbd:
                 continue
             ax.plot([r[key] for r in sbd], [100 * r["accuracy"] for r in sbd], "o-", color=color, label=name)
