@@ -1,5 +1,5 @@
 """Sharded decoding on 8 fake CPU devices (data 4 x tensor 2): params tensor-parallel by the training
-rules, batch over data, KV cache sharded to match; tokens and NFE == single-device decoding.
+rules, batch over data, KV cache sharded to match; tokens and NFE == single-device decoding (verify mode too).
 The 8 devices need XLA_FLAGS before jax is imported, so the sharded run is a subprocess. The
 single-device reference here is the brute-force decoder (cheap to compile in whichever pytest worker
 runs this file); test_decoding.py pins the single-device cached decoder to it exactly."""
@@ -10,7 +10,7 @@ import numpy as np
 from subproc import run_on_8_devices
 from test_decoding import BASE, CFG, LENGTHS, make_params, make_prompts
 
-from brute import brute_force_generate
+from brute import brute_force_generate, brute_force_verify
 
 SCRIPT = r"""
 import json, sys
@@ -39,7 +39,9 @@ CASES = {"greedy": {"gamma": 2.0, "temperature": 0.0, "seed": 0, "eos_ids": []},
          "ar": {"mode": "ar", "temperature": 1.0, "seed": 3, "eos_ids": []},
          # the decoders' layout (`unstack_layers`): one buffer per layer, sharded as the stacked weight
          "sampled_per_layer": {"gamma": 1.0, "temperature": 1.0, "seed": 7, "eos_ids": [], "per_layer": True},
-         "ar_per_layer": {"mode": "ar", "temperature": 1.0, "seed": 3, "eos_ids": [], "per_layer": True}}
+         "ar_per_layer": {"mode": "ar", "temperature": 1.0, "seed": 3, "eos_ids": [], "per_layer": True},
+         "verify_per_layer": {"verify": True, "gamma": 1.0, "temperature": 1.0, "seed": 3, "eos_ids": [],
+                              "per_layer": True}}
 
 
 def test_sharded_tokens_equal_single_device():
@@ -47,7 +49,8 @@ def test_sharded_tokens_equal_single_device():
     params = make_params()
     for name, kw in CASES.items():
         kw = {k: v for k, v in kw.items() if k != "per_layer"}
-        out = brute_force_generate(params, CFG, make_prompts(), LENGTHS, key=jax.random.key(kw.pop("seed")),
+        oracle = brute_force_verify if kw.get("verify") else brute_force_generate
+        out = oracle(params, CFG, make_prompts(), LENGTHS, key=jax.random.key(kw.pop("seed")),
                                    max_new_tokens=BASE["max_new_tokens"], block_size=BASE["block_size"],
                                    pad_id=BASE["pad_id"], **kw)
         np.testing.assert_array_equal(np.asarray(res[name]["tokens"]), np.asarray(out.tokens), err_msg=name)
@@ -57,3 +60,4 @@ def test_sharded_tokens_equal_single_device():
         assert (res[name]["cache_spec"] + [None] * 5)[:5] == [None, "data", None, "tensor", None], res[name]
         assert (res[name]["wq_spec"] + [None] * 4)[:4] == [None, None, "tensor", None], res[name]
         assert (res[name]["wq0_spec"] + [None] * 3)[:3] == [None, "tensor", None], res[name]
+    assert res["verify_per_layer"]["tokens"] == res["ar_per_layer"]["tokens"]  # lossless: AR's tokens, same key

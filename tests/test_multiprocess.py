@@ -97,7 +97,7 @@ rng = np.random.default_rng(0)
 docs = Documents.from_lists([list(rng.integers(5, 90, rng.integers(2, 20))) for _ in range(300)])
 rows = local_rows(make_mesh(MeshConfig(data=4, fsdp=2)), 16)
 it = PackedIterator(docs, 24, 16, seed=3, rows=rows)
-before = [it.next_batch().tokens for _ in range(5)]  # past the first epoch of some rows
+before = [it.next_batch().tokens for _ in range(5)]  # ~160 of 300 documents: mid-epoch
 state = gather_state(it.state())  # a collective, as at a checkpoint
 after = [it.next_batch().tokens for _ in range(3)]
 resumed = PackedIterator(docs, 24, 16, seed=3, rows=rows)
