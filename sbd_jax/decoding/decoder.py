@@ -279,11 +279,11 @@ def _sbd_update(state: _State, env: _Env, logits_BKV, cache, ar_BK=None) -> _Sta
     spec = env.spec
     K, max_new = spec.block_size, env.max_new
     j = jnp.arange(K, dtype=jnp.int32)[None]
-    pos = _block_positions(state, env)
     rows = jnp.arange(state.seq.shape[0])[:, None]
     ran = ~state.done  # rows this call carried a token of
     if spec.verify:
         state, rejected = _verify(state, env, ar_BK)
+    pos = _block_positions(state, env)
     active = ~state.done
     with jax.named_scope("accept"):
         h = sampling.entropy(logits_BKV, env.temp, tempered=spec.tempered_entropy)
