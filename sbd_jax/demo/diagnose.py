@@ -73,14 +73,14 @@ def main(argv=None):
 
     from ..io.hf import from_pretrained
     from ..io.tokenizer import Tokenizer
-    from .evaluation import batch_decoder, decode_all, per_family, problem_prompts, score
+    from .evaluation import batch_decoder, decode_all, per_family, problem_prompts, score, suite_width
     tok = Tokenizer.load(root / "data" / "tokenizer")
     problems = [json.loads(line) for line in test_file.read_text().splitlines()][: args.n]
     cfg, params = from_pretrained(model_dir)
     prompts = problem_prompts(tok, problems)
     for (mode, k, gamma, rule), name in zip(specs, args.specs or DEFAULT_SPECS):
         dec = batch_decoder(params, cfg, mode=mode, block_size=k, gamma=gamma, rule=rule,
-                            max_new_tokens=args.max_new_tokens, batch_size=len(prompts))
+                            max_new_tokens=args.max_new_tokens, batch_size=len(prompts), prompt_width=suite_width(prompts))
         rows, summary = decode_all(dec, prompts)
         outputs = [r["tokens"] for r in rows]
         ok = score(tok, outputs, problems)

@@ -43,13 +43,19 @@ def problem_prompts(tok: Tokenizer, problems: list[dict]) -> list[Prompt]:
     return [Prompt(i, i + 1, tuple(tok.encode(p["prompt"], add_special_tokens=False))) for i, p in enumerate(problems)]
 
 
+def suite_width(prompts: list[Prompt]) -> int:
+    """The longest prompt of the suite, rounded up to 16 columns."""
+    return -(-max(len(p.ids) for p in prompts) // 16) * 16
+
+
 def batch_decoder(params, mcfg, *, mode: str, block_size: int, gamma, rule, max_new_tokens: int,
-                  batch_size: int, verify: bool = False) -> BatchDecoder:
-    """Greedy decoding; one prompt width for the whole suite (its prompts are short), so one compilation."""
+                  batch_size: int, prompt_width: int, verify: bool = False) -> BatchDecoder:
+    """Greedy decoding; every batch padded to `prompt_width` (the suite's longest prompt), so one compilation
+    and a cache no longer than the suite needs."""
     spec = DecodeSpec(mode=mode, block_size=block_size, rule=rule or "eb", max_new_tokens=max_new_tokens,
                       verify=verify)
     return BatchDecoder(params, mcfg, DecodeOptions(spec=spec, gamma=gamma or 0.0, batch_size=batch_size,
-                                                    pad_multiple=mcfg.max_position_embeddings - max_new_tokens))
+                                                    pad_multiple=prompt_width))
 
 
 def decode_all(dec: BatchDecoder, prompts: list[Prompt], desc: str | None = None) -> tuple[list[dict], dict]:
@@ -78,7 +84,8 @@ def run_decoder(d: Decoder, params, mcfg, tok: Tokenizer, problems: list[dict], 
     prompts = problem_prompts(tok, problems)
     n_lat = min(cfg.latency_n, len(problems))
     make = functools.partial(batch_decoder, params, mcfg, mode=d.mode, block_size=cfg.block_size, gamma=d.gamma,
-                             rule=d.rule, max_new_tokens=cfg.max_new_tokens, verify=d.verify)
+                             rule=d.rule, max_new_tokens=cfg.max_new_tokens, verify=d.verify,
+                             prompt_width=suite_width(prompts))
     batched, single = make(batch_size=cfg.eval_batch), make(batch_size=1)
     rows, s = decode_all(batched, prompts, f"eval {d.label}" if progress else None)
     lat_rows, lat = decode_all(single, prompts[:n_lat], f"batch-1 {d.label}" if progress else None)
