@@ -59,28 +59,34 @@ def _accept_row(rule: str, h: np.ndarray, masked: np.ndarray, gamma: float) -> n
     return acc
 
 
-def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None,
-                         *, gamma=0.35, temperature=0.0, key=None, row_max_new_tokens=None, **options
-                         ) -> GenerateOutput:
-    """Same arguments and outputs as `generate` (cache None, iterations = batch model calls)."""
+def _setup(cfg, prompt_ids, prompt_lengths, spec, options, gamma, temperature, key, row_max_new_tokens):
+    """The checked request as the oracles use it: (spec, lengths, per-row caps, EOS set, pad id, row keys, gammas,
+    temperatures, the scoring function, the token buffer [B, P + max_new + window] holding the prompts)."""
     spec = DecodeSpec.make(spec, **options)
     prompt_ids = np.asarray(prompt_ids, np.int32)
     lengths = np.asarray(prompt_lengths, np.int32)
     check_request(cfg, spec, prompt_ids.shape, prompt_lengths=lengths, gamma=gamma, temperature=temperature,
                   row_max_new_tokens=row_max_new_tokens)
     B, P = prompt_ids.shape
-    mode, rule, max_new_tokens, k = spec.mode, spec.rule, spec.max_new_tokens, spec.window
-    cap = np.broadcast_to(np.asarray(max_new_tokens if row_max_new_tokens is None else row_max_new_tokens), (B,))
-    eos, pad = set(spec.stop_ids(cfg)), spec.pad(cfg)
-    W = P + max_new_tokens + k
-    keys = sampling.row_keys(jax.random.key(0) if key is None else key, B)
-    gam = np.broadcast_to(np.asarray(gamma, np.float32), (B,))
-    temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
-    score = functools.partial(_score, tempered=spec.tempered_entropy, top_k=spec.top_k, top_p=spec.top_p)
-
-    seq = np.full((B, W), pad, np.int32)
+    cap = np.broadcast_to(np.asarray(spec.max_new_tokens if row_max_new_tokens is None else row_max_new_tokens), (B,))
+    seq = np.full((B, P + spec.max_new_tokens + spec.window), spec.pad(cfg), np.int32)
     for b in range(B):
         seq[b, :lengths[b]] = prompt_ids[b, :lengths[b]]
+    return (spec, lengths, cap, set(spec.stop_ids(cfg)), spec.pad(cfg),
+            sampling.row_keys(jax.random.key(0) if key is None else key, B),
+            np.broadcast_to(np.asarray(gamma, np.float32), (B,)),
+            jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,)),
+            functools.partial(_score, tempered=spec.tempered_entropy, top_k=spec.top_k, top_p=spec.top_p), seq)
+
+
+def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None,
+                         *, gamma=0.35, temperature=0.0, key=None, row_max_new_tokens=None, **options
+                         ) -> GenerateOutput:
+    """Same arguments and outputs as `generate` (cache None, iterations = batch model calls)."""
+    spec, lengths, cap, eos, pad, keys, gam, temp, score, seq = _setup(
+        cfg, prompt_ids, prompt_lengths, spec, options, gamma, temperature, key, row_max_new_tokens)
+    B, W = seq.shape
+    mode, rule, max_new_tokens, k = spec.mode, spec.rule, spec.max_new_tokens, spec.window
     gen = np.zeros(B, np.int32)          # SBD: tokens before the current block; AR: tokens generated
     masked = np.zeros((B, k), bool)
     for b in range(B):
@@ -170,22 +176,11 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
     tokens (the prompt, the verified tokens and those waiting to be verified) ; the current block as COPY tokens].
     AR's token at generated index g comes from the clean query at g - 1; drafts are checked against it, the
     agreeing prefix stays, AR's token corrects the first wrong draft or starts the next block."""
-    spec = DecodeSpec.make(spec, **options)
-    prompt_ids = np.asarray(prompt_ids, np.int32)
-    lengths = np.asarray(prompt_lengths, np.int32)
-    B, P = prompt_ids.shape
+    spec, lengths, cap, eos, pad, keys, gam, temp, score, seq = _setup(
+        cfg, prompt_ids, prompt_lengths, spec, options, gamma, temperature, key, row_max_new_tokens)
+    B, W = seq.shape
     EVENTS.clear()
     k, max_new_tokens = spec.block_size, spec.max_new_tokens
-    cap = np.broadcast_to(np.asarray(max_new_tokens if row_max_new_tokens is None else row_max_new_tokens), (B,))
-    eos, pad = set(spec.stop_ids(cfg)), spec.pad(cfg)
-    W = P + max_new_tokens + k
-    keys = sampling.row_keys(jax.random.key(0) if key is None else key, B)
-    gam = np.broadcast_to(np.asarray(gamma, np.float32), (B,))
-    temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
-    score = functools.partial(_score, tempered=spec.tempered_entropy, top_k=spec.top_k, top_p=spec.top_p)
-    seq = np.full((B, W), pad, np.int32)
-    for b in range(B):
-        seq[b, :lengths[b]] = prompt_ids[b, :lengths[b]]
     blk = np.zeros(B, np.int32)                                  # generated index of the current block
     masked = np.stack([np.arange(k) < cap[b] for b in range(B)])
     todo = [(-1, 1)] * B                                         # (first, count) waiting for AR's check
