@@ -91,3 +91,17 @@ def hf_ref(tmp_path) -> HFRef:
 @pytest.fixture(scope="session")
 def hf_ref_session(tmp_path_factory) -> HFRef:
     return HFRef(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="module")
+def params():
+    """The random decoding test model of tests/test_decoding.py (one copy per module that asks for it)."""
+    from test_decoding import make_params
+    return make_params()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """tests/test_decoding.py's ragged prompt batch (garbage in the padding)."""
+    from test_decoding import make_prompts
+    return make_prompts()

@@ -4,16 +4,11 @@ caps, EOS and sampling; a stream longer than the slots runs on the same compiled
 import jax
 import numpy as np
 import pytest
-from test_decoding import CFG, make_params
+from test_decoding import CFG
 
 from sbd_jax.decoding import DecodeSpec, generate
 from sbd_jax.decoding.continuous import ContinuousDecoder, Request, decode_stream
 from sbd_jax.decoding.spec import DecodeError
-
-
-@pytest.fixture(scope="module")
-def params():
-    return make_params()
 
 
 def _requests(n, seed=0):

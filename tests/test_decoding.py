@@ -44,16 +44,6 @@ def make_prompts(seed=0, garbage_seed=1):
     return np.where(np.arange(P)[None] < LENGTHS[:, None], ids, garbage)
 
 
-@pytest.fixture(scope="module")
-def params():
-    return make_params()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return make_prompts()
-
-
 def _np(out):
     return {f: np.asarray(getattr(out, f)) for f in ("tokens", "lengths", "nfe", "stopped_by_eos", "accepted")}
 

@@ -16,16 +16,6 @@ CAPS = np.array([18, 7, 13, 1], np.int32)  # per-row max_new_tokens, not multipl
 
 
 @pytest.fixture(scope="module")
-def params():
-    return make_params()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return make_prompts()
-
-
-@pytest.fixture(scope="module")
 def eos(params, prompts):
     """A token AR emits often enough that rows stop on it (and some rows run to their cap)."""
     toks = np.asarray(generate(params, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=()).tokens)

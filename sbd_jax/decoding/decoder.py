@@ -361,7 +361,8 @@ def _verify(state: _State, env: _Env, ar_BK):
     active = ~state.done
     checked = active & (state.commit_len > 0)
     cs, cl = state.commit_start, state.commit_len
-    drafts = _gather(state.seq, (env.lengths + cs)[:, None] + 1 + j)  # the draft at cs + 1 + i, for ar[:, i]
+    kept = _gather(state.seq, (env.lengths + cs)[:, None] + jnp.arange(K + 1, dtype=jnp.int32)[None])
+    kept, drafts = kept[:, :K], kept[:, 1:]  # the commit tokens; the draft at cs + 1 + i, checked by ar[:, i]
     agree = jnp.cumprod(((drafts == ar_BK) & (j < cl[:, None] - 1)).astype(jnp.int32), axis=1)
     m = jnp.sum(agree, axis=1)  # drafts that stand
     rejected = checked & (m < cl - 1)
@@ -369,13 +370,11 @@ def _verify(state: _State, env: _Env, ar_BK):
     extra = jnp.take_along_axis(ar_BK, upto[:, None], axis=1)[:, 0]  # the correction or the next first token
     g_extra = cs + upto + 1
     # the first verified EOS: among the standing commit tokens (cs itself was verified before), then `extra`
-    kept = _gather(state.seq, (env.lengths + cs)[:, None] + j)
     eos_at = jnp.isin(kept, env.eos) & (j >= 1) & (j <= upto[:, None])
     in_commit = jnp.any(eos_at, axis=1)
     extra_eos = ~in_commit & jnp.isin(extra, env.eos) & (g_extra < max_new)
     length = jnp.where(in_commit, cs + jnp.argmax(eos_at, axis=1).astype(jnp.int32) + 1,
-                       jnp.where(g_extra < max_new, g_extra + 1, max_new))
-    length = jnp.minimum(length, max_new)
+                       jnp.minimum(g_extra + 1, max_new))
     finished = checked & (in_commit | extra_eos | (length >= max_new))
     rows = jnp.arange(state.seq.shape[0])
     put = checked & (g_extra < max_new)
@@ -474,7 +473,7 @@ def _sbd_step(state: _State, env: _Env) -> _State:
     wide = jnp.any(need)
     logits, ar, cache = jax.lax.cond(wide, with_commit, copy_only, state.cache)
     state = state._replace(wide=state.wide + wide.astype(jnp.int32))
-    return _sbd_update(state, env, logits, env.constrain(cache), ar if spec.verify else None)
+    return _sbd_update(state, env, logits, env.constrain(cache), ar)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -528,13 +527,11 @@ def _ar_step(state: _State, env: _Env) -> _State:
 
 def _finalize(state: _State, env: _Env) -> KVCache:
     """One extra clean call (not counted in NFE) writing the K/V the loop left uncommitted."""
-    if env.spec.verify:  # the last K tokens: only the last verified token can lack its K/V
-        pos = (env.lengths + state.n_generated - env.spec.block_size)[:, None] + jnp.arange(env.spec.block_size)[None]
-    elif env.spec.mode == "sbd":
+    if env.spec.mode == "sbd" and not env.spec.verify:
         pos = _block_positions(state, env)
-    else:
+    else:  # AR and verify mode: only the last output token lacks its K/V (each is committed by the next call)
         pos = (env.lengths + state.n_generated - 1)[:, None]
-    seg = ((pos >= 0) & (pos < (env.lengths + state.n_generated)[:, None])).astype(jnp.int32)
+    seg = (pos < (env.lengths + state.n_generated)[:, None]).astype(jnp.int32)
     _, cache = forward(env.params, env.cfg, _gather(state.seq, pos), clean_meta(seg, pos), state.cache,
                        return_hidden=True)
     if env.spec.verify:  # rejected drafts wrote K/V past the output: clear them

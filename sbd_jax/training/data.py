@@ -99,7 +99,6 @@ class PackedIterator:
                 raise DataError(f"{name} has no usable rows: {len(d)} document(s), none gives a piece of at least "
                                 f"{self.min_tokens} tokens (with a response token inside seq_len={self.L} for "
                                 "prompt/response data); check the field names and the data")
-        self.usage = self.usages[0]
         # per row: [documents taken from each source..., token offset in the current document, rows packed]
         self._streams = {r: [0] * len(self.sources) + [0, 0] for r in self.rows}
         self._perms: dict = {}

@@ -185,9 +185,6 @@ class FileArray:
             raise IndexError(f"index {key} outside {self._n} items of {self.path}")
         return self._read(i, i + 1)[0]
 
-    def __array__(self, dtype=None, copy=None):
-        return self[:] if dtype is None else self[:].astype(dtype)
-
     def __del__(self):
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
