@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 
 
+_NO_ROW_EFFECT = ("commit_quorum", "prefill_chunk")  # spec fields that change the speed, never a row
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="local HF-layout model directory")
@@ -35,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--static", action="store_true",
                     help="fixed batches that wait for their slowest row, instead of continuous batching (a finished "
                          "row's slot takes the next prompt at once; the default in one process)")
+    ap.add_argument("--commit-quorum", type=float, default=0.5,
+                    help="SBD: share of the running rows that must have a finished block before a call carries the "
+                         "commits (the 2k window); the others wait. 0 = at once (small batches on a GPU). Speed only")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="cap (and cache size); a line may ask for less")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -96,7 +102,7 @@ def run(args) -> int:
     if args.resume and args.overwrite:
         raise DecodeError("--resume and --overwrite exclude each other")
     spec = DecodeSpec(mode=args.mode, verify=args.verify, block_size=args.block_size, rule=args.rule,
-                      max_new_tokens=args.max_new_tokens,
+                      max_new_tokens=args.max_new_tokens, commit_quorum=args.commit_quorum,
                       top_k=args.top_k, top_p=args.top_p, tempered_entropy=args.tempered_entropy,
                       eos_ids=() if args.ignore_eos else (tuple(args.eos_id) if args.eos_id else None))
     mesh_cfg = mesh_config(args)
@@ -112,7 +118,8 @@ def run(args) -> int:
     done, out = open_output(args.output, resume=args.resume, overwrite=args.overwrite) if writer else (set(), None)
     if writer:  # what the rows depend on (not how they are batched or shown)
         settings = {"model": str(Path(args.model).resolve()), "input": str(Path(args.input).resolve()),
-                    "spec": dataclasses.asdict(opts.spec), "gamma": args.gamma, "temperature": args.temperature,
+                    "spec": {k: v for k, v in dataclasses.asdict(opts.spec).items()
+                             if k not in _NO_ROW_EFFECT}, "gamma": args.gamma, "temperature": args.temperature,
                     "seed": args.seed, "compare_ar": args.compare_ar, "chat": args.chat, "dtype": args.dtype}
         try:
             check_output_settings(args.output, settings, resume=args.resume, allowed=tuple(args.allow_change))

@@ -103,8 +103,13 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
     cols = np.broadcast_to(np.arange(W, dtype=np.int32), (B, W))
     while not done.all():
         calls += 1
-        wide += int(calls > 1 and (pending_commit & ~done).any())
-        pending_commit[:] = False
+        need = pending_commit & ~done
+        # the 2k window once a quorum of running rows waits for a commit (float32, as the decoder compares)
+        commit = calls > 1 and need.any() and np.float32(need.sum()) >= np.float32(spec.commit_quorum) * np.float32(
+            (~done).sum())
+        held = need if not commit else np.zeros_like(need)  # these rows sit the call out
+        wide += int(commit)
+        pending_commit &= held
         clean_seg = (cols < (lengths + gen)[:, None]).astype(np.int32)
         if mode == "sbd":
             start = lengths + gen
@@ -122,7 +127,7 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
         h, drawn = score(logits, keys, index, temp, suppress=cfg.mask_token_id if mode == "sbd" else None)
         h, drawn = np.asarray(h), np.asarray(drawn)
         for b in range(B):
-            if done[b]:
+            if done[b] or held[b]:
                 continue
             nfe[b] += 1
             if mode == "ar":
@@ -191,6 +196,10 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
     cols = np.broadcast_to(np.arange(W, dtype=np.int32), (B, W))
     while not done.all():
         calls += 1
+        need = np.array([t is not None for t in todo]) & ~done
+        # rows waiting for a check sit the call out until a quorum of running rows waits (as `generate` does)
+        held = need if calls > 1 and np.float32(need.sum()) < np.float32(spec.commit_quorum) * np.float32(
+            (~done).sum()) else np.zeros_like(need)
         known = np.array([lengths[b] + (todo[b][0] + todo[b][1] if todo[b] else blk[b]) for b in range(B)])
         pos_c = (lengths + blk)[:, None] + np.arange(k, dtype=np.int32)[None]
         ctok = np.where(masked, cfg.mask_token_id, np.take_along_axis(seq, np.minimum(pos_c, W - 1), 1))
@@ -204,7 +213,7 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
                          suppress=cfg.mask_token_id)
         h, drawn = np.asarray(h), np.asarray(drawn)
         for b in range(B):
-            if done[b]:
+            if done[b] or held[b]:
                 continue
             nfe[b] += 1
             L = lengths[b]

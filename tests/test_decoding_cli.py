@@ -11,6 +11,7 @@ from test_decoding import CFG, make_params
 
 import sbd_jax
 from brute import brute_force_generate
+from sbd_jax.decoding import DecodeSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -151,6 +152,10 @@ def test_decode_cli_resume_refuses_changed_settings(first_run, model_dir, tmp_pa
     msg = _err(capsys, run + flags)
     assert "was written with other settings (gamma: 2.0 there, 1.0 now)" in msg and len(_read(part)) == 2
     assert decode.main(run + flags + ["--allow-change", "gamma"]) == 0 and len(_read(part)) == 6
+    # speed-only settings are no change: the commit quorum moves no row
+    assert decode.main(run + flags + ["--commit-quorum", "1.0"]) == 0
+    assert "commit_quorum must be in [0, 1]" in _err(capsys, run + flags + ["--commit-quorum", "1.5"])
+    assert decode.build_parser().parse_args(run).commit_quorum == DecodeSpec().commit_quorum
 
 
 def test_decode_cli_per_prompt_max_new_tokens(model_dir, tmp_path, capsys):

@@ -8,10 +8,11 @@ per step (SBD.md "Inference"; the options are a `DecodeSpec`).
   * Blocks start right after each row's prompt (explicit block starts in the metadata, SBD.md step 8);
     the last block's positions beyond max_new_tokens are padding.
   * NFE 1 (SBD) = [prompt CLEAN ; first block COPY]: the prefill is folded into the first step. Each
-    later step is one call on one of two window shapes chosen by `lax.cond`: if a live row has just
-    finished a block, [finished block CLEAN ; current block COPY] writes the finished block's exact
-    causal K/V (paper Algorithm 3, no extra forward); otherwise [current block COPY]. A copy token
-    carries its token once accepted, the mask token while masked; SBD never samples the mask token.
+    later step is one call on one of two window shapes chosen by `lax.cond`: once a quorum of the live
+    rows (`spec.commit_quorum`) has just finished a block, [finished block CLEAN ; current block COPY]
+    writes the finished blocks' exact causal K/V (paper Algorithm 3, no extra forward); otherwise
+    [current block COPY], which rows waiting for a commit sit out (their tokens and NFE do not change).
+    A copy token carries its token once accepted, the mask token while masked; SBD never samples `<m>`.
   * AR: the prefill call yields the first token, then one clean 1-token call per token (NTP logits).
   * Stop (SBD.md step 7): an EOS decoded with every earlier position of its block decoded, or
     max_new_tokens. Tokens after the EOS are dropped (the pad id fills the output beyond `lengths`).
@@ -47,9 +48,10 @@ from .spec import DecodeError, DecodeSpec, PromptTooLongError, check_model, chec
 class GenerateOutput(NamedTuple):
     """tokens [B, max_new_tokens] (int32, the pad id beyond `lengths`), lengths [B] generated tokens (EOS
     included), nfe [B] model calls, stopped_by_eos [B], iterations (model calls of the batch = loop iterations
-    + 1), wide_steps (SBD iterations that used the 2k commit window), accepted [B, window + 1]: per row, how many
-    of its model calls decoded 0, 1, ... window tokens of the output (counted when their block ends; verify mode:
-    how many verified blocks had 0, 1, ... drafts stand), cache (KVCache or None)."""
+    + 1; more than the largest NFE when rows waited for a commit quorum), wide_steps (SBD iterations that used
+    the 2k commit window), accepted [B, window + 1]: per row, how many of its model calls decoded 0, 1, ...
+    window tokens of the output (counted when their block ends; verify mode: how many verified blocks had 0, 1,
+    ... drafts stand), cache (KVCache or None)."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -328,7 +330,9 @@ def _sbd_update(state: _State, env: _Env, logits_BKV, cache, ar_BK=None) -> _Sta
         ends = active & (eos_hit | cap_hit | advance)
         accepted = state.accepted + jnp.sum(jax.nn.one_hot(per_call, K + 1, dtype=jnp.int32)
                                             * ((j < calls[:, None]) & ends[:, None])[..., None], axis=1)
-        commit_start, commit_len = state.block_offset, jnp.where(advance, K, 0)
+        # rows that sat this call out (done or held, see `_sbd_step`) keep a commit they are waiting for
+        commit_start = jnp.where(active, state.block_offset, state.commit_start)
+        commit_len = jnp.where(advance, K, jnp.where(active, 0, state.commit_len))
     block_offset = jnp.where(advance, nxt, state.block_offset)
     return _State(
         seq=env.constrain(seq),
@@ -450,6 +454,11 @@ def _sbd_first(state: _State, env: _Env, prompt_ids) -> _State:
 def _sbd_step(state: _State, env: _Env) -> _State:
     K, spec = env.spec.block_size, env.spec
     need = (state.commit_len > 0) & ~state.done
+    # the 2k window once a quorum of running rows has a commit; else those rows sit this k-wide call out
+    n_need, n_run = (jnp.sum(x).astype(jnp.float32) for x in (need, ~state.done))
+    wide = (n_need > 0) & (n_need >= jnp.float32(spec.commit_quorum) * n_run)
+    held = need & ~wide
+    state = state._replace(done=state.done | held)  # a held row: no token, no NFE, its state unchanged
     ctok, cmeta = _copy_window(state, env)
     j = jnp.arange(K, dtype=jnp.int32)[None]
     no_ar = jnp.zeros(state.masked.shape, jnp.int32)
@@ -470,10 +479,10 @@ def _sbd_step(state: _State, env: _Env) -> _State:
         logits, cache = forward(env.params, env.cfg, ctok, cmeta, cache)
         return logits, no_ar, cache
 
-    wide = jnp.any(need)
     logits, ar, cache = jax.lax.cond(wide, with_commit, copy_only, state.cache)
     state = state._replace(wide=state.wide + wide.astype(jnp.int32))
-    return _sbd_update(state, env, logits, env.constrain(cache), ar)
+    state = _sbd_update(state, env, logits, env.constrain(cache), ar)
+    return state._replace(done=state.done & ~held)
 
 
 # ------------------------------------------------------------------------------------------------

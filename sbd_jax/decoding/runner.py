@@ -237,7 +237,9 @@ def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: De
     from .continuous import ContinuousDecoder, Request
     width = prompt_width(cfg, opts, prompts)
     keys = np.asarray(jax.random.key_data(prompt_keys(opts.seed, prompts)))
-    reqs = [Request(p.ids, k, p.max_new_tokens) for p, k in zip(prompts, keys)]
+    # longest caps first: the rows still running when the stream runs dry are short ones (less idle tail)
+    order = sorted(range(len(prompts)), key=lambda i: -(prompts[i].max_new_tokens or opts.spec.max_new_tokens))
+    reqs = [Request(prompts[i].ids, keys[i], prompts[i].max_new_tokens) for i in order]
     modes = [opts.spec.mode] + (["ar"] if opts.compare_ar and opts.spec.mode != "ar" else [])
     totals, results, compile_s, differ = {}, {}, 0.0, []
     for mode in modes:
@@ -246,6 +248,7 @@ def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: De
         totals[mode] = t = Totals()
         start = time.perf_counter()
         for i, row in dec.decode(reqs):
+            i = order[i]
             t.add_row(row)
             del row["accepted"]  # in the summary's histogram; a row reads as in static batches
             if mode == modes[-1]:

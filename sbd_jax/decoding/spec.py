@@ -42,6 +42,11 @@ class DecodeSpec:
     # prompts wider than this are prefilled in pieces of this many columns (one call each, the last one with the
     # first decoding step), so prefill memory scales with the piece, not the prompt
     prefill_chunk: int = 256
+    # SBD: a call runs the 2k window [finished blocks CLEAN ; current blocks COPY] once at least this share of the
+    # running rows has a finished block to commit; until then those rows sit out k-wide calls (their tokens and
+    # NFE unchanged: only the batch's call count and the calls' widths change). 0 = whenever any row has one (for
+    # hardware where 2k tokens per row cost what k cost, e.g. small batches on a GPU); 1 = only when all have
+    commit_quorum: float = 0.5
     # one extra uncounted call writes the K/V the loop left uncommitted: the cache then equals one causal
     # forward over prompt + output
     finalize_cache: bool = False
@@ -58,6 +63,8 @@ class DecodeSpec:
             v = getattr(self, name)
             if not _is_int(v) or v < low:
                 raise DecodeError(f"{name} must be >= {low} (an integer), got {v!r}")
+        if not 0.0 <= float(self.commit_quorum) <= 1.0:
+            raise DecodeError(f"commit_quorum must be in [0, 1] (a share of the running rows), got {self.commit_quorum!r}")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise DecodeError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         eos = self.eos_ids
