@@ -71,7 +71,8 @@ def _run(params, state: _State, rows: _Rows, stop_at_finish, *, cfg: ModelConfig
 def _admit(params, state: _State, rows: _Rows, slot_R, prompt_RP, new: _Rows, *, cfg: ModelConfig,
            spec: DecodeSpec, mesh=None):
     """Start prompts `prompt_RP` (right-padded, lengths `new.lengths`) in slots `slot_R` (a slot index equal to
-    the slot count marks an unused entry): reset their rows of the state and write their prompts' K/V."""
+    the slot count marks an unused entry): reset their rows of the state and write their prompts' K/V, in as many
+    `prefill_chunk` pieces as the longest of them needs."""
     with mesh_context(mesh):
         B = state.done.shape[0]
         R, P = prompt_RP.shape
@@ -85,10 +86,11 @@ def _admit(params, state: _State, rows: _Rows, slot_R, prompt_RP, new: _Rows, *,
         C = min(spec.prefill_chunk, P)
         width = -(-P // C) * C
         rows_k = jnp.minimum(slot_R, B - 1)
+        upto = jnp.where(slot_R < B, new.lengths - (spec.mode == "ar" or spec.verify), 0)
         cache, _ = write_prompt(params, cfg, KVCache(state.cache.k[:, rows_k], state.cache.v[:, rows_k],
                                                      jnp.zeros((R,), jnp.int32)),
-                                jnp.pad(prompt_RP, ((0, 0), (0, width - P))),
-                                jnp.where(slot_R < B, new.lengths - (spec.mode == "ar" or spec.verify), 0), width // C, C)
+                                jnp.pad(prompt_RP, ((0, 0), (0, width - P))), upto,
+                                -(-jnp.max(upto) // C), C)  # only the pieces these prompts reach
         state = state._replace(
             **{f: put(getattr(state, f), getattr(fresh, f)) for f in
                ("block_offset", "masked", "commit_start", "commit_len", "done", "eos", "n_generated", "nfe",

@@ -405,8 +405,8 @@ def _prompt_meta(lengths_B, start, width: int):
 
 def write_prompt(params, cfg: ModelConfig, cache: KVCache, prompt_ids, upto_B, pieces: int, C: int,
                  constrain=lambda x: x):
-    """Write the K/V of each row's prompt columns [0, upto_B) among the first `pieces` x C columns, one call per
-    C-column piece (attention and activations scale with the piece, not the prompt). -> (cache, each row's final
+    """Write the K/V of each row's prompt columns [0, upto_B) among the first `pieces` (may be traced) x C columns,
+    one call per C-column piece (attention and activations scale with the piece, not the prompt). -> (cache, each row's final
     hidden state [B, 1, D] at column upto_B - 1 where a piece held it, else 0)."""
     h_last = jnp.zeros((prompt_ids.shape[0], 1, cfg.hidden_size), cfg.dtype)
 
