@@ -4,8 +4,9 @@ slot takes the next prompt without waiting for the others and without recompilin
   * Device side, two compiled programs per spec and slot layout. `_run` is the decode loop (the same step
     functions as `generate`), left when every row is done or, while prompts wait, as soon as a row finishes.
     `_admit` puts new prompts into free slots: their rows of the loop state are reset, the slot's cache
-    length set to 0 (what a previous row left there is never attended again) and the prompt's K/V written in
-    `prefill_chunk` pieces by a forward over those rows only (one program per power-of-two count of rows).
+    length set to the prompt's (what a previous row left beyond it is never attended again) and the prompt's
+    K/V written in `prefill_chunk` pieces by a forward over those rows and a prompt-wide cache only (one program
+    per power-of-two count of rows).
   * A new row's first call is then the loop's ordinary step: SBD's first COPY block over the cached prompt;
     AR's prompt is prefilled but for its last token, which the first step runs to yield the first token. So a
     row makes the same calls, draws the same random numbers (fold_in(key_b, nfe)) and counts the same NFE as
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..models.transformer import KVCache
+from ..models.transformer import KVCache, init_cache
 from ..sharding import mesh_context
 from .decoder import _ar_step, _make_env, _new_state, _prompt_seq, _sbd_step, _State, write_prompt
 from .spec import DecodeError, DecodeSpec
@@ -82,13 +83,12 @@ def _admit(params, state: _State, rows: _Rows, slot_R, prompt_RP, new: _Rows, *,
         fresh = _new_state(_env(params, cfg, spec, new, None), _prompt_seq(prompt_RP, new.lengths, spec, env), P)
         if spec.verify:  # the last prompt token rides as a 1-token commit: its query gives AR's first token
             fresh = fresh._replace(commit_start=jnp.full_like(new.lengths, -1), commit_len=jnp.ones_like(new.lengths))
-        # the prompts' K/V (AR and verify mode leave the last prompt token to the first step), these rows' cache only
+        # the prompts' K/V (AR and verify mode leave the last prompt token to the first step) in a cache of the
+        # prompt width only (attention over P slots, not P + max_new), then copied into these rows' slots [0, P)
         C = min(spec.prefill_chunk, P)
         width = -(-P // C) * C
-        rows_k = jnp.minimum(slot_R, B - 1)
         upto = jnp.where(slot_R < B, new.lengths - (spec.mode == "ar" or spec.verify), 0)
-        cache, _ = write_prompt(params, cfg, KVCache(state.cache.k[:, rows_k], state.cache.v[:, rows_k],
-                                                     jnp.zeros((R,), jnp.int32)),
+        cache, _ = write_prompt(params, cfg, init_cache(cfg, R, width, state.cache.k.dtype),
                                 jnp.pad(prompt_RP, ((0, 0), (0, width - P))), upto,
                                 -(-jnp.max(upto) // C), C)  # only the pieces these prompts reach
         state = state._replace(
@@ -96,8 +96,8 @@ def _admit(params, state: _State, rows: _Rows, slot_R, prompt_RP, new: _Rows, *,
                ("block_offset", "masked", "commit_start", "commit_len", "done", "eos", "n_generated", "nfe",
                 "accepted", "decoded_at")},
             seq=env.constrain(put(state.seq, fresh.seq)),
-            cache=env.constrain(KVCache(state.cache.k.at[:, slot_R].set(cache.k, mode="drop"),
-                                        state.cache.v.at[:, slot_R].set(cache.v, mode="drop"),
+            cache=env.constrain(KVCache(state.cache.k.at[:, slot_R, :P].set(cache.k[:, :, :P], mode="drop"),
+                                        state.cache.v.at[:, slot_R, :P].set(cache.v[:, :, :P], mode="drop"),
                                         put(state.cache.lengths, cache.lengths))))
         return state, rows
 
