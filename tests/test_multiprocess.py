@@ -63,8 +63,11 @@ def test_two_processes_train_resume_and_export_like_one(runs):
         np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5)
     _, p1 = sbd_jax.from_pretrained(runs / "one" / "hf")
     _, p2 = sbd_jax.from_pretrained(runs / "two" / "hf")
+    # Adam's normalised update turns reduction-order rounding of a near-zero gradient into ~lr-sized noise on a
+    # few elements (seen: 1.8e-6 on weights of ~0.05 after 12 steps on an AMD EPYC runner); 1e-5 is still far
+    # below one step's update
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
 
 
 def test_two_processes_decode_like_one(runs, tmp_path):
