@@ -20,9 +20,6 @@ import sys
 from pathlib import Path
 
 
-_NO_ROW_EFFECT = ("commit_quorum", "prefill_chunk")  # spec fields that change the speed, never a row
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="local HF-layout model directory")
@@ -119,7 +116,7 @@ def run(args) -> int:
     if writer:  # what the rows depend on (not how they are batched or shown)
         settings = {"model": str(Path(args.model).resolve()), "input": str(Path(args.input).resolve()),
                     "spec": {k: v for k, v in dataclasses.asdict(opts.spec).items()
-                             if k not in _NO_ROW_EFFECT}, "gamma": args.gamma, "temperature": args.temperature,
+                             if k not in DecodeSpec.SPEED_ONLY}, "gamma": args.gamma, "temperature": args.temperature,
                     "seed": args.seed, "compare_ar": args.compare_ar, "chat": args.chat, "dtype": args.dtype}
         try:
             check_output_settings(args.output, settings, resume=args.resume, allowed=tuple(args.allow_change))

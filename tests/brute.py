@@ -79,6 +79,13 @@ def _setup(cfg, prompt_ids, prompt_lengths, spec, options, gamma, temperature, k
             functools.partial(_score, tempered=spec.tempered_entropy, top_k=spec.top_k, top_p=spec.top_p), seq)
 
 
+def _held(need, done, spec, calls):
+    """Rows that sit call `calls` out: those waiting for a commit while fewer than the quorum of running rows wait
+    (float32, as the decoder compares; the first call never waits)."""
+    quorum = np.float32(need.sum()) >= np.float32(spec.commit_quorum) * np.float32((~done).sum())
+    return need if calls > 1 and not quorum else np.zeros_like(need)
+
+
 def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None,
                          *, gamma=0.35, temperature=0.0, key=None, row_max_new_tokens=None, **options
                          ) -> GenerateOutput:
@@ -103,12 +110,8 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
     cols = np.broadcast_to(np.arange(W, dtype=np.int32), (B, W))
     while not done.all():
         calls += 1
-        need = pending_commit & ~done
-        # the 2k window once a quorum of running rows waits for a commit (float32, as the decoder compares)
-        commit = calls > 1 and need.any() and np.float32(need.sum()) >= np.float32(spec.commit_quorum) * np.float32(
-            (~done).sum())
-        held = need if not commit else np.zeros_like(need)  # these rows sit the call out
-        wide += int(commit)
+        held = _held(pending_commit & ~done, done, spec, calls)
+        wide += int(calls > 1 and (pending_commit & ~done).any() and not held.any())
         pending_commit &= held
         clean_seg = (cols < (lengths + gen)[:, None]).astype(np.int32)
         if mode == "sbd":
@@ -196,10 +199,7 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
     cols = np.broadcast_to(np.arange(W, dtype=np.int32), (B, W))
     while not done.all():
         calls += 1
-        need = np.array([t is not None for t in todo]) & ~done
-        # rows waiting for a check sit the call out until a quorum of running rows waits (as `generate` does)
-        held = need if calls > 1 and np.float32(need.sum()) < np.float32(spec.commit_quorum) * np.float32(
-            (~done).sum()) else np.zeros_like(need)
+        held = _held(np.array([t is not None for t in todo]) & ~done, done, spec, calls)
         known = np.array([lengths[b] + (todo[b][0] + todo[b][1] if todo[b] else blk[b]) for b in range(B)])
         pos_c = (lengths + blk)[:, None] + np.arange(k, dtype=np.int32)[None]
         ctok = np.where(masked, cfg.mask_token_id, np.take_along_axis(seq, np.minimum(pos_c, W - 1), 1))

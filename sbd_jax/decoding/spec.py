@@ -52,6 +52,8 @@ class DecodeSpec:
     finalize_cache: bool = False
     return_cache: bool = False
 
+    SPEED_ONLY = ("prefill_chunk", "commit_quorum")  # fields that change how fast rows decode, never a row
+
     def __post_init__(self):
         if self.mode not in MODES:
             raise DecodeError(f"mode must be one of {MODES}, got {self.mode!r}")
