@@ -2,6 +2,7 @@
 transformers; see README) because torch's CPU wheel is only available for Python 3.11 here while the
 project runs on Python 3.12 / jax 0.11.2. Set SBD_HF_PYTHON to point elsewhere."""
 import atexit
+import gc
 import json
 import os
 import shutil
@@ -18,6 +19,21 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 if "SBD_DATA_STORE" not in os.environ:
     os.environ["SBD_DATA_STORE"] = tempfile.mkdtemp(prefix="sbd_test_stores_")
     atexit.register(shutil.rmtree, os.environ["SBD_DATA_STORE"], ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Each XLA:CPU executable holds ~7 memory mappings of JIT code until it is freed. A test worker that kept
+    the programs of every file it ran passed Linux's 65530-mapping limit (vm.max_map_count) and crashed inside
+    the compiler, so each file's programs are dropped when it ends."""
+    yield
+    import jax
+
+    from sbd_jax.decoding import continuous
+    continuous._COMPILED.clear()
+    jax.clear_caches()
+    gc.collect()
+
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_REF_SCRIPT = Path(__file__).with_name("hf_ref.py")
