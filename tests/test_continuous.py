@@ -36,16 +36,20 @@ def test_continuous_rows_equal_each_prompt_alone(params, mode):
     # an EOS id the rows really emit, so that some stop early
     eos = max(set(range(62)), key=lambda t: sum(t in a["tokens"][1:] for a in alone))
     # prefill_chunk 3: admissions write 1-8 token prompts in as many 3-column pieces as the longest needs
-    for spec in (plain, DecodeSpec.make(plain, prefill_chunk=3), DecodeSpec.make(plain, eos_ids=(eos,))):
+    # admit_rows 2: the first three prompts are admitted by two calls (2 + 1 rows)
+    for spec, admit in ((plain, 16), (DecodeSpec.make(plain, prefill_chunk=3), 16), (plain, 2),
+                        (DecodeSpec.make(plain, eos_ids=(eos,)), 16)):
         want = alone if not spec.eos_ids else [_alone(params, spec, r, **kw) for r in reqs]
-        dec = ContinuousDecoder(params, CFG, spec, slots=3, prompt_width=8, **kw)
+        dec = ContinuousDecoder(params, CFG, spec, slots=3, prompt_width=8, admit_rows=admit, **kw)
         got = dict(dec.decode(reqs))
         assert sorted(got) == list(range(len(reqs)))
         for i, w in enumerate(want):
             assert {k: got[i][k] for k in w} == w, (spec.eos_ids, i)
         assert sum(r["n_tokens"] for r in got.values()) == sum(len(w["tokens"]) for w in want)
-        # 13 prompts through 3 slots on one loop program and admission programs for 1, 2 or 4 rows
-        assert "run" in dec._programs and set(dec._programs) <= {"empty", "run", "admit1", "admit2", "admit4"}
+        # 13 prompts through 3 slots on one loop program and admission programs for 1, 2 or 4 rows (<= admit)
+        allowed = {"empty", "run"} | {f"admit{r}" for r in (1, 2, 4) if r <= admit}
+        assert "run" in dec._programs and set(dec._programs) <= allowed, (admit, set(dec._programs))
+        assert admit > 2 or "admit2" in dec._programs
     assert any(w["stop"] == "eos" for w in want) and any(w["stop"] == "length" for w in want)
     again = ContinuousDecoder(params, CFG, spec, slots=3, prompt_width=8, **kw)  # a later call: no recompilation
     assert dict(again.decode(reqs)) == got and again.compile_s == 0.0
@@ -59,5 +63,7 @@ def test_decode_stream_and_errors(params):
         assert got[i]["tokens"] == np.asarray(ref.tokens)[0].tolist()
     with pytest.raises(DecodeError, match=r"prompt 0 has 5 tokens; this decoder takes 1 to 4"):
         list(decode_stream(params, CFG, [[1, 2, 3, 4, 5]], spec, slots=2, prompt_width=4))
+    with pytest.raises(DecodeError, match="admit_rows must be >= 1, got 0"):
+        ContinuousDecoder(params, CFG, spec, slots=2, prompt_width=4, admit_rows=0)
     with pytest.raises(DecodeError, match="returns no cache"):
         ContinuousDecoder(params, CFG, DecodeSpec.make(spec, return_cache=True), slots=2, prompt_width=4)

@@ -6,7 +6,8 @@ slot takes the next prompt without waiting for the others and without recompilin
     `_admit` puts new prompts into free slots: their rows of the loop state are reset, the slot's cache
     length set to the prompt's (what a previous row left beyond it is never attended again) and the prompt's
     K/V written in `prefill_chunk` pieces by a forward over those rows and a prompt-wide cache only (one program
-    per power-of-two count of rows).
+    per power-of-two count of rows, at most `admit_rows`: that cache holds rows x prompt width tokens, 4 GiB for
+    16 rows of 2048 at 8B, so a larger admission runs in groups with the same prefill work).
   * A new row's first call is then the loop's ordinary step: SBD's first COPY block over the cached prompt;
     AR's prompt is prefilled but for its last token, which the first step runs to yield the first token. So a
     row makes the same calls, draws the same random numbers (fold_in(key_b, nfe)) and counts the same NFE as
@@ -122,11 +123,14 @@ def _key_data(key) -> np.ndarray:
 
 class ContinuousDecoder:
     """Decodes a stream of prompts of at most `prompt_width` tokens in `slots` rows, a finished row's slot
-    taking the next prompt at once. `decode(requests)` yields `(index, result)` as rows finish (index: the
-    request's place in the stream); result: tokens, n_tokens, nfe, tokens_per_forward, stop, accepted."""
+    taking the next prompt at once, at most `admit_rows` prompts prefilled per admission call. `decode(requests)`
+    yields `(index, result)` as rows finish (index: the request's place in the stream); result: tokens,
+    n_tokens, nfe, tokens_per_forward, stop, accepted."""
 
     def __init__(self, params, cfg: ModelConfig, spec: DecodeSpec, *, slots: int, prompt_width: int,
-                 gamma=0.35, temperature=0.0, mesh=None):
+                 gamma=0.35, temperature=0.0, mesh=None, admit_rows: int = 16):
+        if admit_rows < 1:
+            raise DecodeError(f"admit_rows must be >= 1, got {admit_rows}")
         if spec.finalize_cache or spec.return_cache:
             raise DecodeError("continuous batching returns no cache (finalize_cache / return_cache are off)")
         if prompt_width + spec.max_new_tokens > cfg.max_position_embeddings:
@@ -134,6 +138,7 @@ class ContinuousDecoder:
                               f"model's max_position_embeddings {cfg.max_position_embeddings}")
         self.params, self.cfg, self.spec, self.mesh = params, cfg, spec, mesh
         self.slots, self.width, self.gamma, self.temperature = slots, prompt_width, gamma, temperature
+        self.admit_rows = admit_rows
         self.compile_s = 0.0
         self.calls = 0  # batched model calls of the decode loop so far (admissions' prefills apart)
         self._programs: dict = {}  # name -> compiled program used by this decoder
@@ -182,7 +187,9 @@ class ContinuousDecoder:
                         raise DecodeError(f"prompt {i} has {len(r.ids)} tokens; this decoder takes 1 to "
                                           f"{self.width} (prompt_width)")
                     owner[b] = i
-                state, rows = self._admit(state, rows, [b for b, _ in batch], [r for _, (_, r) in batch])
+                for g in range(0, len(batch), self.admit_rows):
+                    group = batch[g:g + self.admit_rows]
+                    state, rows = self._admit(state, rows, [b for b, _ in group], [r for _, (_, r) in group])
             args = (self.params, state, rows, np.bool_(waiting is not None))
             state = self._program("run", _run, *args)(*args)
             done, n, nfe, eos, accepted, lengths, seq, iters = jax.device_get(
