@@ -18,9 +18,11 @@ def _requests(n, seed=0):
                     int(rng.integers(1, 19))) for i in range(n)]
 
 
-def _alone(params, spec, r, **kw):
-    out = generate(params, CFG, np.asarray([r.ids]), [len(r.ids)], spec, key=r.key[None],
-                   row_max_new_tokens=[r.max_new_tokens], **kw)
+def _alone(params, spec, r, width=8, **kw):
+    """The request decoded alone by `generate`, its prompt right-padded to `width` (one program for every
+    request; a row does not depend on its padding, tests/test_decoding.py)."""
+    out = generate(params, CFG, np.asarray([list(r.ids) + [0] * (width - len(r.ids))]), [len(r.ids)], spec,
+                   key=r.key[None], row_max_new_tokens=[r.max_new_tokens], **kw)
     n = int(out.lengths[0])
     return {"tokens": np.asarray(out.tokens)[0, :n].tolist(), "nfe": int(out.nfe[0]),
             "stop": "eos" if bool(out.stopped_by_eos[0]) else "length", "accepted": np.asarray(out.accepted)[0].tolist()}
@@ -59,7 +61,7 @@ def test_decode_stream_and_errors(params):
     spec = DecodeSpec(max_new_tokens=6, block_size=4, eos_ids=())
     got = dict(decode_stream(params, CFG, [[1, 2, 3], [4], [5, 6]], spec, slots=2, prompt_width=4, gamma=2.0))
     for i, ids in enumerate([[1, 2, 3], [4], [5, 6]]):
-        ref = generate(params, CFG, np.asarray([ids]), [len(ids)], spec, gamma=2.0)
+        ref = generate(params, CFG, np.asarray([ids + [0] * (4 - len(ids))]), [len(ids)], spec, gamma=2.0)
         assert got[i]["tokens"] == np.asarray(ref.tokens)[0].tolist()
     with pytest.raises(DecodeError, match=r"prompt 0 has 5 tokens; this decoder takes 1 to 4"):
         list(decode_stream(params, CFG, [[1, 2, 3, 4, 5]], spec, slots=2, prompt_width=4))
