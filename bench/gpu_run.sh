@@ -69,6 +69,14 @@ print(jax.__version__, flax.__version__, optax.__version__, jax.devices(), jax.d
                  --output /tmp/rexport_out.jsonl --overwrite --max-new-tokens 256 --batch-size "${SLOTS:-16}" \
                  --gamma 36.3 --ignore-eos --compare-ar --dtype bfloat16 --pad-multiple 128 --no-progress \
                  --summary "$LOG/decodecli_summary.json" ;;
+    # issue 22 point 7: decode.py on a random Llama-3.1-8B bf16 export at the memory plan's shapes (prompts of
+    # 1024-2048 ids, max_new_tokens U[16, 512]), SBD (gamma 36.3: ~4 tokens per forward) and AR, SLOTS slots each
+    decodecli8b) stage make_export8b 150 $PY bench/make_random_export.py --shape llama3-8b --dtype bfloat16 \
+                   --out /tmp/rexport8b --prompts "${NP:-64}" --prompt-len 1024,2048 --max-new 16,512 \
+                 && for n in ${SLOTS:-16 64}; do stage "decodecli8b_s$n" "${LIMIT:-220}" $PY decode.py \
+                   --model /tmp/rexport8b --input /tmp/rexport8b/prompts.jsonl --output "/tmp/rexport8b_s$n.jsonl" \
+                   --overwrite --max-new-tokens 512 --batch-size "$n" --gamma 36.3 --ignore-eos --compare-ar \
+                   --dtype bfloat16 --pad-multiple 128 --no-progress --summary "$LOG/decodecli8b_s$n.json"; done ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

@@ -4,7 +4,8 @@ outputs).
 
     .venv/bin/python bench/plan_memory.py                                   # the training table in BENCHMARKS.md
     .venv/bin/python bench/plan_memory.py --models llama3-8b --seq-len 4096 --losses sbd --remat none
-    .venv/bin/python bench/plan_memory.py decode                            # the decoding table
+    .venv/bin/python bench/plan_memory.py decode                            # the decoding table (generate)
+    .venv/bin/python bench/plan_memory.py continuous                        # decode.py's continuous decoder
 
 The fake devices are CPU devices, so the numbers are XLA:CPU's buffer assignment of the same program a
 GPU/TPU runs (same shapes, shardings, remat and loss chunking); attention "pallas" is the flash kernel in
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -31,6 +33,7 @@ from shapes import SHAPES  # noqa: E402
 
 from sbd_jax.config import ModelConfig  # noqa: E402
 from sbd_jax.decoding import DecodeSpec  # noqa: E402
+from sbd_jax.decoding import continuous  # noqa: E402
 from sbd_jax.decoding.decoder import generate_jit  # noqa: E402
 from sbd_jax.models.transformer import param_specs  # noqa: E402
 from sbd_jax.sharding import MeshConfig, make_mesh, param_shardings  # noqa: E402
@@ -61,12 +64,20 @@ def train_step_memory(cfg: ModelConfig, *, seq_len: int, rows_per_device: int, m
             "alias": ma.alias_size_in_bytes, "compile_s": time.perf_counter() - t0}
 
 
-def decode_memory(cfg: ModelConfig, *, batch: int, prompt: int, new: int, mode: str, tensor: int, devices) -> dict:
-    """AOT-compile `generate` (bf16 weights, greedy, block 16) and return its memory analysis in bytes."""
+def _abstract_params(cfg: ModelConfig, tensor: int, devices):
     mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=tensor), devices) if tensor > 1 else None
     shardings = param_shardings(cfg, mesh) if mesh else jax.tree.map(lambda _: None, param_specs(cfg))
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape(cfg), cfg.param_dtype, sharding=sh),
-                          param_specs(cfg), shardings)
+    return mesh, jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape(cfg), cfg.param_dtype, sharding=sh),
+                              param_specs(cfg), shardings)
+
+
+def _kv_bytes(cfg: ModelConfig, rows: int, width: int, tensor: int) -> float:
+    return 2 * cfg.num_hidden_layers * rows * width * cfg.num_key_value_heads * cfg.head_dim * 2 / tensor
+
+
+def decode_memory(cfg: ModelConfig, *, batch: int, prompt: int, new: int, mode: str, tensor: int, devices) -> dict:
+    """AOT-compile `generate` (bf16 weights, greedy, block 16) and return its memory analysis in bytes."""
+    mesh, params = _abstract_params(cfg, tensor, devices)
     row = lambda dt: jax.ShapeDtypeStruct((batch,), dt)  # noqa: E731
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
     spec = DecodeSpec(mode=mode, block_size=16, max_new_tokens=new)
@@ -75,9 +86,35 @@ def decode_memory(cfg: ModelConfig, *, batch: int, prompt: int, new: int, mode: 
                                   row("float32"), row("float32"), keys, row("int32"), cfg=cfg, spec=spec,
                                   mesh=mesh).compile()
     ma = compiled.memory_analysis()
-    cache = 2 * cfg.num_hidden_layers * batch * (prompt + new) * cfg.num_key_value_heads * cfg.head_dim * 2 / tensor
     return {"args": ma.argument_size_in_bytes, "temp": ma.temp_size_in_bytes, "out": ma.output_size_in_bytes,
-            "cache": cache, "compile_s": time.perf_counter() - t0}
+            "cache": _kv_bytes(cfg, batch, prompt + new, tensor), "compile_s": time.perf_counter() - t0}
+
+
+def continuous_memory(cfg: ModelConfig, *, slots: int, prompt: int, new: int, mode: str, tensor: int, devices,
+                      admit_rows: int = 16) -> dict:
+    """AOT-compile the continuous decoder (decode.py's default engine): its decode loop `_run` and its largest
+    admission `_admit` (min(slots, admit_rows) rows, rounded up to a power of two, as the decoder does). A
+    program's peak is its arguments + temporaries + the outputs not aliased to a donated argument."""
+    mesh, params = _abstract_params(cfg, tensor, devices)
+    kw = dict(cfg=cfg, spec=DecodeSpec(mode=mode, block_size=16, max_new_tokens=new), mesh=mesh)
+    t0 = time.perf_counter()
+    empty = continuous._empty.lower(params, slots=slots, width=prompt, **kw).compile()
+    shapes = jax.eval_shape(functools.partial(continuous._empty, slots=slots, width=prompt, **kw), params)
+    state, rows = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
+                               empty.output_shardings)
+    R = 1 << (min(slots, admit_rows) - 1).bit_length()
+    new_rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct((R,) + a.shape[1:], a.dtype), rows)
+    peak = {}
+    for name, fn, args in (("run", continuous._run, (params, state, rows, jax.ShapeDtypeStruct((), bool))),
+                           ("admit", continuous._admit, (params, state, rows, jax.ShapeDtypeStruct((R,), "int32"),
+                                                         jax.ShapeDtypeStruct((R, prompt), "int32"), new_rows))):
+        ma = fn.lower(*args, **kw).compile().memory_analysis()
+        peak[name] = (ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes
+                      - ma.alias_size_in_bytes)
+        peak[name + "_temp"] = ma.temp_size_in_bytes
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) / tensor
+    return {**peak, "weights": weights, "cache": _kv_bytes(cfg, slots, prompt + new, tensor), "admit_R": R,
+            "compile_s": time.perf_counter() - t0}
 
 
 def plan_decode(argv) -> int:
@@ -107,10 +144,45 @@ def plan_decode(argv) -> int:
     return 0
 
 
+def plan_continuous(argv) -> int:
+    ap = argparse.ArgumentParser(description="the continuous decoder's memory plan (plan_memory.py continuous)")
+    ap.add_argument("--models", default="llama3-8b,qwen3-8b")
+    ap.add_argument("--slots", default="16,64")
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--modes", default="sbd,ar")
+    ap.add_argument("--tensor", default="1,8", help="tensor-parallel degrees (1 = one device, no mesh)")
+    ap.add_argument("--attention", default="pallas,xla")
+    ap.add_argument("--admit-rows", type=int, default=16, help="ContinuousDecoder's admit_rows")
+    args = ap.parse_args(argv)
+    print(f"continuous decoder: prompt width {args.prompt}, {args.new} new tokens, bf16 weights and compute, block "
+          f"16, admissions of up to {args.admit_rows} rows; GiB per device (peak: arguments + temporaries + "
+          "outputs not aliased to donated arguments, per program)")
+    print("| model | tensor | attention | slots | mode | weights | KV cache | loop temp | loop peak | admit rows | "
+          "admit temp | admit peak | compile s |")
+    print("|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name in args.models.split(","):
+        for tensor in map(int, args.tensor.split(",")):
+            for attn in args.attention.split(","):
+                cfg = dataclasses.replace(SHAPES[name], dtype="bfloat16", param_dtype="bfloat16", attention_impl=attn)
+                for slots in map(int, args.slots.split(",")):
+                    for mode in args.modes.split(","):
+                        m = continuous_memory(cfg, slots=slots, prompt=args.prompt, new=args.new, mode=mode,
+                                              tensor=tensor, devices=jax.devices()[:tensor],
+                                              admit_rows=args.admit_rows)
+                        print(f"| {name} | {tensor} | {attn} | {slots} | {mode} | {m['weights'] / GiB:.1f} | "
+                              f"{m['cache'] / GiB:.1f} | {m['run_temp'] / GiB:.1f} | {m['run'] / GiB:.1f} | "
+                              f"{m['admit_R']} | {m['admit_temp'] / GiB:.1f} | {m['admit'] / GiB:.1f} | "
+                              f"{m['compile_s']:.0f} |", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["decode"]:
         return plan_decode(argv[1:])
+    if argv[:1] == ["continuous"]:
+        return plan_continuous(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama3-8b,qwen3-8b", help=f"comma list of {sorted(SHAPES)}")
     ap.add_argument("--seq-len", default="4096,8192", help="L (the SBD input is 2L tokens per row)")
