@@ -117,63 +117,59 @@ def continuous_memory(cfg: ModelConfig, *, slots: int, prompt: int, new: int, mo
             "compile_s": time.perf_counter() - t0}
 
 
-def plan_decode(argv) -> int:
-    ap = argparse.ArgumentParser(description="the decoder's memory plan (bench/plan_memory.py decode)")
+def _decode_grid(argv, description: str, rows: str, extra=()):
+    """Parse the decoding plans' options; yield (args, model name, tensor, attention, cfg, rows, mode)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--models", default="llama3-8b,qwen3-8b")
-    ap.add_argument("--batch", default="16,64")
+    ap.add_argument(f"--{rows}", default="16,64")
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--modes", default="sbd,ar")
     ap.add_argument("--tensor", default="1,8", help="tensor-parallel degrees (1 = one device, no mesh)")
     ap.add_argument("--attention", default="pallas,xla")
+    for flag, kw in extra:
+        ap.add_argument(flag, **kw)
     args = ap.parse_args(argv)
-    print(f"prompt {args.prompt}, {args.new} new tokens, bf16 weights and compute, block 16; GiB per device")
-    print("| model | tensor | attention | batch | mode | weights | KV cache | temp | args+temp | compile s |")
-    print("|---|---:|---|---:|---|---:|---:|---:|---:|---:|")
+    yield args
     for name in args.models.split(","):
         for tensor in map(int, args.tensor.split(",")):
             for attn in args.attention.split(","):
                 cfg = dataclasses.replace(SHAPES[name], dtype="bfloat16", param_dtype="bfloat16", attention_impl=attn)
-                for batch in map(int, args.batch.split(",")):
+                for n in map(int, getattr(args, rows).split(",")):
                     for mode in args.modes.split(","):
-                        m = decode_memory(cfg, batch=batch, prompt=args.prompt, new=args.new, mode=mode,
-                                          tensor=tensor, devices=jax.devices()[:tensor])
-                        print(f"| {name} | {tensor} | {attn} | {batch} | {mode} | {(m['args']) / GiB:.1f} | "
-                              f"{m['cache'] / GiB:.1f} | {m['temp'] / GiB:.1f} | {(m['args'] + m['temp']) / GiB:.1f} | "
-                              f"{m['compile_s']:.0f} |", flush=True)
+                        yield name, tensor, attn, cfg, n, mode
+
+
+def plan_decode(argv) -> int:
+    grid = _decode_grid(argv, "the decoder's memory plan (bench/plan_memory.py decode)", "batch")
+    args = next(grid)
+    print(f"prompt {args.prompt}, {args.new} new tokens, bf16 weights and compute, block 16; GiB per device")
+    print("| model | tensor | attention | batch | mode | weights | KV cache | temp | args+temp | compile s |")
+    print("|---|---:|---|---:|---|---:|---:|---:|---:|---:|")
+    for name, tensor, attn, cfg, batch, mode in grid:
+        m = decode_memory(cfg, batch=batch, prompt=args.prompt, new=args.new, mode=mode, tensor=tensor,
+                          devices=jax.devices()[:tensor])
+        print(f"| {name} | {tensor} | {attn} | {batch} | {mode} | {(m['args']) / GiB:.1f} | {m['cache'] / GiB:.1f} | "
+              f"{m['temp'] / GiB:.1f} | {(m['args'] + m['temp']) / GiB:.1f} | {m['compile_s']:.0f} |", flush=True)
     return 0
 
 
 def plan_continuous(argv) -> int:
-    ap = argparse.ArgumentParser(description="the continuous decoder's memory plan (plan_memory.py continuous)")
-    ap.add_argument("--models", default="llama3-8b,qwen3-8b")
-    ap.add_argument("--slots", default="16,64")
-    ap.add_argument("--prompt", type=int, default=2048)
-    ap.add_argument("--new", type=int, default=512)
-    ap.add_argument("--modes", default="sbd,ar")
-    ap.add_argument("--tensor", default="1,8", help="tensor-parallel degrees (1 = one device, no mesh)")
-    ap.add_argument("--attention", default="pallas,xla")
-    ap.add_argument("--admit-rows", type=int, default=16, help="ContinuousDecoder's admit_rows")
-    args = ap.parse_args(argv)
+    grid = _decode_grid(argv, "the continuous decoder's memory plan (plan_memory.py continuous)", "slots",
+                        [("--admit-rows", dict(type=int, default=16, help="ContinuousDecoder's admit_rows"))])
+    args = next(grid)
     print(f"continuous decoder: prompt width {args.prompt}, {args.new} new tokens, bf16 weights and compute, block "
           f"16, admissions of up to {args.admit_rows} rows; GiB per device (peak: arguments + temporaries + "
           "outputs not aliased to donated arguments, per program)")
     print("| model | tensor | attention | slots | mode | weights | KV cache | loop temp | loop peak | admit rows | "
           "admit temp | admit peak | compile s |")
     print("|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name in args.models.split(","):
-        for tensor in map(int, args.tensor.split(",")):
-            for attn in args.attention.split(","):
-                cfg = dataclasses.replace(SHAPES[name], dtype="bfloat16", param_dtype="bfloat16", attention_impl=attn)
-                for slots in map(int, args.slots.split(",")):
-                    for mode in args.modes.split(","):
-                        m = continuous_memory(cfg, slots=slots, prompt=args.prompt, new=args.new, mode=mode,
-                                              tensor=tensor, devices=jax.devices()[:tensor],
-                                              admit_rows=args.admit_rows)
-                        print(f"| {name} | {tensor} | {attn} | {slots} | {mode} | {m['weights'] / GiB:.1f} | "
-                              f"{m['cache'] / GiB:.1f} | {m['run_temp'] / GiB:.1f} | {m['run'] / GiB:.1f} | "
-                              f"{m['admit_R']} | {m['admit_temp'] / GiB:.1f} | {m['admit'] / GiB:.1f} | "
-                              f"{m['compile_s']:.0f} |", flush=True)
+    for name, tensor, attn, cfg, slots, mode in grid:
+        m = continuous_memory(cfg, slots=slots, prompt=args.prompt, new=args.new, mode=mode, tensor=tensor,
+                              devices=jax.devices()[:tensor], admit_rows=args.admit_rows)
+        print(f"| {name} | {tensor} | {attn} | {slots} | {mode} | {m['weights'] / GiB:.1f} | {m['cache'] / GiB:.1f} | "
+              f"{m['run_temp'] / GiB:.1f} | {m['run'] / GiB:.1f} | {m['admit_R']} | {m['admit_temp'] / GiB:.1f} | "
+              f"{m['admit'] / GiB:.1f} | {m['compile_s']:.0f} |", flush=True)
     return 0
 
 
