@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import sys
 import time
@@ -98,11 +97,8 @@ def continuous_memory(cfg: ModelConfig, *, slots: int, prompt: int, new: int, mo
     mesh, params = _abstract_params(cfg, tensor, devices)
     kw = dict(cfg=cfg, spec=DecodeSpec(mode=mode, block_size=16, max_new_tokens=new), mesh=mesh)
     t0 = time.perf_counter()
-    empty = continuous._empty.lower(params, slots=slots, width=prompt, **kw).compile()
-    shapes = jax.eval_shape(functools.partial(continuous._empty, slots=slots, width=prompt, **kw), params)
-    state, rows = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes,
-                               empty.output_shardings)
-    R = 1 << (min(slots, admit_rows) - 1).bit_length()
+    state, rows = continuous._empty.lower(params, slots=slots, width=prompt, **kw).compile().out_info
+    R = continuous.admission_rows(min(slots, admit_rows))
     new_rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct((R,) + a.shape[1:], a.dtype), rows)
     peak = {}
     for name, fn, args in (("run", continuous._run, (params, state, rows, jax.ShapeDtypeStruct((), bool))),

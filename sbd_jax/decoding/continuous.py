@@ -103,6 +103,11 @@ def _admit(params, state: _State, rows: _Rows, slot_R, prompt_RP, new: _Rows, *,
         return state, rows
 
 
+def admission_rows(n: int) -> int:
+    """Rows of the admission program that admits `n` prompts (one program per power of two)."""
+    return 1 << (n - 1).bit_length()
+
+
 _COMPILED: dict = {}  # programs shared by every ContinuousDecoder of the process (see `_program`)
 
 
@@ -157,7 +162,7 @@ class ContinuousDecoder:
         return self._programs[name]
 
     def _admit(self, state, rows, slots: list[int], reqs: list[Request]):
-        R = 1 << (len(slots) - 1).bit_length()  # power-of-two programs
+        R = admission_rows(len(slots))
         ids = np.zeros((R, self.width), np.int32)
         for i, r in enumerate(reqs):
             ids[i, :len(r.ids)] = r.ids
