@@ -4,6 +4,8 @@ transformers). Invoked as a subprocess by tests (see conftest.py `hf_ref`), neve
   python hf_ref.py make     SPEC.json OUT_DIR       random-init HF model from SPEC -> save_pretrained
   python hf_ref.py logits   MODEL_DIR TOKENS.npy OUT.npy [LENGTHS.npy]   float32 logits [B,T,V] (right-padded rows)
   python hf_ref.py generate MODEL_DIR PROMPTS.json MAX_NEW OUT.json     greedy generate per prompt (no EOS stop)
+  python hf_ref.py gguf     FILE.gguf SPEC.json OUT_DIR       transformers' own GGUF import of FILE (model and
+                            tokenizer): logits of SPEC's token rows, token ids / decodes / chat renders of its texts
 """
 import json
 import sys
@@ -64,6 +66,36 @@ def generate(model_dir, prompts_path, max_new, out_path):
     json.dump(results, open(out_path, "w"))
 
 
+def gguf(gguf_path, spec_path, out_dir):
+    """transformers' GGUF path (`from_pretrained(dir, gguf_file=...)`) on one file. SPEC: {"tokens": rows,
+    "lengths": valid length per row, "texts": [...], "digit_texts": [...], "chats": [messages, ...]} (all optional).
+    Writes OUT_DIR/logits.npy (float32 [B,T,V]) and OUT_DIR/out.json: "ids" (texts, no special tokens added),
+    "decoded" (their decodes), "ids_digits" (digit_texts after setting the pre-tokenizer to llama.cpp's SMOLLM one,
+    Digits(individual) + ByteLevel, which transformers' GGUF tokenizer lacks), "chat" (apply_chat_template(...,
+    tokenize=False, add_generation_prompt=True) of each chat)."""
+    import os
+    from tokenizers import pre_tokenizers
+
+    spec = json.load(open(spec_path))
+    d, name = os.path.split(os.path.abspath(gguf_path))
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=name)
+    out = {"ids": [tok(t, add_special_tokens=False).input_ids for t in spec.get("texts", [])],
+           "chat": [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+                    for m in spec.get("chats", [])]}
+    out["decoded"] = [tok.decode(ids) for ids in out["ids"]]
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    out["ids_digits"] = [tok(t, add_special_tokens=False).input_ids for t in spec.get("digit_texts", [])]
+    if spec.get("tokens"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+        toks = torch.tensor(spec["tokens"], dtype=torch.int64)
+        lengths = np.array(spec.get("lengths") or [toks.shape[1]] * toks.shape[0])
+        mask = torch.from_numpy((np.arange(toks.shape[1])[None] < lengths[:, None]).astype(np.int64))
+        with torch.no_grad():
+            np.save(os.path.join(out_dir, "logits.npy"), model(input_ids=toks, attention_mask=mask).logits.float().numpy())
+    json.dump(out, open(os.path.join(out_dir, "out.json"), "w"))
+
+
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
-    {"make": make, "logits": logits, "generate": generate}[cmd](*args)
+    {"make": make, "logits": logits, "generate": generate, "gguf": gguf}[cmd](*args)

@@ -1,0 +1,437 @@
+"""GGUF (llama.cpp) -> a complete HF-layout model directory, the way `transformers` imports GGUF files: read and
+dequantize with llama.cpp's own Python reader (`gguf.GGUFReader`, `gguf.quants.dequantize`), map the metadata to
+a ModelConfig, undo llama.cpp's q/k row permutation (`llama` architecture only), and rebuild the tokenizer from
+the vocabulary, merges and pre-tokenizer stored in the file (tokenizer.json + tokenizer_config.json with the chat
+template, generation_config.json with the stop ids). Never downloads.
+
+  convert(gguf_path, out_dir, dtype)     -> out_dir, written aside and renamed into place (never half-written)
+  cached_convert(gguf_path, dtype=...)   -> a directory in the model cache ($SBD_MODEL_CACHE, default
+                                            ~/.cache/sbd_jax/models), converted once per file content and dtype
+  python -m sbd_jax.io.gguf FILE.gguf OUT_DIR [--dtype bfloat16] [--overwrite]
+
+Architectures: `llama` (q/k rows un-permuted), `qwen3` (per-head q/k RMSNorm, HF row order) and `qwen2` (HF order;
+its q/k/v biases are exactly a Llama with attention_bias and a zero o_proj bias, which is how it is written). The
+tokenizer follows llama.cpp, where it and `transformers` differ: e.g. `pre=smollm` splits every digit (llama.cpp
+and the original SmolLM2 tokenizer.json do; transformers' GGUF path has no entry for it and splits GPT-2 style).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ModelConfig, RopeScaling
+from ..models.transformer import param_specs
+from .hf import CheckpointError, _hf_names, save_generation_files, save_pretrained
+
+CONVERTER_VERSION = 1  # part of the cache key: a changed converter never reuses an older conversion
+DTYPES = ("float32", "bfloat16")
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file that cannot be converted exactly: unsupported architecture, quantization, tokenizer..."""
+
+
+# --- reading --------------------------------------------------------------------------------------------------
+
+def _reader(path: Path):
+    import gguf
+    if not path.is_file():
+        raise GGUFError(f"GGUF file {str(path)!r} does not exist")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - the reader raises ValueError/struct.error/... on a bad file
+        raise GGUFError(f"cannot read {str(path)!r} as GGUF (truncated or not a GGUF file?): {e}") from None
+
+
+def read_metadata(reader) -> dict:
+    """Every key/value of the file, values as Python scalars, strings or lists."""
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def _get(meta: dict, key: str, path: Path, default=KeyError):
+    if key in meta:
+        return meta[key]
+    if default is KeyError:
+        raise GGUFError(f"{str(path)!r} lacks the required metadata key {key!r}")
+    return default
+
+
+# --- model config ---------------------------------------------------------------------------------------------
+
+# GGUF architecture -> (our model_type, q/k rows permuted by llama.cpp's converter)
+ARCHITECTURES = {"llama": ("llama", True), "qwen3": ("qwen3", False), "qwen2": ("llama", False)}
+
+
+def _architecture(meta: dict, path: Path) -> str:
+    arch = _get(meta, "general.architecture", path)
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"GGUF architecture {arch!r} of {str(path)!r} is not supported (supported: "
+                        f"{sorted(ARCHITECTURES)})")
+    return arch
+
+
+def _rope_scaling(meta: dict, arch: str, tensors: dict, head_dim: int, theta: float, path: Path):
+    """llama.cpp stores Llama-3.1 RoPE scaling as a `rope_freqs.weight` tensor of per-frequency divisors, not as
+    metadata: recover the HF parameters (low 1, high 4, as every Llama-3.x uses) and check they reproduce it."""
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind not in ("none",):
+        raise GGUFError(f"{arch}.rope.scaling.type {kind!r} in {str(path)!r} is not supported (only none, or "
+                        "Llama-3 scaling stored as rope_freqs.weight)")
+    if "rope_freqs.weight" not in tensors:
+        return None
+    divisors = _dequantize(tensors["rope_freqs.weight"], path).astype(np.float64)
+    if np.allclose(divisors, 1.0):
+        return None
+    original = int(meta.get(f"{arch}.rope.scaling.original_context_length", 8192))
+    rs = RopeScaling(factor=float(divisors.max()), low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=original)
+    from ..models.layers import rope_inv_freq
+    plain = ModelConfig(head_dim=head_dim, rope_theta=theta)
+    expected = rope_inv_freq(plain) / rope_inv_freq(ModelConfig(head_dim=head_dim, rope_theta=theta, rope_scaling=rs))
+    if divisors.shape != expected.shape or not np.allclose(divisors, expected, rtol=1e-4):
+        raise GGUFError(f"rope_freqs.weight in {str(path)!r} is not Llama-3 RoPE scaling with factor {rs.factor}, "
+                        f"low_freq_factor 1, high_freq_factor 4, original context {original}: not supported")
+    return rs
+
+
+def _attention_bias(tensors: dict, path: Path) -> bool:
+    """q/k/v biases all present (qwen2, Llama with attention_bias) or none; a lone o bias needs q/k/v ones."""
+    kinds = [any(n.endswith(f".{t}.bias") for n in tensors) for t in ("attn_q", "attn_k", "attn_v", "attn_output")]
+    if any(kinds[:3]) and not all(kinds[:3]) or kinds[3] and not kinds[0]:
+        names = [t for t, k in zip(("q", "k", "v", "o"), kinds) if k]
+        raise GGUFError(f"{str(path)!r} has attention biases on {names} only: not representable (q, k and v "
+                        "biases together, optionally with an o bias)")
+    return kinds[0]
+
+
+def read_config(meta: dict, tensors: dict, path: Path) -> ModelConfig:
+    """The ModelConfig of a GGUF file (metadata keys `{arch}.*`, `tokenizer.ggml.*_token_id`)."""
+    arch = _architecture(meta, path)
+    a = lambda key, default=KeyError: _get(meta, f"{arch}.{key}", path, default)  # noqa: E731
+    hidden, heads = int(a("embedding_length")), int(a("attention.head_count"))
+    head_dim = int(a("attention.key_length", hidden // heads))
+    if int(a("attention.value_length", head_dim)) != head_dim:
+        raise GGUFError(f"{str(path)!r}: {arch}.attention.value_length != key_length is not supported")
+    if int(a("rope.dimension_count", head_dim)) != head_dim:
+        raise GGUFError(f"{str(path)!r}: {arch}.rope.dimension_count {a('rope.dimension_count')} != head_dim "
+                        f"{head_dim} (partial rotary embeddings) is not supported")
+    theta = float(a("rope.freq_base", 10000.0))
+    if "token_embd.weight" not in tensors:
+        raise GGUFError(f"{str(path)!r} has no token_embd.weight tensor")
+    tok = lambda key: meta.get(f"tokenizer.ggml.{key}_token_id")  # noqa: E731
+    return ModelConfig(
+        model_type=ARCHITECTURES[arch][0], qk_norm=arch == "qwen3",
+        vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=hidden,
+        intermediate_size=int(a("feed_forward_length")), num_hidden_layers=int(a("block_count")),
+        num_attention_heads=heads, num_key_value_heads=int(a("attention.head_count_kv", heads)), head_dim=head_dim,
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon")), rope_theta=theta,
+        rope_scaling=_rope_scaling(meta, arch, tensors, head_dim, theta, path),
+        max_position_embeddings=int(a("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors, attention_bias=_attention_bias(tensors, path),
+        bos_token_id=tok("bos"), eos_token_id=tok("eos"), pad_token_id=tok("padding"))
+
+
+# --- weights --------------------------------------------------------------------------------------------------
+
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+          "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+          "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+          "ffn_down.weight": "mlp.down_proj.weight"}
+for _t, _h in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
+    _LAYER |= {f"{_t}.weight": f"self_attn.{_h}.weight", f"{_t}.bias": f"self_attn.{_h}.bias"}
+_IGNORED = {"rope_freqs.weight"}  # read into the config (RoPE scaling)
+
+
+def hf_name(name: str, path: Path) -> str:
+    """GGUF tensor name -> HF name; an unknown tensor (MoE experts, extra norms...) is an error naming it."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"
+    raise GGUFError(f"tensor {name!r} in {str(path)!r} has no counterpart in a Llama/Qwen3 model: not supported")
+
+
+def _dequantize(t, path: Path) -> np.ndarray:
+    """One tensor as float32 in numpy (HF) dim order: GGUF lists dims innermost first."""
+    import gguf
+    from gguf.quants import _type_traits
+    kind = gguf.GGMLQuantizationType(t.tensor_type)
+    if kind not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) and kind not in _type_traits:
+        raise GGUFError(f"tensor {t.name!r} in {str(path)!r} has quantization type {kind.name}, which "
+                        "gguf.quants cannot dequantize: not supported")
+    w = gguf.quants.dequantize(np.asarray(t.data), kind)
+    return np.asarray(w, np.float32).reshape([int(n) for n in reversed(t.shape)])
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf's `permute` of q/k rows (each head's rotary halves interleaved for ggml's rope)."""
+    rows = w.shape[0] // n_head // 2
+    return w.reshape(n_head, rows, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_weights(tensors: dict, cfg: ModelConfig, arch: str, path: Path) -> dict[str, np.ndarray]:
+    """HF name -> float32 weight in HF layout; zero o_proj biases where the file has q/k/v biases only."""
+    out = {}
+    for name, t in tensors.items():
+        if name in _IGNORED:
+            continue
+        w = _dequantize(t, path)
+        if ARCHITECTURES[arch][1] and (".attn_q." in name or ".attn_k." in name):
+            w = unpermute(w, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
+        out[hf_name(name, path)] = w
+    if cfg.attention_bias:
+        for i in range(cfg.num_hidden_layers):
+            out.setdefault(f"model.layers.{i}.self_attn.o_proj.bias", np.zeros(cfg.hidden_size, np.float32))
+    return out
+
+
+def to_params(cfg: ModelConfig, hf: dict[str, np.ndarray], path: Path) -> dict:
+    """HF tensors -> our param pytree (the inverse of save_pretrained's layout), consuming `hf` as it goes."""
+    def one(spec):
+        names = _hf_names(spec, cfg)
+        missing = [n for n in names if n not in hf]
+        if missing:
+            raise GGUFError(f"{str(path)!r} lacks the weight(s) {missing[:3]} (HF names) for this config")
+        shape = spec.shape(cfg)[spec.stacked:]
+        ws = [(w.T if spec.hf_t else w).reshape(shape) for w in (hf.pop(n) for n in names)]
+        return np.stack(ws) if spec.stacked else ws[0]
+    import jax
+    params = jax.tree.map(one, param_specs(cfg))
+    if hf:
+        raise GGUFError(f"{str(path)!r} has weights this config does not use: {sorted(hf)[:5]}")
+    return params
+
+
+# --- tokenizer ------------------------------------------------------------------------------------------------
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# llama.cpp's regex lists (llm_tokenizer_bpe), each applied to the pieces of the one before, then byte-level
+_SPLITS = {"llama3": [_LLAMA3_SPLIT], "qwen2": [_QWEN2_SPLIT],
+           "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", "[0-9][0-9][0-9]"]}
+# tokenizer.ggml.pre -> its llama.cpp family (llama-vocab.cpp; "gpt2" is accepted besides llama.cpp's "gpt-2")
+PRE_TOKENIZERS = {"smollm": "smollm", "gpt-2": "gpt2", "gpt2": "gpt2", "default": "default",
+                  **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), "llama3"),
+                  **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), "qwen2")}
+_CLEAN_SPACES = {"smollm": False, "qwen2": False}  # llama.cpp's clean_spaces (True for the other families)
+
+
+def _pre_tokenizer(family: str):
+    from tokenizers import Regex, pre_tokenizers as pt
+    if family == "smollm":  # llama.cpp: `\p{N}` pieces, then GPT-2's regex (= the original SmolLM2 tokenizer.json)
+        return pt.Sequence([pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if family == "gpt2":
+        return pt.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pt.Sequence([pt.Split(Regex(r), behavior="isolated") for r in _SPLITS[family]]
+                       + [pt.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
+    """Token -> id; a token not spelled in the byte-level alphabet (a mislabelled raw string) is respelled, as
+    transformers does. Later duplicates win, as in llama.cpp's token_to_id."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    alphabet = set(ByteLevel.alphabet())
+    spell = {b: c for b, c in enumerate(_bytes_to_unicode())}
+    return {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode()): i for i, t in enumerate(tokens)}
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character table (byte b is spelled as the b-th entry)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def _merges(merges: list[str]) -> list[tuple[str, str]]:
+    """"a b" -> ("a", "b"), split at the first space after the first character (as llama.cpp does)."""
+    out = []
+    for m in merges:
+        cut = m.find(" ", 1)
+        if cut > 0:
+            out.append((m[:cut], m[cut + 1:]))
+    return out
+
+
+def _post_processor(tokens: list[str], bos: int | None, eos: int | None, add_bos: bool, add_eos: bool):
+    from tokenizers import processors
+    specials = [(tokens[i], i) for i, on in ((bos, add_bos), (eos, add_eos)) if on and i is not None]
+    if not specials:
+        return None
+    head = f"{tokens[bos]} " if add_bos and bos is not None else ""
+    tail = f" {tokens[eos]}" if add_eos and eos is not None else ""
+    return processors.TemplateProcessing(single=f"{head}$A:0{tail}", pair=f"{head}$A:0{tail} {head}$B:1{tail}",
+                                         special_tokens=sorted(set(specials)))
+
+
+def build_tokenizer(meta: dict, path: Path):
+    """-> (tokenizers.Tokenizer, tokenizer_config dict) from the file's vocabulary, as llama.cpp tokenizes: a
+    byte-level BPE (`tokenizer.ggml.model == "gpt2"`) with the pre-tokenizer `tokenizer.ggml.pre` names, control
+    tokens (type 3) as special added tokens, user-defined ones (type 4) as plain added tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(f"tokenizer.ggml.model {kind!r} in {str(path)!r} is not supported (supported: 'gpt2', "
+                        "byte-level BPE)")
+    pre = meta.get("tokenizer.ggml.pre", "default")  # llama.cpp reads a missing one as "default"
+    if pre not in PRE_TOKENIZERS:
+        raise GGUFError(f"tokenizer.ggml.pre {pre!r} in {str(path)!r} is not supported (supported: "
+                        f"{sorted(PRE_TOKENIZERS)})")
+    family = PRE_TOKENIZERS[pre]
+    tokens = list(_get(meta, "tokenizer.ggml.tokens", path))
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    vocab = _byte_level_vocab(tokens)
+    try:
+        bpe = models.BPE(vocab, _merges(_get(meta, "tokenizer.ggml.merges", path)),
+                         ignore_merges=family == "llama3")  # llama.cpp: a whole word in the vocab is one token
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a plain Exception
+        raise GGUFError(f"cannot build a BPE tokenizer from {str(path)!r}: {e}") from None
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = _pre_tokenizer(family)
+    tok.decoder = decoders.ByteLevel()
+    # a control token respelled into the byte alphabet is not added: it would get an id past the vocabulary
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types) if k == 3 and t in vocab])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == 4 and t in vocab])
+    ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding", "unknown")}
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", family == "llama3"))  # llama.cpp's defaults
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    post = _post_processor(tokens, ids["bos"], ids["eos"], add_bos, add_eos)
+    if post is not None:
+        tok.post_processor = post
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos, "add_eos_token": add_eos,
+            "clean_up_tokenization_spaces": _CLEAN_SPACES.get(family, True),
+            "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048))}
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"), ("unk_token", "unknown")):
+        if ids[key] is not None and 0 <= ids[key] < len(tokens):
+            conf[name] = tokens[ids[key]]
+    if meta.get("tokenizer.chat_template"):
+        conf["chat_template"] = meta["tokenizer.chat_template"]
+    return tok, conf
+
+
+# --- conversion -----------------------------------------------------------------------------------------------
+
+def _write_model(path: Path, out: Path, dtype: str) -> None:
+    """Everything of the model directory into `out` (an empty directory)."""
+    from .tokenizer import Tokenizer
+    reader = _reader(path)
+    meta = read_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = read_config(meta, tensors, path)
+    tok, tok_conf = build_tokenizer(meta, path)  # before the weights: a bad tokenizer fails fast
+    params = to_params(cfg, read_weights(tensors, cfg, meta["general.architecture"], path), path)
+    save_pretrained(cfg, params, out, dtype=dtype)
+    del params
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_conf, indent=2, ensure_ascii=False) + "\n")
+    save_generation_files(out, cfg, Tokenizer.load(out), chat="chat_template" in tok_conf)
+
+
+def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> bool:
+    """Rename the finished `tmp` to `out_dir`. False when `out_dir` exists and may not be replaced."""
+    if out_dir.exists() and overwrite:
+        old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
+        os.replace(out_dir, old / "x")
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        return True
+    try:
+        os.rename(tmp, out_dir)  # atomic; fails if another process published a (complete) directory first
+        return True
+    except OSError:
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            return False
+        raise
+
+
+def convert(gguf_path, out_dir, dtype: str = "float32", *, overwrite: bool = False, exist_ok: bool = False) -> Path:
+    """Convert `gguf_path` into the HF model directory `out_dir` (config.json, safetensors in `dtype`,
+    tokenizer.json, tokenizer_config.json, generation_config.json), written in a temporary directory beside it and
+    renamed into place. An existing `out_dir` is an error unless `overwrite` (replace it) or `exist_ok` (keep it:
+    what a cache wants when another process converted the same file first)."""
+    path, out_dir = Path(gguf_path), Path(out_dir)
+    if dtype not in DTYPES:
+        raise GGUFError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if out_dir.exists() and not (overwrite or exist_ok):
+        raise GGUFError(f"output directory {str(out_dir)!r} exists (pass overwrite=True / --overwrite)")
+    if out_dir.exists() and exist_ok and not overwrite:
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # as mkdir would (mkdtemp's 0700 hides it from other users)
+        _write_model(path, tmp, dtype)
+        if not _publish(tmp, out_dir, overwrite) and not exist_ok:
+            raise GGUFError(f"output directory {str(out_dir)!r} appeared while converting")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def fingerprint(path) -> str:
+    """sha256 of the file's bytes (16 hex digits): the cache key of its conversions."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("SBD_MODEL_CACHE") or Path.home() / ".cache" / "sbd_jax" / "models")
+
+
+def cached_convert(gguf_path, *, dtype: str = "float32", cache_dir=None) -> Path:
+    """The conversion of `gguf_path` in the model cache (`cache_dir`, else $SBD_MODEL_CACHE, else
+    ~/.cache/sbd_jax/models), made on first use. The directory name holds the file's content hash, the dtype and
+    the converter version, and a directory only ever appears there complete (renamed into place), so a stale or
+    partial conversion is never reused; two processes converting at once both end with the same directory."""
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise GGUFError(f"GGUF file {str(path)!r} does not exist")
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    out = cache / f"{path.stem}-{fingerprint(path)}-{dtype}-v{CONVERTER_VERSION}"
+    if (out / "config.json").is_file():
+        return out
+    return convert(path, out, dtype, exist_ok=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sbd_jax.io.gguf", description=__doc__.split("\n\n")[0])
+    ap.add_argument("gguf_file")
+    ap.add_argument("out_dir")
+    ap.add_argument("--dtype", choices=DTYPES, default="float32", help="safetensors dtype")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    args = ap.parse_args(argv)
+    import time
+    t0 = time.perf_counter()
+    try:
+        out = convert(args.gguf_file, args.out_dir, args.dtype, overwrite=args.overwrite)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{out} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
