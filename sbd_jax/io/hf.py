@@ -85,14 +85,20 @@ def _hf_slices(s: ParamSpec, shape: tuple[int, ...], box: list[tuple[int, int]])
 
 
 def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = None, dtype: str | None = None,
-                    mesh=None, rules=None, allow_unknown_keys: bool = False,
+                    mesh=None, rules=None, allow_unknown_keys: bool = False, gguf_file: str | None = None,
                     **config_overrides) -> tuple[ModelConfig, dict]:
     """Load a local HF-layout Llama-3.x/Qwen3 checkpoint -> (ModelConfig, params pytree). `param_dtype`
     (storage) and `dtype` (compute) default to float32, whatever the checkpoint stores. With `mesh`, every
     weight is built in its shards (`sbd_jax.sharding.param_shardings(cfg, mesh, rules)`): each process reads
     from the safetensors only the slices its own devices hold, one device's slice of one layer at a time;
-    without, the weights land on the default device."""
+    without, the weights land on the default device. With `gguf_file` (a name in `model_dir`, or a path), as in
+    transformers: that llama.cpp file is converted once into the model cache (`sbd_jax.io.gguf.cached_convert`,
+    float32) and the conversion is loaded."""
     from ..sharding import param_shardings  # (sharding imports the model; a module-level import would cycle)
+
+    if gguf_file is not None:
+        from .gguf import cached_convert
+        model_dir = cached_convert(Path(model_dir) / gguf_file)
 
     model_dir = Path(model_dir)
     dtypes = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v}
