@@ -120,14 +120,14 @@ def fake_stdlib(tmp_path):
 
 @pytest.fixture(scope="module")
 def stdlib():
-    return corpus.load_corpus()
+    return corpus.load()
 
 
 # ---- corpus ----
 
 def test_fake_corpus_keeps_excludes_and_skips_by_rule(fake_stdlib):
     root, kept, excluded = fake_stdlib
-    c = corpus.load_corpus(root)
+    c = corpus.load(root)
     assert sorted(m.path for m in c.modules) == sorted(kept)
     assert {m.path: m.name for m in c.modules}["pkg/__init__.py"] == "pkg"
     assert {m.path: m.name for m in c.modules}["pkg/sub.py"] == "pkg.sub"
@@ -143,25 +143,25 @@ def test_fake_corpus_keeps_excludes_and_skips_by_rule(fake_stdlib):
 
 def test_fingerprint_changes_with_content_rule_and_files(fake_stdlib):
     root, _, _ = fake_stdlib
-    base = corpus.load_corpus(root)
-    assert corpus.load_corpus(root).fingerprint == base.fingerprint  # deterministic
+    base = corpus.load(root)
+    assert corpus.load(root).fingerprint == base.fingerprint  # deterministic
     _write(root, "test/test_x.py", "CHANGED = 1\n")  # an excluded file does not count
-    assert corpus.load_corpus(root).fingerprint == base.fingerprint
-    assert corpus.load_corpus(root, corpus.CorpusOptions(heldout_percent=50)).fingerprint != base.fingerprint
+    assert corpus.load(root).fingerprint == base.fingerprint
+    assert corpus.load(root, corpus.CorpusOptions(heldout_percent=50)).fingerprint != base.fingerprint
     _write(root, "pkg/sub.py", "def f():\n    return 2\n")
-    changed = corpus.load_corpus(root)
+    changed = corpus.load(root)
     assert changed.fingerprint != base.fingerprint
     assert [m.path for m in changed.modules] == [m.path for m in base.modules]
     _write(root, "new_mod.py", "N = 1\n")
-    assert corpus.load_corpus(root).fingerprint not in (base.fingerprint, changed.fingerprint)
+    assert corpus.load(root).fingerprint not in (base.fingerprint, changed.fingerprint)
 
 
 def test_corpus_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a directory"):
-        corpus.load_corpus(tmp_path / "missing")
+        corpus.load(tmp_path / "missing")
     _write(tmp_path, "test/test_only.py", "A = 1\n")
     with pytest.raises(ValueError, match="no Python module kept"):
-        corpus.load_corpus(tmp_path)
+        corpus.load(tmp_path)
     with pytest.raises(ValueError, match="heldout_percent"):
         corpus.CorpusOptions(heldout_percent=0)
 
@@ -226,7 +226,7 @@ def test_example_selection_is_deterministic_and_capped():
     assert tasks.select([mod], per_module_cap=10).counts["over per-module cap"] == 30
     assert len(tasks.examples([mod], max_body_lines=1, min_body_lines=1)) == 0
     with pytest.raises(ValueError, match="min_body_lines"):
-        tasks.ExampleOptions(min_body_lines=3, max_body_lines=2)
+        tasks.TaskOptions(min_body_lines=3, max_body_lines=2)
 
 
 def test_stdlib_heldout_examples_parse(stdlib):
@@ -270,18 +270,26 @@ def test_truncate_prompt_keeps_the_end_within_budget():
         tasks.truncate_prompt("x\n", encode, 0)
 
 
-def test_jsonl_writers(tmp_path):
-    exs = tasks.examples([_fake_module()])
+def test_records_and_jsonl(tmp_path):
+    mod = _fake_module()
+    exs = tasks.examples([mod])
     encode = _word_encode([])
-    assert tasks.write_train_jsonl(tmp_path / "train.jsonl", exs, encode, 40) == len(exs)
-    assert tasks.write_heldout_jsonl(tmp_path / "held.jsonl", exs, encode, 40) == len(exs)
+    assert tasks.write_jsonl(tmp_path / "train.jsonl", tasks.training_records([mod], None, encode, 40)) == len(exs)
+    assert tasks.write_jsonl(tmp_path / "held.jsonl", tasks.heldout_records([mod], None, encode, 40)) == len(exs)
     train = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     held = [json.loads(line) for line in (tmp_path / "held.jsonl").read_text().splitlines()]
     for ex, t, h in zip(exs, train, held):
         assert set(t) == {"prompt", "response"} and t["response"] == ex.target and len(encode(t["prompt"])) <= 40
         assert h["id"] == ex.id and h["qualname"] == ex.qualname and h["module"] == "mod_a.py"
-        assert h["target"] == ex.target and h["prompt"] == t["prompt"]
+        assert h["target"] == ex.target and h["prompt"] == t["prompt"] and h["prompt_ids"] == encode(h["prompt"])
         assert ex.module.source[:h["prompt_start"]] + h["prompt"] == ex.prompt
+        assert metrics.score(h, ex.target + "x = 1\n") == metrics.score(ex, ex.target)  # records score like examples
+    limited = tasks.heldout_records([mod], tasks.TaskOptions(), encode, 40, limit=3)
+    assert [r["qualname"] for r in limited] == [EXPECTED_QUALNAMES[i] for i in (0, 2, 4)]  # evenly spread
+    he = tasks.humaneval_records(encode, 64, limit=2)
+    assert [r["id"] for r in he] == ["HumanEval/0", "HumanEval/1"] and he[0]["prompt"].startswith("from typing")
+    assert len(he[0]["prompt_ids"]) <= 64 and he[0]["prompt"].endswith(tasks.truncate_prompt_text(he[0]["prompt"],
+                                                                                                   encode, 64))
 
 
 # ---- cutting ----
@@ -348,7 +356,8 @@ def test_humaneval_harness_passes_canonical_and_fails_wrong():
     assert good == [p.canonical_solution.rstrip("\n") + "\n" for p in picked]
     wrong = ["    return None\n", "    return []\n", "    while True:\n        pass\n"]
     start = time.time()
-    results = metrics.humaneval_check(picked * 2, good + wrong, timeout=2.0)
+    records = tasks.humaneval_records(lambda text: list(text.encode()), 4096, limit=3)  # records work as problems
+    results = metrics.humaneval_check([*picked, *records], good + wrong, timeout=2.0)
     assert time.time() - start < 25
     assert [r.passed for r in results] == [True] * 3 + [False] * 3
     assert [r.task_id for r in results] == [p.task_id for p in picked] * 2

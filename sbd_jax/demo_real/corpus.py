@@ -116,7 +116,7 @@ def split_of(path: str, options: CorpusOptions = CorpusOptions()) -> str:
     return HELDOUT if h % 100 < options.heldout_percent else TRAIN
 
 
-def load_corpus(root: str | os.PathLike | None = None, options: CorpusOptions = CorpusOptions()) -> Corpus:
+def load(root: str | os.PathLike | None = None, options: CorpusOptions = CorpusOptions()) -> Corpus:
     """Scan `root` (default: the stdlib of the running interpreter), apply the exclusion rules, read, check and
     split the modules. Raises FileNotFoundError when root is not a directory and ValueError when nothing is kept."""
     root = Path(root) if root is not None else stdlib_root()

