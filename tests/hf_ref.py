@@ -6,6 +6,8 @@ transformers). Invoked as a subprocess by tests (see conftest.py `hf_ref`), neve
   python hf_ref.py generate MODEL_DIR PROMPTS.json MAX_NEW OUT.json     greedy generate per prompt (no EOS stop)
   python hf_ref.py gguf     FILE.gguf SPEC.json OUT_DIR       transformers' own GGUF import of FILE (model and
                             tokenizer): logits of SPEC's token rows, token ids / decodes / chat renders of its texts
+  python hf_ref.py peft     MODEL_DIR ADAPTER_DIR TOKENS.npy OUT.npy [VOCAB]   float32 logits of the base with
+                            `PeftModel.from_pretrained(base, ADAPTER_DIR)` (embeddings resized to VOCAB first if given)
 """
 import json
 import sys
@@ -96,6 +98,17 @@ def gguf(gguf_path, spec_path, out_dir):
     json.dump(out, open(os.path.join(out_dir, "out.json"), "w"))
 
 
+def peft(model_dir, adapter_dir, tokens_path, out_path, vocab=None):
+    import peft as peft_lib
+    base = load(model_dir)
+    if vocab:  # the adapter's run added a token (its rows come from the adapter's trainable_token_indices)
+        base.resize_token_embeddings(int(vocab))
+    model = peft_lib.PeftModel.from_pretrained(base, adapter_dir).eval()
+    toks = torch.from_numpy(np.load(tokens_path).astype(np.int64))
+    with torch.no_grad():
+        np.save(out_path, model(input_ids=toks, attention_mask=torch.ones_like(toks)).logits.float().numpy())
+
+
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
-    {"make": make, "logits": logits, "generate": generate, "gguf": gguf}[cmd](*args)
+    {"make": make, "logits": logits, "generate": generate, "gguf": gguf, "peft": peft}[cmd](*args)
