@@ -69,12 +69,13 @@ def generate(model_dir, prompts_path, max_new, out_path):
 
 
 def gguf(gguf_path, spec_path, out_dir):
-    """transformers' GGUF path (`from_pretrained(dir, gguf_file=...)`) on one file. SPEC: {"tokens": rows,
-    "lengths": valid length per row, "texts": [...], "digit_texts": [...], "chats": [messages, ...]} (all optional).
-    Writes OUT_DIR/logits.npy (float32 [B,T,V]) and OUT_DIR/out.json: "ids" (texts, no special tokens added),
-    "decoded" (their decodes), "ids_digits" (digit_texts after setting the pre-tokenizer to llama.cpp's SMOLLM one,
-    Digits(individual) + ByteLevel, which transformers' GGUF tokenizer lacks), "chat" (apply_chat_template(...,
-    tokenize=False, add_generation_prompt=True) of each chat)."""
+    """transformers' GGUF path (`from_pretrained(dir, gguf_file=...)`) on one file. SPEC: {"texts": [...],
+    "logit_texts": [...], "digit_texts": [...], "chats": [messages, ...]} (all optional). Writes OUT_DIR/logits.npy
+    (float32 [B,T,V]: the model on the ids of logit_texts, right-padded with 0 and masked) and OUT_DIR/out.json:
+    "logit_ids" (those ids), "ids" (texts, no special tokens added), "decoded" (their decodes), "ids_digits"
+    (digit_texts after setting the pre-tokenizer to llama.cpp's SMOLLM one, Digits(individual) + ByteLevel, which
+    transformers' GGUF tokenizer lacks), "chat" (apply_chat_template(..., tokenize=False, add_generation_prompt=True)
+    of each chat)."""
     import os
     from tokenizers import pre_tokenizers
 
@@ -88,10 +89,11 @@ def gguf(gguf_path, spec_path, out_dir):
     tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     out["ids_digits"] = [tok(t, add_special_tokens=False).input_ids for t in spec.get("digit_texts", [])]
-    if spec.get("tokens"):
+    if spec.get("logit_texts"):
         model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
-        toks = torch.tensor(spec["tokens"], dtype=torch.int64)
-        lengths = np.array(spec.get("lengths") or [toks.shape[1]] * toks.shape[0])
+        rows = out["logit_ids"] = [tok(t, add_special_tokens=False).input_ids for t in spec["logit_texts"]]
+        lengths = np.array([len(r) for r in rows])
+        toks = torch.tensor([r + [0] * (lengths.max() - len(r)) for r in rows], dtype=torch.int64)
         mask = torch.from_numpy((np.arange(toks.shape[1])[None] < lengths[:, None]).astype(np.int64))
         with torch.no_grad():
             np.save(os.path.join(out_dir, "logits.npy"), model(input_ids=toks, attention_mask=mask).logits.float().numpy())
