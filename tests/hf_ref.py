@@ -5,7 +5,8 @@ transformers). Invoked as a subprocess by tests (see conftest.py `hf_ref`), neve
   python hf_ref.py logits   MODEL_DIR TOKENS.npy OUT.npy [LENGTHS.npy]   float32 logits [B,T,V] (right-padded rows)
   python hf_ref.py generate MODEL_DIR PROMPTS.json MAX_NEW OUT.json     greedy generate per prompt (no EOS stop)
   python hf_ref.py gguf     FILE.gguf SPEC.json OUT_DIR       transformers' own GGUF import of FILE (model and
-                            tokenizer): logits of SPEC's token rows, token ids / decodes / chat renders of its texts
+                            tokenizer): logits, token ids, decodes, chat renders of SPEC's texts; logits of other
+                            GGUF files on given token rows (one torch start for every GGUF reference of a test file)
   python hf_ref.py peft     MODEL_DIR ADAPTER_DIR TOKENS.npy OUT.npy [VOCAB]   float32 logits of the base with
                             `PeftModel.from_pretrained(base, ADAPTER_DIR)` (embeddings resized to VOCAB first if given)
 """
@@ -70,7 +71,9 @@ def generate(model_dir, prompts_path, max_new, out_path):
 
 def gguf(gguf_path, spec_path, out_dir):
     """transformers' GGUF path (`from_pretrained(dir, gguf_file=...)`) on one file. SPEC: {"texts": [...],
-    "logit_texts": [...], "digit_texts": [...], "chats": [messages, ...]} (all optional). Writes OUT_DIR/logits.npy
+    "logit_texts": [...], "digit_texts": [...], "chats": [messages, ...], "other_files": [FILE.gguf, ...],
+    "other_tokens": rows} (all optional). Writes OUT_DIR/other{i}.npy (float32 logits of other_files[i]'s model on
+    other_tokens, unpadded), OUT_DIR/logits.npy
     (float32 [B,T,V]: the model on the ids of logit_texts, right-padded with 0 and masked) and OUT_DIR/out.json:
     "logit_ids" (those ids), "ids" (texts, no special tokens added), "decoded" (their decodes), "ids_digits"
     (digit_texts after setting the pre-tokenizer to llama.cpp's SMOLLM one, Digits(individual) + ByteLevel, which
@@ -97,6 +100,13 @@ def gguf(gguf_path, spec_path, out_dir):
         mask = torch.from_numpy((np.arange(toks.shape[1])[None] < lengths[:, None]).astype(np.int64))
         with torch.no_grad():
             np.save(os.path.join(out_dir, "logits.npy"), model(input_ids=toks, attention_mask=mask).logits.float().numpy())
+    for i, f in enumerate(spec.get("other_files", [])):
+        od, oname = os.path.split(os.path.abspath(f))
+        model = transformers.AutoModelForCausalLM.from_pretrained(od, gguf_file=oname, dtype=torch.float32).eval()
+        toks = torch.tensor(spec["other_tokens"], dtype=torch.int64)
+        with torch.no_grad():
+            logits = model(input_ids=toks, attention_mask=torch.ones_like(toks)).logits.float().numpy()
+        np.save(os.path.join(out_dir, f"other{i}.npy"), logits)
     json.dump(out, open(os.path.join(out_dir, "out.json"), "w"))
 
 

@@ -216,12 +216,26 @@ def real_gguf():
     return real_model.gguf_path()
 
 
+def _tiny_reference_files(d: Path) -> list[Path]:
+    """llama (q/k permuted), qwen3 (q/k norms; head_dim 128, which transformers' qwen3 GGUF path assumes), qwen2
+    (q/k/v biases) tiny files, compared with transformers' GGUF import in test_tiny_models_match_transformers."""
+    return [make_tiny_gguf(d / "llama.gguf", quant="Q8_0", seed=1, std=0.2),
+            make_tiny_gguf(d / "qwen3.gguf", arch="qwen3", quant="Q4_1", seed=2, std=0.2, head_dim=128,
+                           num_heads=2, num_kv_heads=1),
+            make_tiny_gguf(d / "qwen2.gguf", arch="qwen2", quant="Q8_0", seed=3, std=0.2)]
+
+
+TINY_TOKENS = np.random.default_rng(0).integers(0, SYNTHETIC_VOCAB, (2, 24)).astype(np.int32)
+
+
 @pytest.fixture(scope="module")
 def hf_gguf(real_gguf, tmp_path_factory):
-    """transformers' import of the real GGUF (hf_ref.py gguf), started now in the background; call to wait."""
+    """transformers' import of the real GGUF and of the tiny reference files (one hf_ref.py gguf process), started
+    now in the background; call it to wait for the result."""
     d = tmp_path_factory.mktemp("hf_gguf")
     spec = {"texts": [PROSE, CODE, UNICODE, CHAT_TEXT, *DIGITS], "digit_texts": DIGITS, "chats": CHATS,
-            "logit_texts": [PROSE, CODE, UNICODE]}
+            "logit_texts": [PROSE, CODE, UNICODE], "other_files": [str(f) for f in _tiny_reference_files(d)],
+            "other_tokens": TINY_TOKENS.tolist()}
     (d / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
     env.pop("XLA_FLAGS", None)
@@ -233,7 +247,8 @@ def hf_gguf(real_gguf, tmp_path_factory):
         if not done:
             _, err = proc.communicate(timeout=600)
             assert proc.returncode == 0, f"hf_ref.py gguf failed:\n{err[-4000:]}"
-            done.update(json.loads((d / "out.json").read_text()), logits=np.load(d / "logits.npy"))
+            done.update(json.loads((d / "out.json").read_text()), logits=np.load(d / "logits.npy"),
+                        other=[(Path(f), np.load(d / f"other{i}.npy")) for i, f in enumerate(spec["other_files"])])
         return done
     yield result
     if proc.poll() is None:
@@ -264,6 +279,30 @@ def test_real_directory_is_complete(real_dir, real_gguf, monkeypatch):
     before = sorted(real_dir.parent.iterdir())
     cfg2, _ = sbd_jax.from_pretrained(real_gguf.parent, gguf_file=real_gguf.name)
     assert cfg2 == cfg and sorted(real_dir.parent.iterdir()) == before
+
+
+def test_real_decode_answers_a_chat_prompt(real_dir, tmp_path):
+    """decode.py (AR, greedy, chat template) on the converted model: stops at <|im_end|> with the right answer."""
+    sys.path.insert(0, str(ROOT))
+    import decode
+    (tmp_path / "p.jsonl").write_text(json.dumps(
+        {"id": "q", "messages": [{"role": "user", "content": "What is the capital of France?"}]}) + "\n")
+    assert decode.main(["--model", str(real_dir), "--input", str(tmp_path / "p.jsonl"), "--output",
+                        str(tmp_path / "o.jsonl"), "--chat", "--mode", "ar", "--max-new-tokens", "32",
+                        "--batch-size", "1", "--no-progress"]) == 0
+    (row,) = map(json.loads, (tmp_path / "o.jsonl").read_text().splitlines())
+    assert row["stop"] == "eos" and row["tokens"][-1] == 2 and "Paris" in row["text"], row
+
+
+def test_tiny_models_match_transformers(hf_gguf, tmp_path):
+    """Our load of the conversion == transformers' own GGUF import of the same file (float32 logits, max abs diff
+    <= 1e-4, as tests/test_hf_parity.py): llama, qwen3, and qwen2 written as a Llama with attention_bias and a zero
+    o_proj bias (exact: a zero bias adds nothing)."""
+    for i, (f, ref) in enumerate(hf_gguf()["other"]):
+        cfg, params = sbd_jax.from_pretrained(G.convert(f, tmp_path / f"hf{i}"))
+        ours, _ = sbd_jax.forward(params, cfg, TINY_TOKENS, causal_meta(jnp.array([24, 24]), 24))
+        err = np.abs(np.asarray(ours) - ref).max()
+        assert err <= 1e-4 and np.abs(ref).max() > 0.1, f"{f.name}: max abs diff {err}"
 
 
 def test_real_logits_match_transformers(real_dir, hf_gguf):
@@ -313,16 +352,3 @@ def test_real_chat_template_renders_as_transformers(real_dir, hf_gguf):
     assert rendered == hf_gguf()["chat"]
     assert rendered[0].startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert rendered[0].endswith("<|im_start|>assistant\n")
-
-
-def test_real_decode_answers_a_chat_prompt(real_dir, tmp_path):
-    """decode.py (AR, greedy, chat template) on the converted model: stops at <|im_end|> with the right answer."""
-    sys.path.insert(0, str(ROOT))
-    import decode
-    (tmp_path / "p.jsonl").write_text(json.dumps(
-        {"id": "q", "messages": [{"role": "user", "content": "What is the capital of France?"}]}) + "\n")
-    assert decode.main(["--model", str(real_dir), "--input", str(tmp_path / "p.jsonl"), "--output",
-                        str(tmp_path / "o.jsonl"), "--chat", "--mode", "ar", "--max-new-tokens", "32",
-                        "--batch-size", "1", "--no-progress"]) == 0
-    (row,) = map(json.loads, (tmp_path / "o.jsonl").read_text().splitlines())
-    assert row["stop"] == "eos" and row["tokens"][-1] == 2 and "Paris" in row["text"], row
