@@ -11,8 +11,10 @@ template, generation_config.json with the stop ids). Never downloads.
 
 Architectures: `llama` (q/k rows un-permuted), `qwen3` (per-head q/k RMSNorm, HF row order) and `qwen2` (HF order;
 its q/k/v biases are exactly a Llama with attention_bias and a zero o_proj bias, which is how it is written). The
-tokenizer follows llama.cpp, where it and `transformers` differ: e.g. `pre=smollm` splits every digit (llama.cpp
-and the original SmolLM2 tokenizer.json do; transformers' GGUF path has no entry for it and splits GPT-2 style).
+tokenizer follows llama.cpp, where it and `transformers` differ: `pre=smollm` splits every digit (llama.cpp and the
+original SmolLM2 tokenizer.json do; transformers' GGUF path has no entry for it and splits GPT-2 style: the same ids
+for SmolLM2, whose vocabulary has no token joining a numeral with anything else), `llama3`-family files ignore
+merges for whole words in the vocabulary (llama.cpp's ignore_merges), and add_bos_token defaults as in llama.cpp.
 """
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ def _rope_scaling(meta: dict, arch: str, tensors: dict, head_dim: int, theta: fl
     """llama.cpp stores Llama-3.1 RoPE scaling as a `rope_freqs.weight` tensor of per-frequency divisors, not as
     metadata: recover the HF parameters (low 1, high 4, as every Llama-3.x uses) and check they reproduce it."""
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
-    if kind not in ("none",):
+    if kind != "none":
         raise GGUFError(f"{arch}.rope.scaling.type {kind!r} in {str(path)!r} is not supported (only none, or "
                         "Llama-3 scaling stored as rope_freqs.weight)")
     if "rope_freqs.weight" not in tensors:
