@@ -1,0 +1,77 @@
+"""The real-model demo's stages before evaluation: the base model (a GGUF converted once), the data (the
+interpreter's stdlib split by module, HumanEval), and the two fine-tunes. Each stage leaves its result in the
+output directory with the settings that made it; a rerun reuses a finished stage, resumes an interrupted one and
+refuses one made with other settings (the toy demo's rules: sbd_jax.demo.stages)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..demo.stages import check_stage_settings
+from ..io.tokenizer import Tokenizer
+from ..sharding import MeshConfig
+from ..training.config import CheckpointConfig, DataConfig, ModelSource, OptimConfig, SBDConfig, TrainConfig
+from .config import RealDemoConfig
+
+
+def stage_base(cfg: RealDemoConfig, log=print) -> Path:
+    """The base model's HF directory: the GGUF converted once (float32) into the model cache."""
+    from ..io import real_model
+    from ..io.gguf import cached_convert
+    base = real_model.model_dir() if cfg.gguf is None else cached_convert(cfg.gguf)
+    log(f"[base] {base}")
+    return base
+
+
+def _write_jsonl(path: Path, records) -> int:
+    """tasks.write_jsonl written aside and renamed: a file that exists is whole."""
+    from .tasks import write_jsonl
+    tmp = path.with_name(f".{path.name}.tmp")
+    n = write_jsonl(tmp, records)
+    tmp.replace(path)
+    return n
+
+
+def stage_data(cfg: RealDemoConfig, tok: Tokenizer, log=print) -> dict[str, Path]:
+    """train.jsonl (SFT prompt/response pairs of the train modules), heldout.jsonl (held-out functions) and
+    humaneval.jsonl, with the corpus fingerprint and the split's counts in data/corpus.json."""
+    from . import corpus, tasks
+    root = Path(cfg.out_dir) / "data"
+    files = {n: root / f"{n}.jsonl" for n in ("train", "heldout", "humaneval")}
+    spec = {k: getattr(cfg, k) for k in ("seed", "prompt_tokens", "max_body_lines", "per_module", "n_heldout",
+                                         "n_humaneval", "corpus_root")}
+    mods = corpus.load(cfg.corpus_root)
+    spec["corpus_fingerprint"] = mods.fingerprint
+    saved = root / "settings.json"
+    if saved.exists():
+        check_stage_settings(root, json.loads(saved.read_text()), spec)
+        if all(f.exists() for f in files.values()):
+            log(f"[data] reusing {root}")
+            return files
+    root.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(spec))
+    opts = tasks.TaskOptions(max_body_lines=cfg.max_body_lines, per_module_cap=cfg.per_module, seed=cfg.seed)
+    encode = lambda text: tok.encode(text, add_special_tokens=False)
+    n_train = _write_jsonl(files["train"], tasks.training_records(mods.train, opts, encode, cfg.prompt_tokens))
+    held = tasks.heldout_records(mods.heldout, opts, encode, cfg.prompt_tokens, limit=cfg.n_heldout)
+    n_held = _write_jsonl(files["heldout"], held)
+    n_he = _write_jsonl(files["humaneval"], tasks.humaneval_records(encode, cfg.prompt_tokens, limit=cfg.n_humaneval))
+    report = {**mods.summary(), "examples": {"train": n_train, "heldout": n_held, "humaneval": n_he}}
+    (root / "corpus.json").write_text(json.dumps(report, indent=2))
+    log(f"[data] stdlib {len(mods.train)} train / {len(mods.heldout)} held-out modules -> {n_train} training "
+        f"functions, {n_held} held-out, {n_he} HumanEval (fingerprint {mods.fingerprint[:12]}) -> {root}")
+    return files
+
+
+def train_config(cfg: RealDemoConfig, base: Path, data_file: Path, *, ntp_only: bool, out: Path) -> TrainConfig:
+    """One fine-tune of the base on the training functions (SFT, raw code, no chat template); the `<m>` row is
+    added to the embedding for both fine-tunes, so the two differ only in the loss."""
+    return TrainConfig(
+        model=ModelSource(init_from=str(base), add_mask_token=True, remat=cfg.remat),
+        data=DataConfig(path=str(data_file), mode="sft", tokenizer=str(base), seq_len=cfg.seq_len, seed=cfg.seed,
+                        chat_template=False),
+        sbd=SBDConfig(k_max=cfg.k_max, ntp_only=ntp_only, block_align="response"),
+        optim=OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule="cosine", weight_decay=0.0),
+        checkpoint=CheckpointConfig(every=max(1, cfg.steps // 4), keep=2, async_save=False),
+        mesh=MeshConfig(data=-1), out_dir=str(out), steps=cfg.steps, batch_size=cfg.batch_size, seed=cfg.seed,
+        log_every=10)
