@@ -167,12 +167,12 @@ def hf_name(name: str, path: Path) -> str:
 def _dequantize(t, path: Path) -> np.ndarray:
     """One tensor as float32 in numpy (HF) dim order: GGUF lists dims innermost first."""
     import gguf
-    from gguf.quants import _type_traits
     kind = gguf.GGMLQuantizationType(t.tensor_type)
-    if kind not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) and kind not in _type_traits:
+    try:
+        w = gguf.quants.dequantize(np.asarray(t.data), kind)
+    except NotImplementedError:  # the reader's own word on types it cannot dequantize
         raise GGUFError(f"tensor {t.name!r} in {str(path)!r} has quantization type {kind.name}, which "
-                        "gguf.quants cannot dequantize: not supported")
-    w = gguf.quants.dequantize(np.asarray(t.data), kind)
+                        "gguf.quants cannot dequantize: not supported") from None
     return np.asarray(w, np.float32).reshape([int(n) for n in reversed(t.shape)])
 
 
