@@ -91,9 +91,15 @@ def logical_to_spec(axes: tuple, shape: tuple, mesh: Mesh, rules=None) -> P:
     return P(*spec)
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh, rules=None) -> dict:
+def spec_shardings(specs: dict, cfg: ModelConfig, mesh: Mesh, rules=None) -> dict:
+    """NamedShardings of a tree of specs (anything with `.logical_axes` and `.shape(cfg)`: the model's ParamSpecs,
+    a LoRA adapter's AdapterSpecs) by the logical-axis rules."""
     return jax.tree.map(lambda s: NamedSharding(mesh, logical_to_spec(s.logical_axes, s.shape(cfg), mesh, rules)),
-                        param_specs(cfg))
+                        specs)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh, rules=None) -> dict:
+    return spec_shardings(param_specs(cfg), cfg, mesh, rules)
 
 
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, rules=None) -> dict:

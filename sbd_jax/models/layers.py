@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
+from .adapted import project
 
 
 def rms_norm(x, weight, eps):
@@ -45,5 +46,6 @@ def apply_rope(x_BTHD, positions_BT, inv_freq):
 
 
 def swiglu(x_BTD, w_gate_DF, w_up_DF, w_down_FD):
-    gate, up = (jnp.einsum("btd,df->btf", x_BTD, w) for w in (w_gate_DF, w_up_DF))
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down_FD)
+    """The MLP; each weight may carry a LoRA adapter (`adapted.project`)."""
+    gate, up = (project("btd,df->btf", x_BTD, w) for w in (w_gate_DF, w_up_DF))
+    return project("btf,fd->btd", jax.nn.silu(gate) * up, w_down_FD)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from ..attention import TokenMeta, attention, attention_parts, clean_meta, concat_meta
 from ..attention.mask import CLEAN
 from ..config import ModelConfig
+from .adapted import embed_rows, head_logits, project
 from .layers import apply_rope, rms_norm, rope_inv_freq, swiglu
 
 
@@ -151,7 +152,7 @@ def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, wri
     p = jax.tree.map(lambda a: a.astype(dt), lp)
     with jax.named_scope("attention"):
         x = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = (jnp.einsum("btd,dhk->bthk", x, p[w]) for w in ("wq", "wk", "wv"))
+        q, k, v = (project("btd,dhk->bthk", x, p[w]) for w in ("wq", "wk", "wv"))
         if cfg.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         if cfg.qk_norm:
@@ -183,7 +184,7 @@ def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, wri
             cache_kv_meta, window_kv_meta, full_meta = kv_meta
             o = attention_parts(q, [(ck, cv, cache_kv_meta), (k, v, window_kv_meta)], meta, impl=cfg.attention_impl,
                                 kv_meta=full_meta)
-        h_BTD = h_BTD + jnp.einsum("bthk,hkd->btd", o, p["wo"]) + (p["bo"] if cfg.attention_bias else 0)
+        h_BTD = h_BTD + project("bthk,hkd->btd", o, p["wo"]) + (p["bo"] if cfg.attention_bias else 0)
     with jax.named_scope("mlp"):
         x = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
         h_BTD = h_BTD + swiglu(x, p["w_gate"], p["w_up"], p["w_down"])
@@ -212,7 +213,7 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
         raise ValueError(f"clean_prefix={clean_prefix} needs no cache and 0 < clean_prefix < T={tokens_BT.shape[1]}")
     dt = jnp.dtype(cfg.dtype)
     inv_freq = rope_inv_freq(cfg)
-    h = params["embed"].astype(dt)[tokens_BT]
+    h = embed_rows(jax.tree.map(lambda a: a.astype(dt), params["embed"]), tokens_BT)
 
     if cache is None:
         def body(h, xs):
@@ -255,7 +256,7 @@ def _over_layers(body, carry, layers, cfg: ModelConfig):
 def lm_head(params: dict, cfg: ModelConfig, h_BTD):
     """Logits [B, T, V] in float32 (the tied head reuses the embedding)."""
     w, spec = (params["embed"], "btd,vd->btv") if cfg.tie_word_embeddings else (params["lm_head"], "btd,dv->btv")
-    return jnp.einsum(spec, h_BTD, w.astype(cfg.dtype), preferred_element_type=jnp.float32)
+    return head_logits(spec, h_BTD, jax.tree.map(lambda a: a.astype(cfg.dtype), w), jnp.float32)
 
 
 def causal_meta(lengths_B, T: int) -> TokenMeta:

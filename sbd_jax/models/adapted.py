@@ -1,0 +1,73 @@
+"""Weights with an adapter attached, and the three ops of the forward that read weights (`project`, `embed_rows`,
+`head_logits`). A plain array is read as before; a `LoRAWeight` adds its low-rank path and a `RowPatch` swaps one
+vocabulary row, both without building the merged weight (sbd_jax/models/lora.py attaches them to the parameter
+tree). Both are pytrees, so the layer scan, remat and dtype casts treat their arrays like any weight."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("w", "a", "b"), meta_fields=("scale",))
+@dataclasses.dataclass(frozen=True)
+class LoRAWeight:
+    """A frozen weight `w` (its einsum's in dims, then out dims) plus A [in dims..., r] and B [r, out dims...]:
+    x @ W_eff = x @ w + scale * (x @ A) @ B, with W_eff = w + scale * A @ B never formed."""
+
+    w: Any
+    a: Any
+    b: Any
+    scale: float
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("w", "value"), meta_fields=("index", "axis"))
+@dataclasses.dataclass(frozen=True)
+class RowPatch:
+    """A frozen vocabulary matrix `w` (embedding [V, D]: axis 0; untied lm_head [D, V]: axis 1) whose entry `index`
+    along `axis` reads `value` [D] instead: the added mask token's trainable row."""
+
+    w: Any
+    value: Any
+    index: int
+    axis: int
+
+
+@functools.lru_cache(maxsize=64)
+def _lora_specs(spec: str) -> tuple[str, str]:
+    """"btd,dhk->bthk" -> ("btd,dr->btr", "btr,rhk->bthk"): the weight's letters shared with x go through A."""
+    lhs, rest = spec.split(",")
+    rhs, out = rest.split("->")
+    r = next(c for c in "rzyxwuv" if c not in spec)
+    ins = "".join(c for c in rhs if c in lhs)
+    outs = "".join(c for c in rhs if c not in lhs)
+    keep = "".join(c for c in lhs if c not in ins)
+    return f"{lhs},{ins}{r}->{keep}{r}", f"{keep}{r},{r}{outs}->{out}"
+
+
+def project(spec: str, x, w):
+    """`jnp.einsum(spec, x, w)`, with a `LoRAWeight`'s low-rank path added (spec: activations first, weight second)."""
+    if not isinstance(w, LoRAWeight):
+        return jnp.einsum(spec, x, w)
+    spec_a, spec_b = _lora_specs(spec)
+    return jnp.einsum(spec, x, w.w) + jnp.einsum(spec_b, jnp.einsum(spec_a, x, w.a), w.b) * w.scale
+
+
+def embed_rows(w, tokens_BT):
+    """Embedding lookup [B, T, D]; a `RowPatch`'s token reads its own row."""
+    if not isinstance(w, RowPatch):
+        return w[tokens_BT]
+    return jnp.where((tokens_BT == w.index)[..., None], w.value, w.w[tokens_BT])
+
+
+def head_logits(spec: str, h_BTD, w, dtype):
+    """Logits [B, T, V] in `dtype` (spec "btd,vd->btv" for a tied head, "btd,dv->btv" for lm_head); a `RowPatch`'s
+    entry is the logit of its own row."""
+    if not isinstance(w, RowPatch):
+        return jnp.einsum(spec, h_BTD, w, preferred_element_type=dtype)
+    logits = jnp.einsum(spec, h_BTD, w.w, preferred_element_type=dtype)
+    own = jnp.einsum("btd,d->bt", h_BTD, w.value, preferred_element_type=dtype)
+    return logits.at[..., w.index].set(own)

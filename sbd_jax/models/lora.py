@@ -1,0 +1,177 @@
+"""LoRA over the parameter table: which weights take an adapter, the adapter's own table (`adapter_specs`), its
+init, `attach` (the tree the forward runs: each target weight a `LoRAWeight`, the added mask token's row a
+`RowPatch`) and `merge` (W + alpha/r * A @ B, for export and decoding).
+
+Why not qwix (the LoRA/quantization library google/tunix uses): qwix adds LoRA by intercepting the
+`dot_general`/`einsum` calls made inside Flax (linen/NNX) module methods and creating `<param>_lora_a/_b` variables
+on the module that owns the weight. Our model is not a tree of Flax modules: `forward` is a pure function over a
+dict, the layers run under a `lax.scan` over stacked weights, so inside the scan the einsum's weight is a slice that
+no Flax module owns, and qwix would find no parameter to adapt (it would also take a Flax/qwix dependency into the
+model, a second parameter layout beside `PARAM_SPECS`, and its own sharding guesses). An adapter here is one more
+table beside `PARAM_SPECS` (~100 lines): A and B are stacked on the layer axis like their weight, sharded by the
+same logical axes (A by the weight's input axes, B by its output axes, the rank replicated), the optimizer and orbax
+see a plain dict, and the PEFT export is a renaming of the same table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ..config import ConfigError, ModelConfig
+from .adapted import LoRAWeight, RowPatch
+from .transformer import PARAM_SPECS, ParamSpec, axis_sizes
+
+# short target name -> the weight it adapts (PARAM_SPECS names, without "layers/")
+LORA_TARGETS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
+_SPECS = {s.name.removeprefix("layers/"): s for s in PARAM_SPECS}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterLayout:
+    """What an adapter holds: rank r, alpha (scale alpha / r), the target weights (LORA_TARGETS keys) and the added
+    mask token whose embedding row (and untied lm_head column) trains (None: no token was added)."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = tuple(LORA_TARGETS)
+    mask_row: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if self.rank < 1:
+            raise ConfigError(f"LoRA rank must be >= 1, got {self.rank}")
+        if not self.alpha > 0:
+            raise ConfigError(f"LoRA alpha must be > 0, got {self.alpha}")
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        if bad or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ConfigError(f"LoRA targets must be distinct names among {list(LORA_TARGETS)}, got "
+                              f"{list(self.targets)}" + (f" (unknown: {bad})" if bad else ""))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterSpec:
+    """One adapter array: its tree path, logical axes (what sbd_jax.sharding maps to the mesh) and shape; `init`
+    "uniform" (A: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), PEFT's default), "zeros" (B: the adapter starts as a no-op)
+    or "row" (a copy of the base's mask-token row). `weight`: the ParamSpec it adapts."""
+
+    name: str
+    logical_axes: tuple[str, ...]
+    dims: tuple[int, ...]
+    init: str
+    weight: ParamSpec
+
+    def shape(self, cfg: ModelConfig | None = None) -> tuple[int, ...]:
+        return self.dims
+
+
+def target_spec(target: str) -> ParamSpec:
+    """The ParamSpec a target ("q", ..., "down") adapts."""
+    return _SPECS[LORA_TARGETS[target]]
+
+
+def io_axes(spec: ParamSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A linear weight's input and output logical axes ("embed heads*head_dim" -> (embed,), (heads, head_dim))."""
+    first, second = spec.axes.split()
+    return tuple(first.split("*")), tuple(second.split("*"))
+
+
+def adapter_specs(cfg: ModelConfig, layout: AdapterLayout) -> dict:
+    """The adapter's table as its tree: {"layers": {weight: {"a", "b"}}, "mask_embed", "mask_head" (untied)}."""
+    sizes = axis_sizes(cfg)
+    layers = {}
+    for t in layout.targets:
+        w = target_spec(t)
+        ins, outs = io_axes(w)
+        a_axes, b_axes = ("layers", *ins, "lora_rank"), ("layers", "lora_rank", *outs)
+        dims = lambda axes: tuple(layout.rank if a == "lora_rank" else sizes[a] for a in axes)  # noqa: E731
+        layers[w.name.removeprefix("layers/")] = {
+            "a": AdapterSpec(f"{w.name}/a", a_axes, dims(a_axes), "uniform", w),
+            "b": AdapterSpec(f"{w.name}/b", b_axes, dims(b_axes), "zeros", w)}
+    tree: dict = {"layers": layers}
+    if layout.mask_row is not None:
+        if not 0 <= layout.mask_row < cfg.vocab_size:
+            raise ConfigError(f"the adapter's mask token row {layout.mask_row} is outside the vocabulary "
+                              f"[0, {cfg.vocab_size})")
+        tree["mask_embed"] = AdapterSpec("mask_embed", ("embed",), (cfg.hidden_size,), "row", _SPECS["embed"])
+        if not cfg.tie_word_embeddings:
+            tree["mask_head"] = AdapterSpec("mask_head", ("embed",), (cfg.hidden_size,), "row", _SPECS["lm_head"])
+    return tree
+
+
+def init_adapter(cfg: ModelConfig, layout: AdapterLayout, key, base: dict) -> dict:
+    """A uniform, B zeros (so attach(base, init) == base), mask rows copied from `base` (already holding the added
+    row); in cfg.param_dtype."""
+    specs, treedef = jax.tree.flatten(adapter_specs(cfg, layout))
+    dtype = jnp.dtype(cfg.param_dtype)
+
+    def init(s: AdapterSpec, k):
+        if s.init == "uniform":
+            bound = 1.0 / math.sqrt(math.prod(s.dims[1:-1]))
+            return jax.random.uniform(k, s.dims, jnp.float32, -bound, bound).astype(dtype)
+        if s.init == "zeros":
+            return jnp.zeros(s.dims, dtype)
+        return _mask_entry(base, s.name, layout.mask_row).astype(dtype)
+    return jax.tree.unflatten(treedef, [init(s, k) for s, k in zip(specs, jax.random.split(key, len(specs)))])
+
+
+def _mask_entry(base: dict, name: str, row: int):
+    return base["embed"][row] if name == "mask_embed" else base["lm_head"][:, row]
+
+
+def attach(base: dict, adapter: dict, layout: AdapterLayout) -> dict:
+    """The tree `forward` runs: the base with each target weight a LoRAWeight and the mask token's embedding row
+    (and untied lm_head column) a RowPatch. Nothing is merged: the forward adds (x @ A) @ B * scale per weight."""
+    layers = dict(base["layers"])
+    for name, ab in adapter["layers"].items():
+        layers[name] = LoRAWeight(layers[name], ab["a"], ab["b"], layout.scale)
+    out = {**base, "layers": layers}
+    if "mask_embed" in adapter:
+        out["embed"] = RowPatch(base["embed"], adapter["mask_embed"], layout.mask_row, 0)
+    if "mask_head" in adapter:
+        out["lm_head"] = RowPatch(base["lm_head"], adapter["mask_head"], layout.mask_row, 1)
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def merged_weight(w, a, b, scale: float):
+    """W + scale * A @ B for one stacked weight [L, in..., out...], a layer at a time (float32 inside, returned in
+    w's dtype): the temporaries are one layer's, not the whole stack's."""
+    def one(args):
+        wl, al, bl = args
+        r = al.shape[-1]
+        delta = al.reshape(-1, r).astype(jnp.float32) @ bl.reshape(r, -1).astype(jnp.float32)
+        return (wl.astype(jnp.float32) + scale * delta.reshape(wl.shape)).astype(wl.dtype)
+    return jax.lax.map(one, (w, a, b))
+
+
+def put_row(w, value, index: int, axis: int):
+    """`w` with entry `index` along `axis` (0: embedding rows, 1: lm_head columns) set to `value`; appended when
+    `index` is the vocabulary size (a token the adapter's run added to its base)."""
+    value = jnp.asarray(value, w.dtype)
+    if index == w.shape[axis]:
+        return jnp.concatenate([w, jnp.expand_dims(value, axis)], axis=axis)
+    return w.at[index].set(value) if axis == 0 else w.at[:, index].set(value)
+
+
+def merge(base: dict, adapter: dict, layout: AdapterLayout, *, delete: bool = False) -> dict:
+    """Plain parameters with the adapter folded in: W_eff per target weight, the mask row (and untied lm_head
+    column) written. `delete`: free each base weight once its merged copy exists (peak: the weights plus one)."""
+    layers = dict(base["layers"])
+    for name, ab in adapter["layers"].items():
+        old = layers[name]
+        layers[name] = merged_weight(old, ab["a"], ab["b"], layout.scale)
+        if delete and isinstance(old, jax.Array):
+            old.delete()
+    out = {**base, "layers": layers}
+    for key, target, axis in (("mask_embed", "embed", 0), ("mask_head", "lm_head", 1)):
+        if key in adapter:
+            out[target] = put_row(base[target], adapter[key], layout.mask_row, axis)
+    return out
