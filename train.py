@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     print(f"done: step {result.step}, loss {last.get('loss', float('nan')):.4f} "
           f"(ntp {last.get('ntp_loss', float('nan')):.4f}, matp {last.get('matp_loss', float('nan')):.4f}); "
           f"checkpoints in {result.out_dir / 'checkpoints'}" + (f"; HF export in {result.hf_dir}" if result.hf_dir else "")
+          + (f"; LoRA adapter (PEFT layout) in {result.adapter_dir}" if result.adapter_dir else "")
           + (f"; resumed from step {result.resumed_from}" if result.resumed_from is not None else ""))
     return 0
 

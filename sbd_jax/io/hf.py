@@ -99,7 +99,6 @@ def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = N
     if gguf_file is not None:
         from .gguf import cached_convert
         model_dir = cached_convert(Path(model_dir) / gguf_file)
-
     model_dir = Path(model_dir)
     dtypes = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v}
     cfg = load_hf_config(model_dir, allow_unknown_keys=allow_unknown_keys, **{**config_overrides, **dtypes})
@@ -146,7 +145,7 @@ def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = N
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
-def _host_value(x) -> np.ndarray:
+def host_value(x) -> np.ndarray:
     """A (possibly sharded, possibly multi-process) array on this host, whole. Every process must call it."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
@@ -181,14 +180,14 @@ def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | os.PathLike, 
     def hf_tensor(e) -> np.ndarray:
         _, shape, spec, layer = e
         w = functools.reduce(lambda tree, key: tree[key], spec.name.split("/"), params)
-        w = _host_value(w if layer is None else w[layer]).astype(dtype)
+        w = host_value(w if layer is None else w[layer]).astype(dtype)
         return np.ascontiguousarray(w.reshape(shape[::-1]).T if spec.hf_t else w.reshape(shape))
 
     if lead:
         out_dir.mkdir(parents=True, exist_ok=True)
     for fname, shard in zip(files, shards):
         if lead:
-            _atomic(out_dir / fname, lambda p, s=shard: _write_safetensors(p, s, dtype, hf_tensor))
+            atomic_write(out_dir / fname, lambda p, s=shard: _write_safetensors(p, s, dtype, hf_tensor))
         else:
             for e in shard:
                 hf_tensor(e)  # takes part in the gathers
@@ -200,9 +199,9 @@ def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | os.PathLike, 
     else:
         index = {"metadata": {"total_size": int(sum(map(nbytes, entries)))},
                  "weight_map": {e[0]: fname for fname, shard in zip(files, shards) for e in shard}}
-        _atomic(index_path, lambda p: Path(p).write_text(json.dumps(index, indent=2)))
+        atomic_write(index_path, lambda p: Path(p).write_text(json.dumps(index, indent=2)))
     hf_cfg = {**config_to_hf(cfg), "torch_dtype": dtype.name}
-    _atomic(out_dir / "config.json", lambda p: Path(p).write_text(json.dumps(hf_cfg, indent=2) + "\n"))
+    atomic_write(out_dir / "config.json", lambda p: Path(p).write_text(json.dumps(hf_cfg, indent=2) + "\n"))
     return out_dir
 
 
@@ -212,14 +211,14 @@ def save_generation_files(out_dir: str | os.PathLike, cfg: ModelConfig, tokenize
     was trained on the template (`chat`), so that decoding stops at the end of a turn."""
     out_dir = Path(out_dir)
     for f in getattr(tokenizer, "files", ()):
-        _atomic(out_dir / f.name, lambda p, f=f: Path(p).write_bytes(f.read_bytes()))
+        atomic_write(out_dir / f.name, lambda p, f=f: Path(p).write_bytes(f.read_bytes()))
     eos = list(cfg.eos_ids)
     turn_end = tokenizer.end_of_turn_id() if chat and tokenizer is not None else None
     if turn_end is not None and turn_end not in eos:
         eos.append(turn_end)
     gen = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", eos or None),
                              ("pad_token_id", cfg.pad_token_id)) if v is not None}
-    _atomic(out_dir / "generation_config.json", lambda p: Path(p).write_text(json.dumps(gen, indent=2) + "\n"))
+    atomic_write(out_dir / "generation_config.json", lambda p: Path(p).write_text(json.dumps(gen, indent=2) + "\n"))
 
 
 def _write_safetensors(path, entries, dtype, tensor) -> None:
@@ -244,7 +243,8 @@ def _umask() -> int:
     return mask
 
 
-def _atomic(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
+    """`write(tmp_path)` then rename onto `path`: a killed write never leaves a half-written file under its name."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:

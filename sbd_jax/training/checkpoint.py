@@ -13,22 +13,26 @@ from .step import TrainState
 
 
 class Checkpointer:
-    """Thin wrapper over `ocp.CheckpointManager` (`.manager`) with items "state" (pytree) and "data" (JSON)."""
+    """Thin wrapper over `ocp.CheckpointManager` (`.manager`) with items "state" (pytree), "data" (JSON) and, for a
+    LoRA run, "meta" (JSON: the fingerprint of the frozen base the adapter belongs to)."""
 
     def __init__(self, directory: str | os.PathLike, *, every: int = 500, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every, create=True,
                                                enable_async_checkpointing=async_save)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
 
-    def save(self, step: int, state: TrainState, data_state: dict, *, force: bool = False) -> bool:
+    def save(self, step: int, state: TrainState, data_state: dict, *, force: bool = False,
+             meta: dict | None = None) -> bool:
         """Save if `step` is on the interval (or `force`), with the data position of every process's rows
-        (`gather_state`: all processes call this at the same steps). Returns whether a save started."""
+        (`gather_state`: all processes call this at the same steps) and `meta` when given. Returns whether a save
+        started."""
         if not (force or self.manager.should_save(step)):
             return False
         data_state = gather_state(data_state)
+        extra = {} if meta is None else {"meta": ocp.args.JsonSave(meta)}
         return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state._asdict()),
-                                                               data=ocp.args.JsonSave(data_state)),
+                                                               data=ocp.args.JsonSave(data_state), **extra),
                                  force=force)
 
     def restore(self, abstract: TrainState, step: int) -> tuple[TrainState, dict]:
@@ -36,6 +40,13 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract._asdict()), data=ocp.args.JsonRestore()))
         return TrainState(**out["state"]), dict(out["data"])
+
+    def restore_meta(self, step: int) -> dict | None:
+        """The "meta" item saved with `step` (None when that checkpoint has none: a full fine-tune's)."""
+        try:
+            return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+        except KeyError:
+            return None
 
     def restore_data(self) -> dict:
         """Only the data iterator position saved with the latest step."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import ModelConfig
+from ..models.lora import LORA_TARGETS, AdapterLayout
 from ..sharding import MeshConfig
 from .spec import SBDConfig, StepOptions, require, require_choice
 
@@ -117,9 +118,35 @@ class CheckpointConfig:
         require(self.every >= 1 and self.keep >= 1, "checkpoint.every and checkpoint.keep must be >= 1")
 
 
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """The `lora` section (absent/null: full fine-tuning). The base stays frozen; what trains is a rank-`rank` adapter
+    A, B per target weight (scale alpha / rank) and, with model.add_mask_token, the added token's embedding row
+    (and untied lm_head column). The optimizer holds state for those only (sbd_jax/models/lora.py)."""
+
+    rank: int = 16
+    alpha: float = 16.0
+    targets: tuple[str, ...] = tuple(LORA_TARGETS)  # of q, k, v, o (attention), gate, up, down (MLP)
+    base_dtype: str | None = None  # dtype the frozen base is held in (null: model.param_dtype); bfloat16 halves it
+    export_merged: bool = False  # also write the merged full model to <out_dir>/hf (the adapter goes to adapter/)
+
+    def __post_init__(self):
+        require(self.rank >= 1, f"lora.rank must be >= 1, got {self.rank}")
+        require(self.alpha > 0, f"lora.alpha must be > 0, got {self.alpha}")
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        require(not bad and len(self.targets) >= 1 and len(set(self.targets)) == len(self.targets),
+                f"lora.targets must be distinct names among {list(LORA_TARGETS)}, got {list(self.targets)}")
+        require(self.base_dtype in (None, "float32", "bfloat16", "float16"),
+                f"lora.base_dtype must be float32, bfloat16 or float16 (or null), got {self.base_dtype!r}")
+
+    def layout(self, mask_row: int | None = None) -> AdapterLayout:
+        """The adapter this section trains; `mask_row`: the id of a mask token added to the vocabulary."""
+        return AdapterLayout(self.rank, float(self.alpha), self.targets, mask_row)
+
+
 RESUME_NEUTRAL = ("out_dir", "progress", "log_every", "allow_changes", "loss_chunk", "checkpoint.", "mesh.",
                   "data.store_dir", "data.num_proc", "data.cache_dir", "data.max_drop_share",
-                  "model.scan_unroll", "model.remat", "model.attention_impl")
+                  "model.scan_unroll", "model.remat", "model.attention_impl", "lora.export_merged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +157,7 @@ class TrainConfig:
     optim: OptimConfig = OptimConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    lora: LoRAConfig | None = None  # LoRA fine-tuning (e.g. lora.rank=16); null: every weight trains
     out_dir: str = "runs/sbd"
     steps: int = 1000
     batch_size: int = 8  # global rows of L tokens per optimizer step

@@ -22,21 +22,22 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
 from ..config import ConfigError, ModelConfig, changed_settings, to_dict
-from ..io.hf import from_pretrained, load_hf_config, save_generation_files, save_pretrained
+from ..io.hf import save_generation_files, save_pretrained
 from ..io.tokenizer import Tokenizer
-from ..models.transformer import init_params
+from ..models.lora import AdapterLayout, init_adapter
 from ..sharding import make_mesh, param_shardings, shard_params
 from .checkpoint import Checkpointer
-from .config import RESUME_NEUTRAL, ModelSource, TrainConfig
+from .config import RESUME_NEUTRAL, TrainConfig
 from .data import DataError, build_iterator, format_report
+from .lora import LoRARun, check_base, export_lora, prepare_lora
+from .model_source import prepare_model
 from .optim import make_optimizer
 from .spec import StepOptions
-from .step import (TrainState, abstract_state, jit_train_step, local_rows, make_train_step, put_batch,
+from .step import (TrainState, WithBase, abstract_state, jit_train_step, local_rows, make_train_step, put_batch,
                    state_initializer, state_shardings)
 
 
@@ -46,9 +47,10 @@ class TrainResult:
     state: TrainState
     history: list[dict]  # the logged metrics of this call
     out_dir: Path
-    hf_dir: Path | None  # the HF export (None if not exported, e.g. stopped early)
+    hf_dir: Path | None  # the HF export (None if not exported, e.g. stopped early; a LoRA run's merged model)
     resumed_from: int | None  # checkpoint step this call started from
     step_compilations: int  # programs compiled for the train step so far (1: every k shared one)
+    adapter_dir: Path | None = None  # a LoRA run's adapter export (PEFT layout); state.params is the adapter
 
     @property
     def params(self) -> dict:
@@ -59,61 +61,18 @@ class TrainResult:
         return int(self.state.step)
 
 
-def add_mask_row(cfg: ModelConfig, params: dict | None) -> tuple[ModelConfig, dict | None]:
-    """Grow the vocabulary by one row for the `<m>` token (id = old vocab size). The new embedding
-    row and lm_head column are the mean of the existing ones."""
-    V = cfg.vocab_size
-    cfg = dataclasses.replace(cfg, vocab_size=V + 1, mask_token_id=V)
-    if params is None:
-        return cfg, None
-    params = dict(params)
-    emb = params["embed"]
-    params["embed"] = jnp.concatenate([emb, jnp.mean(emb, axis=0, keepdims=True)], axis=0)
-    if "lm_head" in params:
-        head = params["lm_head"]
-        params["lm_head"] = jnp.concatenate([head, jnp.mean(head, axis=1, keepdims=True)], axis=1)
-    return cfg, params
-
-
-def prepare_model(src: ModelSource, seed: int, mesh, *, load_weights: bool = True):
-    """ModelSource -> (ModelConfig, params sharded on `mesh`, or None without `load_weights`)."""
-    overrides = {k: getattr(src, k) for k in ("param_dtype", "dtype", "attention_impl", "mask_token_id",
-                                              "scan_unroll", "remat") if getattr(src, k) is not None}
-    params = None
-    if src.init_from:
-        if load_weights:
-            cfg, params = from_pretrained(src.init_from, mesh=mesh, **overrides)  # each process reads its shards
-        else:
-            cfg = load_hf_config(src.init_from, **overrides)
-    else:
-        try:
-            cfg = dataclasses.replace(src.config, **overrides)
-        except ConfigError as e:
-            raise ConfigError(f"model: {e}") from None
-        if load_weights and not src.add_mask_token:
-            params = _init_fn(cfg, src.init_std, mesh)(jax.random.PRNGKey(seed))
-        elif load_weights:
-            params = init_params(cfg, jax.random.PRNGKey(seed), std=src.init_std)
-    if src.add_mask_token:
-        cfg, params = add_mask_row(cfg, params)
-    if src.add_mask_token and params is not None:
-        params = shard_params(params, cfg, mesh)
-    return cfg, params
-
-
 @functools.lru_cache(maxsize=8)
-def _compiled(model_cfg: ModelConfig, opts: StepOptions, optim_cfg, total_steps: int, mesh, batch_size: int):
+def _compiled(model_cfg: ModelConfig, opts: StepOptions, optim_cfg, total_steps: int, mesh, batch_size: int,
+              layout: AdapterLayout | None = None):
     """(tx, state shardings, jitted step, jitted state init) for one setting, reused across `train`
-    calls in a process (resume, the demo's several runs) instead of recompiling."""
+    calls in a process (resume, the demo's several runs) instead of recompiling. With a LoRA `layout` the state
+    holds the adapter and the step takes the frozen base (sharded like the full model's weights) third."""
     tx, schedule = make_optimizer(optim_cfg, total_steps)
-    shardings = state_shardings(model_cfg, tx, mesh)
-    step_fn = jit_train_step(make_train_step(model_cfg, opts, tx, schedule, mesh), mesh, shardings, batch_size)
+    shardings = state_shardings(model_cfg, tx, mesh, layout=layout)
+    base_sh = None if layout is None else param_shardings(model_cfg, mesh)
+    step_fn = jit_train_step(make_train_step(model_cfg, opts, tx, schedule, mesh, layout), mesh, shardings,
+                             batch_size, base_sh)
     return tx, shardings, step_fn, state_initializer(tx, shardings)
-
-
-@functools.lru_cache(maxsize=4)
-def _init_fn(cfg: ModelConfig, std: float, mesh):
-    return jax.jit(lambda k: init_params(cfg, k, std=std), out_shardings=param_shardings(cfg, mesh))
 
 
 def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConfig, dict] | None = None,
@@ -150,10 +109,7 @@ def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
             raise ConfigError(f"{ckpt.directory.parent} holds a run with other settings ({'; '.join(diff)}): resume "
                               "it with the same ones, allow a change on purpose with allow_changes=[key, ...], or "
                               "use another out_dir")
-    if model is not None:
-        model_cfg, params = model[0], None if resume is not None else shard_params(model[1], model[0], mesh)
-    else:
-        model_cfg, params = prepare_model(cfg.model, cfg.seed, mesh, load_weights=resume is None)
+    model_cfg, params, lora = _model(cfg, model, mesh, resume is None)
     if not cfg.sbd.ntp_only and model_cfg.mask_token_id is None:
         raise ConfigError("the model has no mask token id: set model.mask_token_id to an unused id already in the "
                           "vocabulary (e.g. a reserved special token), or model.add_mask_token=true to grow the "
@@ -166,19 +122,35 @@ def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
             print(format_report(data.report), flush=True)
             ckpt.directory.parent.mkdir(parents=True, exist_ok=True)
             (ckpt.directory.parent / "data_report.json").write_text(json.dumps(data.report, indent=2))
-    opts = cfg.step_options(model_cfg.mask_token_id)
-    tx, shardings, step_fn, init_fn = _compiled(model_cfg, opts, cfg.optim, cfg.steps, mesh, cfg.batch_size)
+    opts, layout = cfg.step_options(model_cfg.mask_token_id), lora.layout if lora else None
+    tx, shardings, step_fn, init_fn = _compiled(model_cfg, opts, cfg.optim, cfg.steps, mesh, cfg.batch_size, layout)
     if resume is not None:
+        if lora is not None:
+            check_base(lora, ckpt.restore_meta(resume), ckpt.directory)
         try:
-            state, data_state = ckpt.restore(abstract_state(model_cfg, tx, shardings), resume)
+            state, data_state = ckpt.restore(abstract_state(model_cfg, tx, shardings, layout), resume)
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"cannot resume from checkpoint step {resume} in {str(ckpt.directory)!r}: it does not "
                               f"match this model/optimizer configuration ({type(e).__name__}: {str(e)[:300]}); "
                               "use the configuration it was written with, or another out_dir") from None
         data.restore(data_state)
     else:
+        if lora is not None:  # A random, B zero: the run starts from the base's own outputs
+            params = jax.device_put(init_adapter(model_cfg, layout, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 2),
+                                                 lora.base), shardings.params)
         state = init_fn(params, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1))
-    return resume, model_cfg, state, data, step_fn
+    return resume, model_cfg, state, data, step_fn if lora is None else WithBase(step_fn, lora.base), lora
+
+
+def _model(cfg: TrainConfig, model, mesh, load_weights: bool) -> tuple[ModelConfig, dict | None, LoRARun | None]:
+    """(ModelConfig, the weights to train or None when resuming, the LoRA run): a LoRA run always loads its frozen
+    base (the checkpoints hold only the adapter)."""
+    if cfg.lora is not None:
+        model_cfg, run = prepare_lora(cfg, mesh, model)
+        return model_cfg, None, run
+    if model is not None:
+        return model[0], shard_params(model[1], model[0], mesh) if load_weights else None, None
+    return *prepare_model(cfg.model, cfg.seed, mesh, load_weights=load_weights), None
 
 
 class _Prefetch:
@@ -217,8 +189,8 @@ class _Prefetch:
         self._thread.join()
 
 
-def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, step_fn, mesh, out_dir,
-         stop_after, on_log, tokenizer=None) -> TrainResult:
+def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, step_fn, lora: LoRARun | None, mesh,
+         out_dir, stop_after, on_log, tokenizer=None) -> TrainResult:
     """The step loop. Nothing waits on the host per step: batches are prefetched (`_Prefetch`), the metrics
     of a logged step are read after the next step is dispatched, checkpoints are written by orbax in the
     background; then the final save + HF export."""
@@ -262,7 +234,7 @@ def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, s
         pbar.set_postfix(loss=f"{rec['loss']:.3f}", ntp=f"{rec['ntp_loss']:.3f}", matp=f"{rec['matp_loss']:.3f}",
                          tok_s=f"{rec['tokens_per_s']:.0f}", lr=f"{rec.get('lr', 0):.2e}", refresh=False)
 
-    last_saved, pending, data_state = resume, None, None
+    last_saved, pending, data_state, meta = resume, None, None, lora.meta if lora else None
     prefetch = _Prefetch(data, place, cfg.batch_size / (cfg.batch_size if rows is None else len(rows))) \
         if start < end else None
     try:
@@ -279,20 +251,33 @@ def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, s
                 if step % cfg.log_every == 0 or step == end:
                     pending, window_tokens = (step, m, window_tokens), 0.0
                 pbar.update(1)
-                last_saved = step if ckpt.save(step, state, data_state) else last_saved
+                last_saved = step if ckpt.save(step, state, data_state, meta=meta) else last_saved
             if pending is not None:
                 log(*pending)
     finally:
         if prefetch is not None:
             prefetch.close()
-    hf_dir = None
+    hf_dir = adapter_dir = None
     if end == cfg.steps:
         if last_saved != cfg.steps and end > start:
-            ckpt.save(cfg.steps, state, data_state, force=True)
+            ckpt.save(cfg.steps, state, data_state, force=True, meta=meta)
         if cfg.checkpoint.export_hf:
-            hf_dir = save_pretrained(model_cfg, state.params, out_dir / "hf", dtype=cfg.checkpoint.export_dtype)
-            if lead:  # the run's tokenizer and stop ids, so that the directory decodes text as trained
-                tok = tokenizer if isinstance(tokenizer, Tokenizer) else (
-                    Tokenizer.load(cfg.data.tokenizer) if cfg.data.tokenizer else None)
-                save_generation_files(hf_dir, model_cfg, tok, chat=cfg.data.chat_template and cfg.data.mode != "text")
-    return TrainResult(model_cfg, state, history, out_dir, hf_dir, resume, step_fn._cache_size())
+            hf_dir, adapter_dir = _export(cfg, model_cfg, state.params, lora, out_dir, tokenizer)
+    return TrainResult(model_cfg, state, history, out_dir, hf_dir, resume, step_fn._cache_size(), adapter_dir)
+
+
+def _export(cfg: TrainConfig, model_cfg: ModelConfig, params, lora: LoRARun | None, out_dir: Path, tokenizer):
+    """The final weights in HF layout (<out_dir>/hf), or a LoRA run's adapter (<out_dir>/adapter, + hf merged on
+    request), each with the run's tokenizer and stop ids, so that it decodes text as trained -> (hf, adapter)."""
+    if lora is None:
+        dirs = [save_pretrained(model_cfg, params, out_dir / "hf", dtype=cfg.checkpoint.export_dtype)]
+    else:
+        dirs = export_lora(lora, model_cfg, params, out_dir, cfg)
+    if jax.process_index() == 0:
+        tok = tokenizer if isinstance(tokenizer, Tokenizer) else (
+            Tokenizer.load(cfg.data.tokenizer) if cfg.data.tokenizer else None)
+        for d in dirs:
+            save_generation_files(d, model_cfg, tok, chat=cfg.data.chat_template and cfg.data.mode != "text")
+    if lora is None:
+        return dirs[0], None
+    return (dirs[1] if len(dirs) > 1 else None), dirs[0]

@@ -18,8 +18,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..config import ModelConfig
+from ..models.lora import AdapterLayout, adapter_specs, attach
 from ..models.transformer import param_specs
-from ..sharding import batch_sharding, mesh_context, param_shardings
+from ..sharding import batch_sharding, mesh_context, spec_shardings
 from .examples import Example, PackedBatch, make_example
 from .loss import LossSums, combine, loss_sums, metrics_from_sums
 from .spec import StepOptions
@@ -54,31 +55,34 @@ def _micro(x, A: int, mesh: Mesh | None):
 
 
 def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.GradientTransformation,
-                    schedule=None, mesh: Mesh | None = None):
-    """-> step(state, batch: PackedBatch) -> (state, metrics). Pure; jit it with `jit_train_step`."""
+                    schedule=None, mesh: Mesh | None = None, layout: AdapterLayout | None = None):
+    """-> step(state, batch: PackedBatch) -> (state, metrics). Pure; jit it with `jit_train_step`. With a LoRA
+    `layout`: step(state, batch, base), where state.params is the adapter (all that is differentiated and has
+    optimizer state) and `base` the frozen weights it is attached to (sbd_jax/models/lora.py)."""
     A = opts.grad_accum
 
-    def loss_fn(params, ex: Example, totals, L: int):
-        s = loss_sums(params, model_cfg, ex, chunk=opts.loss_chunk, clean_prefix=None if opts.ntp_only else L)
+    def loss_fn(params, ex: Example, totals, L: int, base):
+        tree = params if layout is None else attach(base, params, layout)
+        s = loss_sums(tree, model_cfg, ex, chunk=opts.loss_chunk, clean_prefix=None if opts.ntp_only else L)
         return combine(s, *totals), s
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)  # L (the clean half's length) is static
 
-    def step(state: TrainState, batch: PackedBatch):
+    def step(state: TrainState, batch: PackedBatch, base=None):
         with mesh_context(mesh):  # ambient while tracing: attention_impl="pallas" then runs per shard
             rng, key = jax.random.split(state.rng)
             ex, k = make_example(key, batch, opts)
             L = batch.tokens.shape[1]
             totals = (jnp.sum(ex.ntp_weight), jnp.sum(ex.matp_weight))
             if A == 1:
-                (loss, sums), grads = grad_fn(state.params, ex, totals, L)
+                (loss, sums), grads = grad_fn(state.params, ex, totals, L, base)
             else:
                 if batch.tokens.shape[0] % A:
                     raise ValueError(f"batch of {batch.tokens.shape[0]} rows does not split into {A} microbatches")
                 micro = jax.tree.map(lambda x: _micro(x, A, mesh), ex)
 
                 def body(acc, mex):
-                    (l, s), g = grad_fn(state.params, mex, totals, L)
+                    (l, s), g = grad_fn(state.params, mex, totals, L, base)
                     return jax.tree.map(jnp.add, acc, (g, l, s)), None
 
                 zeros_g = jax.tree.map(jnp.zeros_like, state.params)
@@ -96,20 +100,28 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
     return step
 
 
-def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules=None):
-    """NamedShardings for a TrainState: params by the logical-axis rules, optimizer moments like
-    their parameters, scalars (step, counts, rng) replicated."""
-    psh = param_shardings(model_cfg, mesh, rules)
+def trainable_specs(model_cfg: ModelConfig, layout: AdapterLayout | None = None) -> dict:
+    """The table of what a step trains: every weight (ParamSpecs), or a LoRA adapter's arrays (AdapterSpecs)."""
+    return param_specs(model_cfg) if layout is None else adapter_specs(model_cfg, layout)
+
+
+def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, rules=None,
+                    layout: AdapterLayout | None = None):
+    """NamedShardings for a TrainState: params (the weights, or a LoRA `layout`'s adapter) by the logical-axis
+    rules, optimizer moments like their parameters, scalars (step, counts, rng) replicated."""
+    psh = spec_shardings(trainable_specs(model_cfg, layout), model_cfg, mesh, rules)
     repl = NamedSharding(mesh, P())
-    osh = optax.tree_map_params(tx, lambda _, s: s, abstract_state(model_cfg, tx).opt_state, psh,
+    osh = optax.tree_map_params(tx, lambda _, s: s, abstract_state(model_cfg, tx, layout=layout).opt_state, psh,
                                 transform_non_params=lambda _: repl,
                                 is_leaf=lambda x: isinstance(x, NamedSharding))
     return TrainState(repl, psh, osh, repl)
 
 
-def abstract_state(model_cfg: ModelConfig, tx, shardings: TrainState | None = None) -> TrainState:
+def abstract_state(model_cfg: ModelConfig, tx, shardings: TrainState | None = None,
+                   layout: AdapterLayout | None = None) -> TrainState:
     """ShapeDtypeStructs of the TrainState (with shardings when given): the restore target."""
-    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape(model_cfg), model_cfg.param_dtype), param_specs(model_cfg))
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape(model_cfg), model_cfg.param_dtype),
+                          trainable_specs(model_cfg, layout))
     st = jax.eval_shape(lambda p: init_state(p, tx, jnp.zeros((2,), jnp.uint32)), params)
     if shardings is None:
         return st
@@ -120,10 +132,25 @@ def batch_shardings(mesh: Mesh, batch_size: int) -> PackedBatch:
     return PackedBatch(*[batch_sharding(mesh, 2, batch_size)] * 4)
 
 
-def jit_train_step(step_fn, mesh: Mesh, state_sh: TrainState, batch_size: int):
-    """jit with explicit in/out shardings; the state (argument 0) is donated."""
-    return jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(mesh, batch_size)),
+def jit_train_step(step_fn, mesh: Mesh, state_sh: TrainState, batch_size: int, base_sh: dict | None = None):
+    """jit with explicit in/out shardings; the state (argument 0) is donated. `base_sh`: the shardings of a LoRA
+    step's frozen base (argument 2, read, never donated)."""
+    base = () if base_sh is None else (base_sh,)
+    return jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(mesh, batch_size), *base),
                    out_shardings=(state_sh, NamedSharding(mesh, P())), donate_argnums=(0,))
+
+
+class WithBase:
+    """A jitted LoRA step called as step(state, batch): its frozen base bound as the third argument."""
+
+    def __init__(self, jitted, base: dict):
+        self.jitted, self.base = jitted, base
+
+    def __call__(self, state: TrainState, batch: PackedBatch):
+        return self.jitted(state, batch, self.base)
+
+    def _cache_size(self) -> int:  # programs compiled so far (TrainResult.step_compilations)
+        return self.jitted._cache_size()
 
 
 def local_rows(mesh: Mesh, batch_size: int) -> list[int]:
