@@ -23,6 +23,9 @@ from pathlib import Path
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="local HF-layout model directory")
+    ap.add_argument("--adapter", default=None,
+                    help="a LoRA adapter directory in PEFT's layout (train.py's <out_dir>/adapter), merged into the "
+                         "model's weights at load; refused unless it was trained on this base")
     ap.add_argument("--input", required=True, help="prompts, JSON lines")
     ap.add_argument("--output", required=True, help="results, JSON lines (appended as rows complete)")
     ap.add_argument("--mode", choices=("sbd", "ar"), default="sbd")
@@ -105,7 +108,7 @@ def run(args) -> int:
     mesh_cfg = mesh_config(args)
     maybe_initialize_distributed()
     mesh = make_mesh(mesh_cfg)
-    sampler = Sampler.load(args.model, dtype=args.dtype, mesh=mesh)  # each process reads its shards
+    sampler = Sampler.load(args.model, dtype=args.dtype, mesh=mesh, adapter=args.adapter)  # each process: its shards
     opts = sampler.options(spec=spec, gamma=args.gamma, temperature=args.temperature, batch_size=args.batch_size,
                            pad_multiple=args.pad_multiple, seed=args.seed, compare_ar=args.compare_ar,
                            continuous=not args.static and jax.process_count() == 1)  # checked before any prompt
@@ -115,6 +118,7 @@ def run(args) -> int:
     done, out = open_output(args.output, resume=args.resume, overwrite=args.overwrite) if writer else (set(), None)
     if writer:  # what the rows depend on (not how they are batched or shown)
         settings = {"model": str(Path(args.model).resolve()), "input": str(Path(args.input).resolve()),
+                    "adapter": args.adapter and str(Path(args.adapter).resolve()),
                     "spec": {k: v for k, v in dataclasses.asdict(opts.spec).items()
                              if k not in DecodeSpec.SPEED_ONLY}, "gamma": args.gamma, "temperature": args.temperature,
                     "seed": args.seed, "compare_ar": args.compare_ar, "chat": args.chat, "dtype": args.dtype}

@@ -53,15 +53,24 @@ class Sampler:
         self.eos_ids = tuple(eos_ids)
 
     @classmethod
-    def load(cls, model_dir, *, dtype: str | None = None, mesh=None) -> Sampler:
+    def load(cls, model_dir, *, dtype: str | None = None, mesh=None, adapter=None) -> Sampler:
         """Weights in `dtype` (weights and compute; default float32), in `mesh`'s shards when given (each process
         reads its own), tokenizer.json when the directory has one, and the stop ids of config.json and
-        generation_config.json. The weights are converted once to the decoding layout (`unstack_layers`)."""
+        generation_config.json. The weights are converted once to the decoding layout (`unstack_layers`).
+        `adapter`: a LoRA directory in PEFT's layout (train.py's <out_dir>/adapter) merged into the weights at load,
+        refused unless made for this base (sbd_jax/io/peft.py); its tokenizer and stop ids, when it has them, win."""
         from ..io.hf import from_pretrained
         from ..models import unstack_layers
         cfg, params = from_pretrained(model_dir, param_dtype=dtype, dtype=dtype, mesh=mesh)  # no master weights here
-        return cls(unstack_layers(params, delete=True), cfg, Tokenizer.find(model_dir),
-                   eos_ids=generation_eos(cfg, model_dir), mesh=mesh)
+        eos = generation_eos(cfg, model_dir)
+        if adapter is not None:
+            from ..io.peft import apply_adapter
+            from ..sharding import shard_params
+            cfg, params = apply_adapter(cfg, params, adapter, model_dir=model_dir)
+            params = params if mesh is None else shard_params(params, cfg, mesh)
+            eos = tuple(dict.fromkeys(eos + generation_eos(cfg, adapter)))
+        tokenizer = (adapter is not None and Tokenizer.find(adapter)) or Tokenizer.find(model_dir)
+        return cls(unstack_layers(params, delete=True), cfg, tokenizer, eos_ids=eos, mesh=mesh)
 
     def options(self, *, gamma: float = 0.35, temperature: float = 0.0, seed: int = 0, batch_size: int = 8,
                 pad_multiple: int = 16, continuous: bool = True, compare_ar: bool = False, spec: DecodeSpec | None = None,
