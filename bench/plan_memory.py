@@ -6,6 +6,7 @@ outputs).
     .venv/bin/python bench/plan_memory.py --models llama3-8b --seq-len 4096 --losses sbd --remat none
     .venv/bin/python bench/plan_memory.py decode                            # the decoding table (generate)
     .venv/bin/python bench/plan_memory.py continuous                        # decode.py's continuous decoder
+    .venv/bin/python bench/plan_memory.py lora                              # a LoRA step on one device
 
 The fake devices are CPU devices, so the numbers are XLA:CPU's buffer assignment of the same program a
 GPU/TPU runs (same shapes, shardings, remat and loss chunking); attention "pallas" is the flash kernel in
@@ -34,6 +35,7 @@ from sbd_jax.config import ModelConfig  # noqa: E402
 from sbd_jax.decoding import DecodeSpec  # noqa: E402
 from sbd_jax.decoding import continuous  # noqa: E402
 from sbd_jax.decoding.decoder import generate_jit  # noqa: E402
+from sbd_jax.models.lora import LORA_TARGETS, AdapterLayout  # noqa: E402
 from sbd_jax.models.transformer import param_specs  # noqa: E402
 from sbd_jax.sharding import MeshConfig, make_mesh, param_shardings  # noqa: E402
 from sbd_jax.training.config import ModelSource, OptimConfig  # noqa: E402
@@ -61,6 +63,57 @@ def train_step_memory(cfg: ModelConfig, *, seq_len: int, rows_per_device: int, m
     ma = compiled.memory_analysis()
     return {"args": ma.argument_size_in_bytes, "temp": ma.temp_size_in_bytes, "out": ma.output_size_in_bytes,
             "alias": ma.alias_size_in_bytes, "compile_s": time.perf_counter() - t0}
+
+
+def lora_step_memory(cfg: ModelConfig, *, seq_len: int, layout: AdapterLayout, base_dtype: str, devices,
+                     rows_per_device: int = 1, grad_accum: int = 1) -> dict:
+    """AOT-compile one LoRA step (AdamW on the adapter only, f32 master adapter; the frozen base in `base_dtype`,
+    an argument of the step) over `devices` as fsdp and return its memory analysis in bytes."""
+    mesh = make_mesh(MeshConfig(data=1, fsdp=len(devices), tensor=1), devices)
+    batch = rows_per_device * len(devices) * grad_accum
+    tx, schedule = make_optimizer(OptimConfig(), 1000)
+    sh = state_shardings(cfg, tx, mesh, layout=layout)
+    base_sh = param_shardings(cfg, mesh)
+    base = jax.tree.map(lambda s, b: jax.ShapeDtypeStruct(s.shape(cfg), base_dtype, sharding=b), param_specs(cfg),
+                        base_sh)
+    rows = jax.ShapeDtypeStruct((batch, seq_len), "int32", sharding=batch_shardings(mesh, batch).tokens)
+    opts = StepOptions(cfg.mask_token_id, block_align="document", grad_accum=grad_accum)
+    step = jit_train_step(make_train_step(cfg, opts, tx, schedule, mesh, layout), mesh, sh, batch, base_sh)
+    t0 = time.perf_counter()
+    ma = step.lower(abstract_state(cfg, tx, sh, layout), PackedBatch(rows, rows, rows, rows), base).compile() \
+        .memory_analysis()
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)) / len(devices)  # noqa: E731
+    return {"args": ma.argument_size_in_bytes, "temp": ma.temp_size_in_bytes, "out": ma.output_size_in_bytes,
+            "alias": ma.alias_size_in_bytes, "base": nbytes(base), "adapter": nbytes(abstract_state(cfg, tx, sh, layout)),
+            "compile_s": time.perf_counter() - t0}
+
+
+def plan_lora(argv) -> int:
+    ap = argparse.ArgumentParser(description="a LoRA train step's memory plan (plan_memory.py lora)")
+    ap.add_argument("--models", default="llama3-8b,qwen3-8b")
+    ap.add_argument("--seq-len", default="4096", help="L (the SBD input is 2L tokens per row)")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--targets", default=",".join(LORA_TARGETS))
+    ap.add_argument("--base-dtype", default="bfloat16", help="dtype the frozen base is held in (lora.base_dtype)")
+    ap.add_argument("--devices", type=int, default=1, help="fsdp degree (1: one device)")
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--attention", default="pallas", choices=("pallas", "xla"))
+    ap.add_argument("--remat", default=ModelSource.__dataclass_fields__["remat"].default)
+    args = ap.parse_args(argv)
+    layout = AdapterLayout(args.rank, float(args.rank), tuple(args.targets.split(",")))
+    print(f"LoRA rank {args.rank} on {args.targets}, base in {args.base_dtype}, f32 adapter + AdamW, bf16 compute, "
+          f"attention {args.attention}, 1 row of L per device x {args.grad_accum} microbatch(es); GiB per device")
+    print("| model | devices | L | remat | base | adapter + optimizer | temp | args+temp | compile s |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
+    for name in args.models.split(","):
+        cfg = dataclasses.replace(SHAPES[name], dtype="bfloat16", param_dtype="float32", attention_impl=args.attention,
+                                  remat=args.remat)
+        for L in map(int, args.seq_len.split(",")):
+            m = lora_step_memory(cfg, seq_len=L, layout=layout, base_dtype=args.base_dtype,
+                                 devices=jax.devices()[:args.devices], grad_accum=args.grad_accum)
+            print(f"| {name} | {args.devices} | {L} | {cfg.remat} | {m['base'] / GiB:.1f} | {m['adapter'] / GiB:.2f} | "
+                  f"{m['temp'] / GiB:.1f} | {(m['args'] + m['temp']) / GiB:.1f} | {m['compile_s']:.0f} |", flush=True)
+    return 0
 
 
 def _abstract_params(cfg: ModelConfig, tensor: int, devices):
@@ -175,6 +228,8 @@ def main(argv=None) -> int:
         return plan_decode(argv[1:])
     if argv[:1] == ["continuous"]:
         return plan_continuous(argv[1:])
+    if argv[:1] == ["lora"]:
+        return plan_lora(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama3-8b,qwen3-8b", help=f"comma list of {sorted(SHAPES)}")
     ap.add_argument("--seq-len", default="4096,8192", help="L (the SBD input is 2L tokens per row)")
