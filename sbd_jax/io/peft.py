@@ -28,7 +28,7 @@ _PREFIX = "base_model.model."
 _TOKENS = {"mask_embed": "model.embed_tokens", "mask_head": "lm_head"}  # the PEFT module of each trainable row
 # PEFT options this loader does not implement, with the value that means "not used"
 _UNSUPPORTED = {"use_dora": False, "use_rslora": False, "lora_bias": False, "bias": "none", "fan_in_fan_out": False,
-                "modules_to_save": None, "layers_to_transform": None, "layer_replication": None,
+                "modules_to_save": None, "layers_to_transform": None, "layer_replication": None, "exclude_modules": None,
                 "target_parameters": None, "alpha_pattern": None, "rank_pattern": None}
 
 
@@ -120,7 +120,7 @@ def _layout(conf: dict, where: Path) -> AdapterLayout:
     if conf.get("peft_type") != "LORA":
         raise CheckpointError(f"{where}: peft_type is {conf.get('peft_type')!r}, only 'LORA' adapters are supported")
     for key, off in _UNSUPPORTED.items():
-        if conf.get(key, off) not in (off, None, {}, [], False) or (off == "none" and conf.get(key, off) != off):
+        if conf.get(key, off) not in (off, None, {}, [], False):
             raise CheckpointError(f"{where}: {key}={conf[key]!r} is not supported (only plain LoRA on "
                                   f"{sorted(PEFT_MODULES.values())})")
     modules = conf.get("target_modules")
