@@ -21,6 +21,7 @@ from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sbd_jax.decoding.spec import DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="local HF-layout model directory")
     ap.add_argument("--adapter", default=None,
@@ -29,11 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--input", required=True, help="prompts, JSON lines")
     ap.add_argument("--output", required=True, help="results, JSON lines (appended as rows complete)")
     ap.add_argument("--mode", choices=("sbd", "ar"), default="sbd")
-    ap.add_argument("--gamma", type=float, default=0.35, help="acceptance threshold (SBD)")
+    ap.add_argument("--gamma", type=float, default=DEFAULT_GAMMA, help="acceptance threshold (SBD)")
     ap.add_argument("--rule", choices=("eb", "threshold"), default="eb")
     ap.add_argument("--verify", action="store_true",
                     help="lossless SBD: every block checked against AR's tokens (output == --mode ar's, same --seed)")
-    ap.add_argument("--block-size", type=int, default=16, help="SBD block size k")
+    ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="SBD block size k")
     ap.add_argument("--batch-size", type=int, default=8, help="rows decoded at once (continuous slots)")
     ap.add_argument("--static", action="store_true",
                     help="fixed batches that wait for their slowest row, instead of continuous batching (a finished "
@@ -41,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--commit-quorum", type=float, default=0.5,
                     help="SBD: share of the running rows that must have a finished block before a call carries the "
                          "commits (the 2k window); the others wait. 0 = at once (small batches on a GPU). Speed only")
-    ap.add_argument("--max-new-tokens", type=int, default=256, help="cap (and cache size); a line may ask for less")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                    help="cap (and cache size); a line may ask for less")
+    ap.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     ap.add_argument("--tempered-entropy", action="store_true",

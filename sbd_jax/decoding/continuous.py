@@ -30,7 +30,8 @@ from ..config import ModelConfig
 from ..models.transformer import KVCache, init_cache
 from ..sharding import mesh_context
 from .decoder import _ar_step, _make_env, _new_state, _prompt_seq, _sbd_step, _State, write_prompt
-from .spec import DecodeError, DecodeSpec
+from .checks import check_fits, check_stream_prompt
+from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
 
 
 class _Rows(NamedTuple):
@@ -133,14 +134,12 @@ class ContinuousDecoder:
     n_tokens, nfe, tokens_per_forward, stop, accepted."""
 
     def __init__(self, params, cfg: ModelConfig, spec: DecodeSpec, *, slots: int, prompt_width: int,
-                 gamma=0.35, temperature=0.0, mesh=None, admit_rows: int = 16):
+                 gamma=DEFAULT_GAMMA, temperature=DEFAULT_TEMPERATURE, mesh=None, admit_rows: int = 16):
         if admit_rows < 1:
             raise DecodeError(f"admit_rows must be >= 1, got {admit_rows}")
         if spec.finalize_cache or spec.return_cache:
             raise DecodeError("continuous batching returns no cache (finalize_cache / return_cache are off)")
-        if prompt_width + spec.max_new_tokens > cfg.max_position_embeddings:
-            raise DecodeError(f"prompt_width {prompt_width} + max_new_tokens {spec.max_new_tokens} exceeds the "
-                              f"model's max_position_embeddings {cfg.max_position_embeddings}")
+        check_fits(cfg, prompt_width, spec.max_new_tokens, "the decoder's prompt_width")
         self.params, self.cfg, self.spec, self.mesh = params, cfg, spec, mesh
         self.slots, self.width, self.gamma, self.temperature = slots, prompt_width, gamma, temperature
         self.admit_rows = admit_rows
@@ -188,9 +187,7 @@ class ContinuousDecoder:
                 waiting = next(pending, None)
             if batch:
                 for b, (i, r) in batch:
-                    if not 1 <= len(r.ids) <= self.width:
-                        raise DecodeError(f"prompt {i} has {len(r.ids)} tokens; this decoder takes 1 to "
-                                          f"{self.width} (prompt_width)")
+                    check_stream_prompt(self.cfg, i, r.ids, self.width)
                     owner[b] = i
                 for g in range(0, len(batch), self.admit_rows):
                     group = batch[g:g + self.admit_rows]
@@ -209,7 +206,7 @@ class ContinuousDecoder:
 
 
 def decode_stream(params, cfg: ModelConfig, prompts: Iterable, spec: DecodeSpec, *, slots: int, prompt_width: int,
-                  gamma=0.35, temperature=0.0, key=None, mesh=None,
+                  gamma=DEFAULT_GAMMA, temperature=DEFAULT_TEMPERATURE, key=None, mesh=None,
                   on_row: Callable[[int, dict], None] | None = None) -> Iterator[tuple[int, dict]]:
     """Continuous batching over a stream of prompts (lists of token ids, or `Request`s); yields `(index, result)`
     as rows finish. Request i's key is fold_in(key, i) unless it brings its own."""

@@ -35,14 +35,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..attention import clean_meta, concat_meta, copy_meta
 from ..config import ModelConfig
 from ..models.transformer import KVCache, forward, init_cache, lm_head
 from ..sharding import batch_sharding, cache_sharding, mesh_context
 from . import sampling
-from .spec import DecodeError, DecodeSpec, PromptTooLongError, check_model, check_rate
+from .checks import check_request
+from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeSpec
 
 
 class GenerateOutput(NamedTuple):
@@ -104,50 +104,8 @@ class _Env:
     constrain: Callable       # sharding constraint of per-row arrays and the cache (identity without a mesh)
 
 
-def _is_concrete(x) -> bool:
-    """A value the host can read now (not traced inside a user's jit, not spread over other hosts)."""
-    if isinstance(x, jax.core.Tracer):
-        return False
-    return not isinstance(x, jax.Array) or x.is_fully_addressable
-
-
-def check_request(cfg: ModelConfig, spec: DecodeSpec, prompt_shape, *, prompt_lengths=None, prompt_ids=None,
-                  gamma=None, temperature=None, row_max_new_tokens=None) -> None:
-    """The request's model- and prompt-dependent checks (the options were checked by `DecodeSpec`); raises
-    DecodeError naming the problem. Values traced inside a user's jit are checked only when concrete."""
-    check_model(cfg, spec)
-    if len(prompt_shape) != 2:
-        raise DecodeError(f"prompt_ids must be [batch, prompt_len], got shape {tuple(prompt_shape)}")
-    B, P = prompt_shape
-    if P < 1:
-        raise DecodeError("prompt_ids has no columns: every prompt needs at least one token")
-    if P + spec.max_new_tokens > cfg.max_position_embeddings:
-        raise PromptTooLongError(
-            f"prompt width {P} + max_new_tokens {spec.max_new_tokens} = {P + spec.max_new_tokens} exceeds the "
-            f"model's max_position_embeddings {cfg.max_position_embeddings}")
-    for name, val in (("gamma", gamma), ("temperature", temperature)):
-        if val is not None and _is_concrete(val):
-            check_rate(name, val, B)
-    if row_max_new_tokens is not None and _is_concrete(row_max_new_tokens):
-        caps = np.asarray(row_max_new_tokens)
-        if caps.shape not in ((), (B,)) or np.any(caps < 1) or np.any(caps > spec.max_new_tokens):
-            raise DecodeError(f"row_max_new_tokens must be a scalar or one value per row ({B}), each in [1, "
-                              f"max_new_tokens={spec.max_new_tokens}], got {caps.tolist()}")
-    if prompt_lengths is not None and _is_concrete(prompt_lengths):
-        lens = np.asarray(prompt_lengths)
-        if lens.shape != (B,):
-            raise DecodeError(f"prompt_lengths must have shape ({B},), got {lens.shape}")
-        if np.any(lens < 1) or np.any(lens > P):
-            raise DecodeError(f"prompt_lengths must be in [1, {P}] (the padded prompt width), got {lens.tolist()}")
-        if prompt_ids is not None and _is_concrete(prompt_ids):
-            real = np.arange(P)[None] < lens[:, None]
-            ids = np.asarray(prompt_ids)
-            if np.any(real & ((ids < 0) | (ids >= cfg.vocab_size))):
-                raise DecodeError(f"prompt token ids must be in [0, {cfg.vocab_size}) (the vocabulary)")
-
-
 def generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None, *,
-             gamma=0.35, temperature=0.0, key=None, row_max_new_tokens=None, mesh=None,
+             gamma=DEFAULT_GAMMA, temperature=DEFAULT_TEMPERATURE, key=None, row_max_new_tokens=None, mesh=None,
              **options) -> GenerateOutput:
     """Decode a batch of right-padded prompts with SBD or next-token AR.
 
@@ -173,7 +131,8 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: D
 
 
 def prepare_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None, *,
-                     gamma=0.35, temperature=0.0, key=None, row_max_new_tokens=None, mesh=None, check: bool = True,
+                     gamma=DEFAULT_GAMMA, temperature=DEFAULT_TEMPERATURE, key=None, row_max_new_tokens=None,
+                     mesh=None, check: bool = True,
                      **options) -> tuple[tuple, dict]:
     """Validate and normalise `generate`'s arguments -> `(args, static)` with
     `generate(...) == generate_jit(*args, **static)`. For ahead-of-time compilation:

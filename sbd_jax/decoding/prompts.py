@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..io.tokenizer import Tokenizer, TokenizerError
-from .decoder import DecodeError
+from .checks import ids_in_vocab
+from .spec import DecodeError
 
 
 class PromptFileError(DecodeError):
@@ -77,7 +78,7 @@ def row_ids(row: dict, tokenizer: Tokenizer | None, chat: bool, where: str, voca
     ids = _row_ids(row, tokenizer, chat, where)
     if not ids:
         raise PromptFileError(f"{where}: the prompt is empty (0 tokens)")
-    if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
+    if vocab_size is not None and not ids_in_vocab(ids, vocab_size):
         raise PromptFileError(f"{where}: token ids must be in [0, {vocab_size})")
     return ids
 

@@ -25,16 +25,18 @@ import numpy as np
 from ..config import ModelConfig
 from .decoder import generate_jit, prepare_generate
 from .prompts import Prompt
-from .spec import DecodeError, DecodeSpec, PromptTooLongError, check_model, check_rate
+from . import checks
+from .checks import check_model, check_rate, max_prompt_width
+from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
     """A batch run: the decoder's `spec`, the values it decodes with, and how prompts are batched."""
 
-    spec: DecodeSpec = DecodeSpec(max_new_tokens=256, block_size=16)
-    gamma: float = 0.35
-    temperature: float = 0.0
+    spec: DecodeSpec = DecodeSpec()
+    gamma: float = DEFAULT_GAMMA
+    temperature: float = DEFAULT_TEMPERATURE
     batch_size: int = 8
     pad_multiple: int = 16  # prompt widths are rounded up to a multiple of this (fewer compilations)
     seed: int = 0
@@ -53,17 +55,8 @@ class DecodeOptions:
 
 def check_prompts(cfg: ModelConfig, opts: DecodeOptions, prompts: list[Prompt]) -> None:
     """Every prompt fits the model's positions with max_new_tokens and asks for no more than it (a bad prompt
-    is named by id and line)."""
-    limit = cfg.max_position_embeddings - opts.spec.max_new_tokens
-    for p in prompts:
-        if p.max_new_tokens is not None and p.max_new_tokens > opts.spec.max_new_tokens:
-            raise DecodeError(f"prompt {p.id!r} (line {p.line}) asks for max_new_tokens {p.max_new_tokens}, more "
-                              f"than the run's {opts.spec.max_new_tokens} (raise --max-new-tokens)")
-        if len(p.ids) > limit:
-            raise PromptTooLongError(
-                f"prompt {p.id!r} (line {p.line}) has {len(p.ids)} tokens; with max_new_tokens "
-                f"{opts.spec.max_new_tokens} it needs {len(p.ids) + opts.spec.max_new_tokens} positions, but the "
-                f"model has max_position_embeddings {cfg.max_position_embeddings}")
+    is named by id and line; `checks.check_prompts` with the run's spec)."""
+    checks.check_prompts(cfg, opts.spec, prompts)
 
 
 def row_key(pid) -> int:
@@ -80,7 +73,7 @@ def prompt_width(cfg: ModelConfig, opts: DecodeOptions, prompts: list[Prompt]) -
     """The padded prompt width for `prompts`: the longest rounded up to pad_multiple (fewer compilations), capped
     so that width + max_new_tokens fits the model."""
     longest = max(len(p.ids) for p in prompts)
-    cap = cfg.max_position_embeddings - opts.spec.max_new_tokens
+    cap = max_prompt_width(cfg, opts.spec.max_new_tokens)
     return max(longest, min(-(-longest // opts.pad_multiple) * opts.pad_multiple, cap))
 
 

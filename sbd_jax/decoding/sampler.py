@@ -12,7 +12,8 @@ from ..config import ModelConfig
 from ..io.tokenizer import Tokenizer
 from .prompts import Prompt, row_ids
 from .runner import DecodeOptions, check_prompts, decode_prompts
-from .spec import DecodeError, DecodeSpec, check_model
+from .checks import check_model
+from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +73,9 @@ class Sampler:
         tokenizer = (adapter is not None and Tokenizer.find(adapter)) or Tokenizer.find(model_dir)
         return cls(unstack_layers(params, delete=True), cfg, tokenizer, eos_ids=eos, mesh=mesh)
 
-    def options(self, *, gamma: float = 0.35, temperature: float = 0.0, seed: int = 0, batch_size: int = 8,
-                pad_multiple: int = 16, continuous: bool = True, compare_ar: bool = False, spec: DecodeSpec | None = None,
+    def options(self, *, gamma: float = DEFAULT_GAMMA, temperature: float = DEFAULT_TEMPERATURE, seed: int = 0,
+                batch_size: int = 8, pad_multiple: int = 16, continuous: bool = True, compare_ar: bool = False,
+                spec: DecodeSpec | None = None,
                 **spec_fields) -> DecodeOptions:
         """`DecodeOptions` with this model's stop ids unless `eos_ids` is given; `spec_fields` are DecodeSpec
         fields (mode, block_size, rule, max_new_tokens, top_k, top_p, tempered_entropy, eos_ids)."""

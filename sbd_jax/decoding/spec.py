@@ -9,6 +9,11 @@ import numpy as np
 
 MODES = ("sbd", "ar")
 RULES = ("eb", "threshold")
+# the defaults of every entry point (generate, DecodeSpec, DecodeOptions, Sampler, decode.py, the demo)
+DEFAULT_GAMMA = 0.35  # acceptance threshold of the rule (the EB rule's middle setting)
+DEFAULT_BLOCK_SIZE = 16  # SBD block size k
+DEFAULT_TEMPERATURE = 0.0  # greedy
+DEFAULT_MAX_NEW_TOKENS = 256
 
 
 class DecodeError(ValueError):
@@ -27,9 +32,9 @@ def _is_int(x) -> bool:
 class DecodeSpec:
     """What shapes the compiled decoder (one compilation per spec and prompt shape)."""
 
-    max_new_tokens: int = 256  # cap on generated tokens per row
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # cap on generated tokens per row
     mode: str = "sbd"  # "sbd" (Set Block Decoding) | "ar" (next-token decoding, the baseline)
-    block_size: int = 4  # SBD: positions per block (AR makes one token per step)
+    block_size: int = DEFAULT_BLOCK_SIZE  # SBD: positions per block (AR makes one token per step)
     rule: str = "eb"  # SBD acceptance rule: "eb" (the paper's entropy bound) | "threshold" (sampling.py)
     # SBD lossless mode (SBD.md "Lossless mode"): every block is checked against AR's tokens by the next call's
     # clean queries; the output equals AR mode's for the same key, drafts only decide how many calls it takes
@@ -96,19 +101,3 @@ class DecodeSpec:
 
     def pad(self, cfg) -> int:
         return self.pad_id if self.pad_id is not None else (cfg.pad_token_id or 0)
-
-
-def check_model(cfg, spec: DecodeSpec) -> None:
-    """The model-dependent check of a request that holds for any prompt: SBD needs a mask token."""
-    if spec.mode == "sbd" and cfg.mask_token_id is None:
-        raise DecodeError("SBD decoding needs a mask token but the model config has no mask_token_id "
-                          "(fine-tune it with SBD first, or use AR mode)")
-
-
-def check_rate(name: str, value, rows: int | None = None) -> None:
-    """gamma / temperature: >= 0 and finite; a scalar or one value per row."""
-    arr = np.asarray(value, dtype=np.float64)
-    if np.any(arr < 0) or np.any(~np.isfinite(arr)):
-        raise DecodeError(f"{name} must be >= 0 (and finite), got {value!r}")
-    if rows is not None and (arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] != rows)):
-        raise DecodeError(f"{name} must be a scalar or one value per row ({rows}), got shape {arr.shape}")

@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 
 from ..config import ConfigError
+from ..decoding.spec import DEFAULT_BLOCK_SIZE
 from .evaluation import evaluate
 from .report import family_table, markdown_table, plot, write_atomic
 from .stages import model_config, stage_data, stage_train, train_config
@@ -55,7 +56,7 @@ class DemoConfig:
     train_block_size: int | None = None  # fixed training block size instead of k ~ U[2, k_max] (the paper's)
     block_align: str = "response"  # SFT blocks start at the response, as at inference after the prompt
     # evaluation
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0)  # EB rule (the paper's): low 0.1, middle 0.35, high 0.6
     threshold_gammas: tuple[float, ...] = (0.1, 0.35, 0.6)  # the threshold rule (SBD.md step 4), for comparison
     # lossless (verify) rows: the sweep's gammas and a larger one (drafts are only proposals there)

@@ -1,0 +1,122 @@
+"""The checks of a decoding request, in one place: the model can serve the spec, the prompt fits the model's
+positions with max_new_tokens, each row's cap is within the spec's, the ids are in the vocabulary, gamma and
+temperature are valid rates. Every entry point (generate, the batch runner, the continuous engine, Sampler,
+decode.py) raises the same DecodeError for the same problem. (The options alone are checked by DecodeSpec.)"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from ..config import ModelConfig
+from .spec import DecodeError, DecodeSpec, PromptTooLongError
+
+
+def check_model(cfg, spec: DecodeSpec) -> None:
+    """The model-dependent check of a request that holds for any prompt: SBD needs a mask token."""
+    if spec.mode == "sbd" and cfg.mask_token_id is None:
+        raise DecodeError("SBD decoding needs a mask token but the model config has no mask_token_id "
+                          "(fine-tune it with SBD first, or use AR mode)")
+
+
+def check_rate(name: str, value, rows: int | None = None) -> None:
+    """gamma / temperature: >= 0 and finite; a scalar or one value per row."""
+    arr = np.asarray(value, dtype=np.float64)
+    if np.any(arr < 0) or np.any(~np.isfinite(arr)):
+        raise DecodeError(f"{name} must be >= 0 (and finite), got {value!r}")
+    if rows is not None and (arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] != rows)):
+        raise DecodeError(f"{name} must be a scalar or one value per row ({rows}), got shape {arr.shape}")
+
+
+def max_prompt_width(cfg, max_new_tokens: int) -> int:
+    """The widest prompt that fits the model's positions with `max_new_tokens` generated after it."""
+    return cfg.max_position_embeddings - max_new_tokens
+
+
+def check_fits(cfg, width: int, max_new_tokens: int, what: str) -> None:
+    """`what` (a prompt, or the padded width of a batch of them) of `width` tokens fits the model's positions
+    with `max_new_tokens` after it; else PromptTooLongError."""
+    if width > max_prompt_width(cfg, max_new_tokens):
+        raise PromptTooLongError(
+            f"{what} has {width} tokens; with max_new_tokens {max_new_tokens} it needs {width + max_new_tokens} "
+            f"positions, but the model has max_position_embeddings {cfg.max_position_embeddings}")
+
+
+def ids_in_vocab(ids, vocab_size: int, real=None) -> bool:
+    """Every id (where `real`, when given) is in [0, vocab_size)."""
+    ids = np.asarray(ids)
+    bad = (ids < 0) | (ids >= vocab_size)
+    return not np.any(bad if real is None else real & bad)
+
+
+def check_ids(cfg, ids, what: str) -> None:
+    if not ids_in_vocab(ids, cfg.vocab_size):
+        raise DecodeError(f"{what}: token ids must be in [0, {cfg.vocab_size}) (the vocabulary)")
+
+
+def check_cap(cap: int | None, max_new_tokens: int, what: str) -> None:
+    """A prompt's own max_new_tokens (None: the run's) is within the run's."""
+    if cap is not None and cap > max_new_tokens:
+        raise DecodeError(f"{what} asks for max_new_tokens {cap}, more than the run's {max_new_tokens} "
+                          "(raise --max-new-tokens)")
+
+
+def check_prompts(cfg, spec: DecodeSpec, prompts) -> None:
+    """Every `Prompt` fits the model's positions with max_new_tokens and asks for no more than it (a bad prompt
+    is named by id and line)."""
+    for p in prompts:
+        what = f"prompt {p.id!r} (line {p.line})"
+        check_cap(p.max_new_tokens, spec.max_new_tokens, what)
+        check_fits(cfg, len(p.ids), spec.max_new_tokens, what)
+
+
+def check_stream_prompt(cfg, i: int, ids, width: int) -> None:
+    """Prompt `i` of a continuous decoder's stream: 1 to `width` (the decoder's prompt_width) ids, in the
+    vocabulary."""
+    if not 1 <= len(ids) <= width:
+        raise DecodeError(f"prompt {i} has {len(ids)} tokens; this decoder takes 1 to {width} (prompt_width)")
+    check_ids(cfg, ids, f"prompt {i}")
+
+
+def _is_concrete(x) -> bool:
+    """A value the host can read now (not traced inside a user's jit, not spread over other hosts)."""
+    if isinstance(x, jax.core.Tracer):
+        return False
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
+def _check_row_caps(caps, B: int, max_new_tokens: int) -> None:
+    caps = np.asarray(caps)
+    if caps.shape not in ((), (B,)) or np.any(caps < 1) or np.any(caps > max_new_tokens):
+        raise DecodeError(f"row_max_new_tokens must be a scalar or one value per row ({B}), each in [1, "
+                          f"max_new_tokens={max_new_tokens}], got {caps.tolist()}")
+
+
+def _check_lengths(cfg, lens, P: int, prompt_ids) -> None:
+    lens = np.asarray(lens)
+    if np.any(lens < 1) or np.any(lens > P):
+        raise DecodeError(f"prompt_lengths must be in [1, {P}] (the padded prompt width), got {lens.tolist()}")
+    if prompt_ids is not None and _is_concrete(prompt_ids):
+        if not ids_in_vocab(prompt_ids, cfg.vocab_size, np.arange(P)[None] < lens[:, None]):
+            raise DecodeError(f"prompt token ids must be in [0, {cfg.vocab_size}) (the vocabulary)")
+
+
+def check_request(cfg: ModelConfig, spec: DecodeSpec, prompt_shape, *, prompt_lengths=None, prompt_ids=None,
+                  gamma=None, temperature=None, row_max_new_tokens=None) -> None:
+    """The request's model- and prompt-dependent checks of `generate` (the options were checked by `DecodeSpec`);
+    raises DecodeError naming the problem. Values traced inside a user's jit are checked only when concrete."""
+    check_model(cfg, spec)
+    if len(prompt_shape) != 2:
+        raise DecodeError(f"prompt_ids must be [batch, prompt_len], got shape {tuple(prompt_shape)}")
+    B, P = prompt_shape
+    if P < 1:
+        raise DecodeError("prompt_ids has no columns: every prompt needs at least one token")
+    check_fits(cfg, P, spec.max_new_tokens, "the padded prompt width")
+    for name, val in (("gamma", gamma), ("temperature", temperature)):
+        if val is not None and _is_concrete(val):
+            check_rate(name, val, B)
+    if row_max_new_tokens is not None and _is_concrete(row_max_new_tokens):
+        _check_row_caps(row_max_new_tokens, B, spec.max_new_tokens)
+    if prompt_lengths is not None and _is_concrete(prompt_lengths):
+        if np.shape(prompt_lengths) != (B,):
+            raise DecodeError(f"prompt_lengths must have shape ({B},), got {np.shape(prompt_lengths)}")
+        _check_lengths(cfg, prompt_lengths, P, prompt_ids)
