@@ -3,6 +3,7 @@ non-finite steps are never applied or saved (full and LoRA), a damaged latest ch
 previous one, the mask id may not occur in the data, and train.py's bad inputs are `error:` lines."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
-from sbd_jax.config import load_config
+from sbd_jax.config import ConfigError, load_config
 from sbd_jax.training.config import TrainConfig
 from sbd_jax.training.loop import train
 from sbd_jax.training.step import NonFiniteStepError
@@ -103,3 +104,53 @@ def test_train_py_nonfinite_is_an_error_line(inputs):
     p = train_py("--config", str(inputs), "optim.lr=1e30")
     assert p.returncode == 1, p.stderr[-2000:]
     assert "error: step 1: the update" in p.stderr and "Traceback" not in p.stderr
+
+
+# --- 2. damaged checkpoints ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A complete 4-step run (checkpoints 1, 2, 4) to copy and damage."""
+    d = tmp_path_factory.mktemp("trained")
+    train(cfg_of(write_inputs(d)))
+    return d
+
+
+def _empty(step_dir: Path) -> str:
+    shutil.rmtree(step_dir)
+    step_dir.mkdir()
+    return f"{step_dir} is empty"
+
+
+def _truncate(step_dir: Path) -> str:
+    big = max((f for f in (step_dir / "state").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    big.write_bytes(big.read_bytes()[: big.stat().st_size // 2])
+    return "Requested byte range"  # the reader's words for a short file
+
+
+def _garbage(step_dir: Path) -> str:
+    (step_dir / "state" / "_METADATA").write_bytes(b"\x00garbage{")
+    return f"file {step_dir / 'state' / '_METADATA'} is not valid JSON"
+
+
+@pytest.mark.parametrize("damage", [_empty, _truncate, _garbage], ids=["emptied", "truncated", "garbage"])
+def test_damaged_latest_checkpoint_falls_back_to_the_previous(trained, tmp_path, capsys, damage):
+    d = tmp_path / "copy"
+    shutil.copytree(trained / "run", d / "run")
+    expect = damage(d / "run" / "checkpoints" / "4")
+    res = train(cfg_of(trained / "cfg.yaml", f"out_dir={d / 'run'}"))
+    out = capsys.readouterr().out
+    assert "warning: checkpoint step 4 cannot be restored" in out and expect in out, out
+    assert "resuming from the previous good one, step 2" in out
+    assert res.resumed_from == 2 and res.step == 4 and finite(res.params)
+    assert (d / "run" / "checkpoints.damaged" / "4").is_dir() and max(saved_steps(d / "run")) == 4
+
+
+def test_only_checkpoint_damaged_is_named(trained, tmp_path):
+    d = tmp_path / "copy"
+    shutil.copytree(trained / "run", d / "run")
+    for s in saved_steps(d / "run")[:-1]:
+        shutil.rmtree(d / "run" / "checkpoints" / str(s))
+    _empty(d / "run" / "checkpoints" / "4")
+    with pytest.raises(ConfigError, match=r"checkpoint step 4 .* is empty"):
+        train(cfg_of(trained / "cfg.yaml", f"out_dir={d / 'run'}"))

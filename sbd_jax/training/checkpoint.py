@@ -3,13 +3,35 @@ a step's temporary directory to `<step>` only once it is complete, so a process 
 previous step restorable (tests/test_training_loop.py, SIGKILL)."""
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 import orbax.checkpoint as ocp
 
 from .data import gather_state
 from .step import TrainState
+
+
+_JSON_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "metadata", "process_0")
+
+
+def _is_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_bytes())
+        return True
+    except (ValueError, OSError):
+        return False
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and its causes, outermost first (a reader's error wraps the one naming the file)."""
+    out = [error]
+    while (nxt := out[-1].__cause__ or out[-1].__context__) is not None and nxt not in out and len(out) < 8:
+        out.append(nxt)
+    return out
 
 
 class Checkpointer:
@@ -44,6 +66,39 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract._asdict()), data=ocp.args.JsonRestore()))
         return TrainState(**out["state"]), dict(out["data"])
+
+    def damage(self, step: int, error: BaseException) -> str:
+        """What is wrong with checkpoint `step`, which failed to restore with `error`: an empty directory, a missing
+        item, an empty file, or the file the reader names (else the reader's first line)."""
+        d = self.directory / str(step)
+        files = [f for f in d.rglob("*") if f.is_file()] if d.is_dir() else []
+        if not files:
+            return f"{d} is empty"
+        missing = [i for i in ("state", "data") if not (d / i).is_dir()]
+        if missing:
+            return f"{d} lacks its {' and '.join(missing)} item"
+        empty = [f for f in files if f.stat().st_size == 0]
+        if empty:
+            return f"file {empty[0]} is empty"
+        bad_json = next((f for f in files if f.name in _JSON_FILES and not _is_json(f)), None)
+        if bad_json is not None:
+            return f"file {bad_json} is not valid JSON (damaged)"
+        chain = _chain(error)
+        named = next((m.group(0) for e in chain if (m := re.search(re.escape(str(d)) + r"[^\s'\"]*", str(e)))), None)
+        root = chain[-1]
+        first = next((ln.strip() for ln in str(root).splitlines() if ln.strip()), "")[:400]
+        return f"{f'file {named}' if named else d} is unreadable ({type(root).__name__}: {first})"
+
+    def set_aside(self, step: int) -> Path:
+        """Move checkpoint `step` out of the way (to <dir>.damaged/<step>, so a later save of that step can happen)
+        and forget it -> where it went."""
+        dest = self.directory.parent / f"{self.directory.name}.damaged" / str(step)
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(self.directory / str(step), dest)
+        self.manager.reload()
+        return dest
 
     def restore_meta(self, step: int) -> dict | None:
         """The "meta" item saved with `step` (None when that checkpoint has none: a full fine-tune's)."""

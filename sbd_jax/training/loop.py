@@ -124,14 +124,9 @@ def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
     opts, layout = cfg.step_options(model_cfg.mask_token_id), lora.layout if lora else None
     tx, shardings, step_fn, init_fn = _compiled(model_cfg, opts, cfg.optim, cfg.steps, mesh, cfg.batch_size, layout)
     if resume is not None:
+        resume, state, data_state = restore_good(ckpt, abstract_state(model_cfg, tx, shardings, layout))
         if lora is not None:
             check_base(lora, ckpt.restore_meta(resume), ckpt.directory)
-        try:
-            state, data_state = ckpt.restore(abstract_state(model_cfg, tx, shardings, layout), resume)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"cannot resume from checkpoint step {resume} in {str(ckpt.directory)!r}: it does not "
-                              f"match this model/optimizer configuration ({type(e).__name__}: {str(e)[:300]}); "
-                              "use the configuration it was written with, or another out_dir") from None
         data.restore(data_state)
     else:
         if lora is not None:  # A random, B zero: the run starts from the base's own outputs
@@ -139,6 +134,34 @@ def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
                                                  lora.base), shardings.params)
         state = init_fn(params, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1))
     return resume, model_cfg, state, data, step_fn if lora is None else WithBase(step_fn, lora.base), lora
+
+
+def restore_good(ckpt: Checkpointer, abstract: TrainState) -> tuple[int, TrainState, dict]:
+    """(step, state, data position) of the newest checkpoint that restores. A newer one that does not is reported
+    (which step, which file), set aside to <checkpoints>.damaged/ and skipped, saying so; when none restores, the
+    newest one's problem is a ConfigError (a damaged checkpoint, or one of another configuration)."""
+    steps = sorted(ckpt.manager.all_steps(), reverse=True)
+    failed = []
+    for step in steps:
+        try:
+            state, data_state = ckpt.restore(abstract, step)
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for a damaged file
+            failed.append((step, e))
+            continue
+        for bad, err in failed:
+            problem = ckpt.damage(bad, err)
+            where = ckpt.set_aside(bad) if jax.process_index() == 0 else None
+            print(f"warning: checkpoint step {bad} cannot be restored: {problem}; "
+                  f"{f'moved it to {where}; ' if where else ''}resuming from the previous good one, step {step}",
+                  flush=True)
+        return step, state, data_state
+    step, e = failed[0]
+    problem = ckpt.damage(step, e)
+    if problem.startswith(f"{ckpt.directory / str(step)} is unreadable"):  # no sign of damage: another config
+        problem = (f"it does not match this model/optimizer configuration ({type(e).__name__}: {str(e)[:300]})"
+                   + (f", nor do the {len(failed) - 1} older one(s)" if len(failed) > 1 else ""))
+    raise ConfigError(f"cannot resume from checkpoint step {step} in {str(ckpt.directory)!r}: {problem}; use the "
+                      "configuration it was written with, move the damaged checkpoint away, or use another out_dir")
 
 
 def _model(cfg: TrainConfig, model, mesh, load_weights: bool) -> tuple[ModelConfig, dict | None, LoRARun | None]:
