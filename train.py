@@ -40,7 +40,7 @@ def main(argv=None) -> int:
             from sbd_jax.training.data import build_iterator, format_report
             model = cfg.model.config or load_hf_config(cfg.model.init_from)  # its EOS, as training uses it
             it = build_iterator(cfg.data, cfg.batch_size, eos_id=model.eos_ids[0] if model.eos_ids else None,
-                                vocab_size=model.vocab_size)
+                                vocab_size=model.vocab_size, mask_id=None if cfg.sbd.ntp_only else model.mask_token_id)
             print(format_report(it.report))
             return 0
         maybe_initialize_distributed()

@@ -154,3 +154,30 @@ def test_only_checkpoint_damaged_is_named(trained, tmp_path):
     _empty(d / "run" / "checkpoints" / "4")
     with pytest.raises(ConfigError, match=r"checkpoint step 4 .* is empty"):
         train(cfg_of(trained / "cfg.yaml", f"out_dir={d / 'run'}"))
+
+
+# --- 3. the mask id must not be data ---------------------------------------------------------------------------
+
+def _chat_inputs(d: Path) -> Path:
+    """Prompt/response data (sft.jsonl) and a chat template that writes <s> and </s> around each message."""
+    cfg_path = write_inputs(d)
+    conf = {"eos_token": "</s>", "bos_token": "<s>",
+            "chat_template": "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}{% endfor %}"}
+    (d / "tok" / "tokenizer_config.json").write_text(json.dumps(conf))
+    (d / "sft.jsonl").write_text("".join(json.dumps({"prompt": s[:9], "response": s}) + "\n" for s in TEXT))
+    return cfg_path
+
+
+@pytest.mark.parametrize("case", ["in_text", "template_special"])
+def test_mask_id_in_the_data_is_refused(tmp_path, case):
+    from sbd_jax.training.data import DataError
+    if case == "in_text":  # " fox" (id 17 in the word list) is the mask: 3 occurrences, first on line 1
+        fox = (SPECIALS + sorted({w for s in TEXT for w in s.split()})).index("fox")
+        cfg = cfg_of(write_inputs(tmp_path), f"model.config.mask_token_id={fox}")
+        match = rf"mask_token_id {fox} occurs 3 time\(s\) .*first: .*train\.jsonl line 1\)"
+    else:  # <s> (id 1): a special token the chat template writes
+        cfg = cfg_of(_chat_inputs(tmp_path), f"data.path={tmp_path / 'sft.jsonl'}", "data.chat_template=true",
+                     "model.config.mask_token_id=1", "model.config.bos_token_id=1")
+        match = r"mask_token_id 1 is '<s>', the tokenizer's bos_token that the chat template"
+    with pytest.raises(DataError, match=match):
+        train(cfg)

@@ -249,11 +249,12 @@ def gather_state(state: dict) -> dict:
 
 def build_iterator(cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | Callable | None = None,
                    eos_id: int | None = None, vocab_size: int | None = None,
-                   rows: Sequence[int] | None = None) -> PackedIterator:
+                   rows: Sequence[int] | None = None, mask_id: int | None = None) -> PackedIterator:
     """DataConfig -> PackedIterator over the tokenized stores of its sources (`store.prepare`: made once, then
     reused), packing the batch `rows` of this process (default all). `tokenizer` overrides cfg.tokenizer (a
     Tokenizer or a callable text -> ids); `eos_id` is used when the tokenizer does not name its EOS token;
-    `vocab_size`: token ids must be below it. The iterator's `report` says what was used, dropped and truncated,
+    `vocab_size`: token ids must be below it; `mask_id` (the SBD mask token) must occur in no document and be no
+    special token of the chat template. The iterator's `report` says what was used, dropped and truncated,
     and why, per source (`sources`) and in all; more than `cfg.max_drop_share` of a source dropped is an error."""
     from .store import prepare
     if tokenizer is None:
@@ -266,6 +267,8 @@ def build_iterator(cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | C
         tokenizer.eos_id = eos_id
     paths = cfg.paths()
     stores = [prepare(dataclasses.replace(cfg, path=p, weights=None), tokenizer) for p in paths]
+    if mask_id is not None:
+        check_mask_id(cfg, tokenizer, int(mask_id), paths, stores)
     for p, store in zip(paths, stores):
         meta = store.meta
         if vocab_size is not None and meta["max_id"] >= vocab_size:
@@ -287,6 +290,27 @@ def build_iterator(cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | C
         it.report = {"store": ", ".join(r["store"] for r in reports), "dropped": dropped, "sources": reports,
                      **{k: sum(r[k] for r in reports) for k in ("records", "used", "truncated", "tokens")}}
     return it
+
+
+def check_mask_id(cfg: DataConfig, tokenizer: Tokenizer, mask_id: int, paths: Sequence[str], stores) -> None:
+    """The mask token must be no special token the chat template writes and occur in no document: a model that
+    sees it as text can no longer tell the mask from the word."""
+    fix = ("set model.mask_token_id to an id the data never uses (e.g. a reserved special token), or "
+           "model.add_mask_token=true to add one")
+    if cfg.chat_template and cfg.mode != "text" and tokenizer.chat_template:
+        for name, text in tokenizer.special_tokens.items():
+            if isinstance(text, str) and text and tokenizer.encode(text, False) == [mask_id]:
+                raise DataError(f"model.mask_token_id {mask_id} is {text!r}, the tokenizer's {name} that the chat "
+                                f"template (data.chat_template=true) uses; {fix}")
+        sample = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        if mask_id in tokenizer.encode(tokenizer.render_chat(sample, False), False):
+            raise DataError(f"model.mask_token_id {mask_id} is a token the chat template (data.chat_template=true) "
+                            f"writes into every conversation; {fix}")
+    for p, store in zip(paths, stores):
+        if n := store.count(mask_id):
+            raise DataError(f"model.mask_token_id {mask_id} occurs {n} time(s) in the training data of dataset "
+                            f"{p!r} (first: {store.first(mask_id)}); the model could not tell the mask from that "
+                            f"token; {fix}")
 
 
 def _source_report(path: str, store, u: dict, max_drop_share: float) -> dict:

@@ -116,7 +116,8 @@ def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
     if data is None:
         data = build_iterator(cfg.data, cfg.batch_size, tokenizer=tokenizer,
                               eos_id=model_cfg.eos_ids[0] if model_cfg.eos_ids else None,
-                              vocab_size=model_cfg.vocab_size, rows=local_rows(mesh, cfg.batch_size))
+                              vocab_size=model_cfg.vocab_size, rows=local_rows(mesh, cfg.batch_size),
+                              mask_id=None if cfg.sbd.ntp_only else model_cfg.mask_token_id)
         if jax.process_index() == 0:
             print(format_report(data.report), flush=True)
             ckpt.directory.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,8 @@ files' contents, the tokenization settings): a restart, another run or another h
 it and never calls the tokenizer. Files are read one at a time through `datasets` (`map` with `num_proc`, Arrow
 on disk) and appended as flat arrays, so memory stays bounded whatever the corpus size:
   tokens.bin int32 (all documents back to back), offsets.bin int64 [n + 1], n_prompt.bin int64 [n] (each
-  document's loss-masked prefix), record.bin int64 [n] (its record in its file), meta.json (counts, drops).
+  document's loss-masked prefix), record.bin int64 [n] (its record in its file), counts.bin int64 [max_id + 1]
+  (how often each token id occurs: the mask id must not), meta.json (counts, drops).
 A store is written to a temporary directory and renamed into place: it is complete or absent.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from .config import DataConfig
 from .data import DataError, Documents
 
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: counts.bin
 _EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # a `save_to_disk` directory
 # why a record gives no document at tokenize time (status codes of the map; 0 = used)
@@ -204,6 +205,21 @@ class Store:
                          FileArray(self.path / "offsets.bin", np.int64, n + 1),
                          FileArray(self.path / "n_prompt.bin", np.int64, n))
 
+    def count(self, token: int) -> int:
+        """How many times `token` occurs in the store's documents."""
+        counts = np.fromfile(self.path / "counts.bin", np.int64)
+        return int(counts[token]) if 0 <= token < len(counts) else 0
+
+    def first(self, token: int) -> str | None:
+        """Where `token` first occurs ('FILE line N'), or None."""
+        docs, step = self.documents(), 1 << 22
+        for lo in range(0, len(docs.values), step):
+            hit = np.flatnonzero(docs.values[lo:lo + step] == token)
+            if len(hit):
+                pos = lo + int(hit[0])
+                return self.record(int(np.searchsorted(docs.offsets[:], pos, side="right")) - 1)
+        return None
+
     def record(self, doc: int) -> str:
         """Where document `doc` came from: 'FILE line N' (jsonl) or 'FILE record N'."""
         starts = self.meta["file_doc_starts"]
@@ -252,7 +268,7 @@ def prepare(cfg: DataConfig, tok, *, store_dir=None) -> Store:
 
 def _write(cfg: DataConfig, tok, fmt: str, files: list[str], out: Path, fp) -> None:
     out.mkdir(parents=True)
-    n_docs, n_tokens, n_records, max_id = 0, 0, 0, -1
+    n_docs, n_tokens, n_records, max_id, counts = 0, 0, 0, -1, np.zeros(0, np.int64)
     drops = {name: {"count": 0, "first": None} for name in RECORD_DROPS.values()}
     file_doc_starts, mode = [], None
     with (open(out / "tokens.bin", "wb") as f_tok, open(out / "offsets.bin", "wb") as f_off,
@@ -284,6 +300,7 @@ def _write(cfg: DataConfig, tok, fmt: str, files: list[str], out: Path, fp) -> N
                 values = ids.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
                 values.tofile(f_tok)  # dropped records have no tokens
                 max_id = max(max_id, int(values.max(initial=-1)))
+                counts = _add_counts(counts, values)
                 (n_tokens + np.cumsum(lens[keep])).astype(np.int64).tofile(f_off)
                 batch.column("n_prompt").to_numpy().astype(np.int64)[keep].tofile(f_np)
                 (start + keep).astype(np.int64).tofile(f_rec)
@@ -291,7 +308,17 @@ def _write(cfg: DataConfig, tok, fmt: str, files: list[str], out: Path, fp) -> N
                 n_docs += len(keep)
                 start += len(status)
             n_records += start
+    counts.tofile(out / "counts.bin")
     meta = {"version": STORE_VERSION, "fingerprint": fp, "format": fmt, "files": files, "mode": mode,
             "records": n_records, "documents": n_docs, "tokens": n_tokens, "max_id": max_id,
             "file_doc_starts": file_doc_starts, "dropped": drops}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def _add_counts(counts: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """`counts` (per token id) plus the occurrences in `values` (non-negative ids)."""
+    if not len(values):
+        return counts
+    add = np.bincount(values[values >= 0], minlength=len(counts)).astype(np.int64)
+    add[:len(counts)] += counts
+    return add
