@@ -53,6 +53,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the message short
         print("interrupted: the last complete checkpoint is intact; run the same command to resume",
               file=sys.stderr)
         return 130
@@ -70,4 +71,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == 130:  # interrupted: a checkpoint or data thread may still run; leave without the interpreter's
+        sys.stdout.flush()  # teardown, which aborts on a running native thread ("terminate called ...")
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

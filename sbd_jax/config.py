@@ -191,13 +191,26 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return out
 
 
+def read_yaml(path: Path):
+    """A YAML file's content; malformed YAML or non-UTF-8 text is a ConfigError naming the file and line."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {str(path)!r}{at} is not valid YAML: {getattr(e, 'problem', None) or e}") \
+            from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start})") from None
+
+
 def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
     """YAML file (optional) + `key=value` overrides -> frozen dataclass `cls`."""
     data = {}
     if path:
         if not Path(path).is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = read_yaml(Path(path))
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at top level")
     return from_dict(cls, apply_overrides(data, list(overrides)))

@@ -1,11 +1,15 @@
 """Issue #31, training side: nothing bad is kept or silently used. A table of cases on a tiny random model:
 non-finite steps are never applied or saved (full and LoRA), a damaged latest checkpoint falls back to the
 previous one, the mask id may not occur in the data, and train.py's bad inputs are `error:` lines."""
+import importlib.util
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -181,3 +185,83 @@ def test_mask_id_in_the_data_is_refused(tmp_path, case):
         match = r"mask_token_id 1 is '<s>', the tokenizer's bos_token that the chat template"
     with pytest.raises(DataError, match=match):
         train(cfg)
+
+
+# --- 4. train.py: bad inputs are `error:` lines (exit 2), Ctrl-C exits 130 -----------------------------------
+
+def train_main(*argv: str, capsys) -> tuple[int, str]:
+    """train.py's main() in this process -> (exit code, stderr)."""
+    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    capsys.readouterr()
+    code = mod.main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def _bad_utf8(d: Path, cfg: Path) -> tuple[list, str]:
+    (d / "bad.jsonl").write_bytes(b'{"text": "the fox"}\n{"text": "a \xff dog"}\n')
+    return [cfg, f"data.path={d / 'bad.jsonl'}"], r"bad\.jsonl' line 2 column 13 is not UTF-8 text \(byte 0xff\)"
+
+
+def _bad_json_line(d: Path, cfg: Path) -> tuple[list, str]:
+    lines = [json.dumps({"text": "the fox"})] * 6 + ["", "", "{bad json"]  # row 6, line 9
+    (d / "bj.jsonl").write_text("\n".join(lines) + "\n")
+    return [cfg, f"data.path={d / 'bj.jsonl'}"], r"bj\.jsonl' line 9 is not valid JSON"
+
+
+def _out_dir_under_file(d: Path, cfg: Path) -> tuple[list, str]:
+    (d / "afile").write_text("x")
+    return [cfg, f"out_dir={d / 'afile' / 'run'}"], r"out_dir '.*afile/run' cannot be created: Not a directory"
+
+
+def _bad_yaml(d: Path, cfg: Path) -> tuple[list, str]:
+    (d / "bad.yaml").write_text("model: {config: [\n  x: 1\n")
+    return [d / "bad.yaml"], r"config file '.*bad\.yaml' line 3 column 1 is not valid YAML"
+
+
+def _string_hidden_size(d: Path, cfg: Path) -> tuple[list, str]:
+    (d / "model").mkdir()
+    conf = {"model_type": "llama", "vocab_size": 64, "hidden_size": "64", "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+    (d / "model" / "config.json").write_text(json.dumps(conf))
+    return [cfg, "model.config=null", f"model.init_from={d / 'model'}"], \
+        r"model/config\.json': hidden_size is '64' \(str\), expected an integer"
+
+
+@pytest.mark.parametrize("case", [_bad_utf8, _bad_json_line, _out_dir_under_file, _bad_yaml, _string_hidden_size],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_train_py_bad_input_is_an_error_line(inputs, capsys, case):
+    argv, match = case(inputs.parent, inputs)
+    code, err = train_main("--config", str(argv[0]), *argv[1:], capsys=capsys)
+    assert code == 2 and re.search(r"^error: .*" + match, err, re.M), err
+    assert "Traceback" not in err
+
+
+def test_missing_train_config_json_is_refused(trained, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained / "run", run)
+    (run / "train_config.json").unlink()
+    cfg = str(trained / "cfg.yaml")
+    code, err = train_main("--config", cfg, f"out_dir={run}", capsys=capsys)
+    assert code == 2 and "holds checkpoints (up to step 4) but no train_config.json" in err, err
+    assert "allow_changes=[train_config.json]" in err
+    code, err = train_main("--config", cfg, f"out_dir={run}", "allow_changes=[train_config.json]", capsys=capsys)
+    assert code == 0, err
+
+
+def test_ctrl_c_exits_130_without_abort(inputs):
+    """SIGINT mid-run (checkpoint saves in flight): the message, exit 130, no native abort."""
+    out = inputs.parent / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config", str(inputs), "steps=100000",
+                          "checkpoint.every=1", "checkpoint.async_save=true"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    deadline = time.time() + 120
+    while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+        assert p.poll() is None and time.time() < deadline, p.communicate()[1][-2000:]
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-3000:]
+    assert "interrupted: the last complete checkpoint is intact" in err and "terminate called" not in err

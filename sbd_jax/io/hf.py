@@ -2,6 +2,7 @@
 `from_pretrained` takes a local directory only."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -34,10 +35,26 @@ def load_hf_config(model_dir: str | os.PathLike, *, allow_unknown_keys: bool = F
         d = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{str(path)!r} must hold a JSON object, not {type(d).__name__}")
+    check_number_types(d, path)
     mt = d.get("model_type")
     if mt not in KNOWN_KEYS:
         raise ConfigError(f"model_type {mt!r} in {str(path)!r} is not supported (supported: {sorted(KNOWN_KEYS)})")
     return config_from_hf(d, allow_unknown_keys=allow_unknown_keys, **overrides)
+
+
+def check_number_types(d: dict, path: Path) -> None:
+    """A ModelConfig number given as a string, bool or list in config.json is an error naming the key and value."""
+    for f in dataclasses.fields(ModelConfig):
+        kind = str(f.type).replace(" | None", "")
+        v = d.get(f.name)
+        if kind not in ("int", "float") or v is None:
+            continue
+        ok = isinstance(v, int) if kind == "int" else isinstance(v, (int, float))
+        if not ok or isinstance(v, bool):
+            raise CheckpointError(f"{str(path)!r}: {f.name} is {v!r} ({type(v).__name__}), expected "
+                                  f"{'an integer' if kind == 'int' else 'a number'}")
 
 
 def _hf_names(s: ParamSpec, cfg: ModelConfig) -> list[str]:

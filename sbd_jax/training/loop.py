@@ -81,8 +81,7 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
     [batch_size, L]), `state() -> dict` and `restore(dict)` (default: built from cfg.data).
     `model`: (ModelConfig, params) instead of cfg.model (ignored when resuming, except its config).
     `stop_after`: leave after this many total steps without the final save/export (as if killed)."""
-    out_dir = Path(out_dir or cfg.out_dir).absolute()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = make_out_dir(Path(out_dir or cfg.out_dir).absolute())
     mesh = make_mesh(cfg.mesh, devices)
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     micro = cfg.batch_size // cfg.optim.grad_accum
@@ -98,16 +97,47 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
         ckpt.close()  # waits for in-flight saves: a Ctrl-C leaves the last started checkpoint complete
 
 
+def make_out_dir(out_dir: Path) -> Path:
+    """Create the run directory; a path under a regular file, or that is one, is a ConfigError naming it."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"out_dir {str(out_dir)!r} cannot be created: {e.strerror} ({e.filename})") from None
+    if not out_dir.is_dir():
+        raise ConfigError(f"out_dir {str(out_dir)!r} is not a directory")
+    return out_dir
+
+
+SETTINGS_FILE = "train_config.json"
+
+
+def check_settings(cfg: TrainConfig, run_dir: Path, resume: int) -> None:
+    """A resumed run keeps the settings it was started with (train_config.json), but for RESUME_NEUTRAL keys and
+    `cfg.allow_changes`. A missing or unreadable train_config.json is refused too (the check would be off) unless
+    allow_changes names it."""
+    saved = run_dir / SETTINGS_FILE
+    if SETTINGS_FILE in cfg.allow_changes:
+        return
+    hint = (f"restore it, resume without the settings check with allow_changes=[{SETTINGS_FILE}], or use another "
+            "out_dir")
+    if not saved.is_file():
+        raise ConfigError(f"{run_dir} holds checkpoints (up to step {resume}) but no {SETTINGS_FILE}, so the "
+                          f"settings cannot be checked against the run's; {hint}")
+    try:
+        train = json.loads(saved.read_text())["train"]
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ConfigError(f"{saved} is unreadable ({type(e).__name__}: {str(e)[:200]}); {hint}") from None
+    diff = changed_settings(train, cfg, RESUME_NEUTRAL + cfg.allow_changes)
+    if diff:
+        raise ConfigError(f"{run_dir} holds a run with other settings ({'; '.join(diff)}): resume it with the same "
+                          "ones, allow a change on purpose with allow_changes=[key, ...], or use another out_dir")
+
+
 def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
     """Model, data iterator, compiled step and the initial (or restored) state."""
     resume = ckpt.manager.latest_step()
-    saved = ckpt.directory.parent / "train_config.json"
-    if resume is not None and saved.is_file():
-        diff = changed_settings(json.loads(saved.read_text())["train"], cfg, RESUME_NEUTRAL + cfg.allow_changes)
-        if diff:
-            raise ConfigError(f"{ckpt.directory.parent} holds a run with other settings ({'; '.join(diff)}): resume "
-                              "it with the same ones, allow a change on purpose with allow_changes=[key, ...], or "
-                              "use another out_dir")
+    if resume is not None:
+        check_settings(cfg, ckpt.directory.parent, resume)
     model_cfg, params, lora = _model(cfg, model, mesh, resume is None)
     if not cfg.sbd.ntp_only and model_cfg.mask_token_id is None:
         raise ConfigError("the model has no mask token id: set model.mask_token_id to an unused id already in the "

@@ -15,6 +15,7 @@ import dataclasses
 import glob
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -67,15 +68,71 @@ def load_source(cfg: DataConfig, fmt: str, source: str):
     else:
         if os.path.getsize(source) == 0:
             raise DataError(f"data file {source!r} is empty")
+        if fmt == "json":
+            check_utf8(source)
+        quiet = logging.getLogger(f"datasets.packaged_modules.{fmt}.{fmt}")  # it logs the error + traceback
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)
         try:
             ds = datasets.load_dataset(fmt, data_files=[source], split="train", cache_dir=cfg.cache_dir)
         except Exception as e:  # noqa: BLE001 - datasets wraps the reader's error in its own types
+            if fmt == "json":
+                check_json_lines(source)  # names the file's line (the reader counts rows)
             cause = e.__cause__ or e.__context__ or e
             raise DataError(f"data file {source!r} cannot be read as {fmt}: {type(cause).__name__}: "
                          f"{str(cause)[:200]}") from None
+        finally:
+            quiet.setLevel(level)
     if len(ds) == 0:
         raise DataError(f"data file {source!r} holds no records (empty)")
     return ds
+
+
+def check_utf8(source: str, chunk: int = 1 << 24) -> None:
+    """A text data file with bytes that are not UTF-8 is a DataError naming its line and column."""
+    import codecs
+    dec, done = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(source, "rb") as f:
+        while True:
+            data = f.read(chunk)
+            try:
+                dec.decode(data, final=not data)
+            except UnicodeDecodeError as e:
+                pos = done + max(e.start, 0)
+                _raise_at(source, pos, f"is not UTF-8 text (byte 0x{data[e.start]:02x})" if e.start < len(data)
+                          else "ends inside a UTF-8 character")
+            if not data:
+                return
+            done += len(data)
+
+
+def _raise_at(source: str, pos: int, what: str):
+    with open(source, "rb") as f:
+        head = f.read(pos)
+    line, col = head.count(b"\n") + 1, pos - (head.rfind(b"\n") + 1) + 1
+    raise DataError(f"data file {source!r} line {line} column {col} {what}; re-encode the file as UTF-8")
+
+
+def check_json_lines(source: str) -> None:
+    """A json-lines file whose line is not a JSON object: a DataError naming the file's line (blank lines
+    counted). A file that is one JSON document (not one object per line) is left to the reader's error."""
+    with open(source, encoding="utf-8") as f:
+        first = next((ln for ln in f if ln.strip()), "")
+    if not first.lstrip().startswith("{"):
+        return
+    with open(source, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                _json_object(source, n, line)
+
+
+def _json_object(source: str, n: int, line: str) -> None:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"data file {source!r} line {n} is not valid JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"data file {source!r} line {n} is not a JSON object ({type(obj).__name__})")
 
 
 def resolve_mode(cfg: DataConfig, columns: list[str], source: str) -> str:
