@@ -29,7 +29,10 @@ import numpy as np
 from ..config import ModelConfig
 from ..models.transformer import KVCache, init_cache
 from ..sharding import mesh_context
-from .decoder import _ar_step, _make_env, _new_state, _prompt_seq, _sbd_step, _State, write_prompt
+from .loop import run_loop
+from .modes import mode_of
+from .prefill import write_prompt
+from .state import ROW_FIELDS, LoopState, make_env, new_state, prompt_seq
 from .checks import check_fits, check_stream_prompt
 from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
 
@@ -45,7 +48,7 @@ class _Rows(NamedTuple):
 
 
 def _env(params, cfg, spec, rows: _Rows, mesh):
-    return _make_env(params, cfg, spec, rows.lengths, rows.max_new, rows.gamma, rows.temp,
+    return make_env(params, cfg, spec, rows.lengths, rows.max_new, rows.gamma, rows.temp,
                      jax.random.wrap_key_data(rows.keys), mesh)
 
 
@@ -55,23 +58,19 @@ def _empty(params, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None, slots: int,
     rows = _Rows(jnp.ones((slots,), jnp.int32), jnp.ones((slots,), jnp.int32), jnp.zeros((slots,), jnp.float32),
                  jnp.zeros((slots,), jnp.float32), jnp.zeros((slots, 2), jnp.uint32))
     env = _env(params, cfg, spec, rows, mesh)
-    seq = _prompt_seq(jnp.zeros((slots, width), jnp.int32), rows.lengths, spec, env)
-    return _new_state(env, seq, width, done=jnp.ones((slots,), bool)), rows
+    seq = prompt_seq(jnp.zeros((slots, width), jnp.int32), rows.lengths, spec, env)
+    return new_state(env, seq, width, done=jnp.ones((slots,), bool)), rows
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"), donate_argnums=(1,))
-def _run(params, state: _State, rows: _Rows, stop_at_finish, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None):
+def _run(params, state: LoopState, rows: _Rows, stop_at_finish, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None):
     """Decode until every row is done or (`stop_at_finish`) a row that was running finishes."""
     with mesh_context(mesh):
-        env = _env(params, cfg, spec, rows, mesh)
-        running = ~state.done
-        step = functools.partial(_sbd_step if spec.mode == "sbd" else _ar_step, env=env)
-        return jax.lax.while_loop(
-            lambda s: ~jnp.all(s.done) & ~(stop_at_finish & jnp.any(s.done & running)), step, state)
+        return run_loop(state, _env(params, cfg, spec, rows, mesh), mode_of(spec).step, stop_at_finish)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"), donate_argnums=(1,))
-def _admit(params, state: _State, rows: _Rows, slot_R, prompt_RP, new: _Rows, *, cfg: ModelConfig,
+def _admit(params, state: LoopState, rows: _Rows, slot_R, prompt_RP, new: _Rows, *, cfg: ModelConfig,
            spec: DecodeSpec, mesh=None):
     """Start prompts `prompt_RP` (right-padded, lengths `new.lengths`) in slots `slot_R` (a slot index equal to
     the slot count marks an unused entry): reset their rows of the state and write their prompts' K/V, in as many
@@ -81,23 +80,19 @@ def _admit(params, state: _State, rows: _Rows, slot_R, prompt_RP, new: _Rows, *,
         R, P = prompt_RP.shape
         put = lambda a, v: a.at[slot_R].set(v, mode="drop")  # noqa: E731 - rows of the slots
         rows = _Rows(*(put(a, v) for a, v in zip(rows, new)))
-        env = _env(params, cfg, spec, rows, mesh)
-        fresh = _new_state(_env(params, cfg, spec, new, None), _prompt_seq(prompt_RP, new.lengths, spec, env), P)
-        if spec.verify:  # the last prompt token rides as a 1-token commit: its query gives AR's first token
-            fresh = fresh._replace(commit_start=jnp.full_like(new.lengths, -1), commit_len=jnp.ones_like(new.lengths))
+        env, new_env, mode = _env(params, cfg, spec, rows, mesh), _env(params, cfg, spec, new, None), mode_of(spec)
+        fresh = mode.admit(new_state(new_env, prompt_seq(prompt_RP, new.lengths, spec, env), P), new_env)
         # the prompts' K/V (AR and verify mode leave the last prompt token to the first step) in a cache of the
         # prompt width only (attention over P slots, not P + max_new), then copied into these rows' slots [0, P)
         C = min(spec.prefill_chunk, P)
         width = -(-P // C) * C
-        upto = jnp.where(slot_R < B, new.lengths - (spec.mode == "ar" or spec.verify), 0)
+        upto = jnp.where(slot_R < B, new.lengths - (not mode.prefills_last_token), 0)
         cache, _ = write_prompt(params, cfg, init_cache(cfg, R, width, state.cache.k.dtype),
                                 jnp.pad(prompt_RP, ((0, 0), (0, width - P))), upto,
                                 -(-jnp.max(upto) // C), C)  # only the pieces these prompts reach
+        state = state._replace(**{f: put(getattr(state, f), getattr(fresh, f)) for f in ROW_FIELDS})
         state = state._replace(
-            **{f: put(getattr(state, f), getattr(fresh, f)) for f in
-               ("block_offset", "masked", "commit_start", "commit_len", "done", "eos", "n_generated", "nfe",
-                "accepted", "decoded_at")},
-            seq=env.constrain(put(state.seq, fresh.seq)),
+            seq=env.constrain(state.seq),
             cache=env.constrain(KVCache(state.cache.k.at[:, slot_R, :P].set(cache.k[:, :, :P], mode="drop"),
                                         state.cache.v.at[:, slot_R, :P].set(cache.v[:, :, :P], mode="drop"),
                                         put(state.cache.lengths, cache.lengths))))

@@ -1,0 +1,134 @@
+"""The decode loop's state and environment, built by name.
+
+  * `LoopState` is the while-loop carry. A field annotated `Row` holds one entry per batch row (axis 0): those
+    are what continuous batching resets when a slot takes a new prompt (`ROW_FIELDS`, derived from the type, so
+    a new per-row field is reset without anyone listing it). The cache is per row along its batch axis and is
+    reset by writing the new prompt's K/V (continuous.py); `iters` and `wide` count the batch's calls.
+  * `DecodeEnv` is what the loop body reads and never changes: the model, the spec and the per-row inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Callable
+from typing import Annotated, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ..config import ModelConfig
+from ..models.transformer import KVCache, init_cache
+from ..sharding import batch_sharding, cache_sharding
+from .spec import DecodeSpec
+
+PER_ROW = "per_row"
+Row = Annotated[jax.Array, PER_ROW]  # a [B, ...] field of the loop state, one entry per row
+
+
+class LoopState(NamedTuple):
+    """The while-loop carry. B = rows, W = token buffer width, K = block_size (SBD)."""
+
+    seq: Row                  # [B, W] tokens by position
+    cache: KVCache            # per row along its batch axis (reset by writing a prompt's K/V, not by ROW_FIELDS)
+    block_offset: Row         # [B] generated tokens before the current block (AR: generated tokens)
+    masked: Row               # [B, K] still-masked positions of the current block (SBD)
+    # the tokens at generated indices [commit_start, commit_start + commit_len) still need their clean causal
+    # re-run (the previous block; in verify mode also the tokens to verify, or a 1-token correction)
+    commit_start: Row         # [B]
+    commit_len: Row           # [B] 0 = nothing to commit
+    done: Row                 # [B]
+    eos: Row                  # [B] stopped by EOS
+    n_generated: Row          # [B] final number of generated tokens (valid once done)
+    nfe: Row                  # [B]
+    iters: jax.Array          # scalar: model calls
+    wide: jax.Array           # scalar: calls with the 2k commit window
+    accepted: Row             # [B, window + 1] per row: calls that decoded 0, 1, ... tokens (of the output)
+    decoded_at: Row           # [B, K] SBD: the call (counted within the block) that decoded each position; K = not yet
+
+
+def row_fields(cls=LoopState) -> tuple[str, ...]:
+    """The fields of `cls` annotated `Row` (one entry per batch row)."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return tuple(f for f in cls._fields if PER_ROW in getattr(hints[f], "__metadata__", ()))
+
+
+ROW_FIELDS = row_fields()
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeEnv:
+    """What the loop body reads and never changes: the model, the spec and the per-row inputs."""
+
+    params: dict
+    cfg: ModelConfig
+    spec: DecodeSpec
+    lengths: jax.Array        # [B] prompt lengths
+    max_new: jax.Array        # [B] tokens to generate at most (<= spec.max_new_tokens)
+    gamma: jax.Array          # [B]
+    temp: jax.Array           # [B]
+    keys: jax.Array           # [B] typed PRNG keys
+    eos: jax.Array            # [E] stop ids ([-1] = none)
+    constrain: Callable       # sharding constraint of per-row arrays and the cache (identity without a mesh)
+
+
+def make_env(params, cfg: ModelConfig, spec: DecodeSpec, lengths, max_new_B, gamma_B, temp_B, keys_B,
+             mesh) -> DecodeEnv:
+    eos = jnp.asarray(spec.stop_ids(cfg) or (-1,), jnp.int32)  # -1 matches no token
+    return DecodeEnv(params=params, cfg=cfg, spec=spec, lengths=lengths,
+                     max_new=jnp.minimum(max_new_B, spec.max_new_tokens), gamma=gamma_B, temp=temp_B, keys=keys_B,
+                     eos=eos, constrain=constrainer(cfg, mesh, lengths.shape[0]))
+
+
+def prompt_seq(prompt_ids, lengths, spec: DecodeSpec, env: DecodeEnv):
+    """The token buffer [B, P + max_new_tokens + window] (room for a whole last block past the cap): the
+    prompts, then the pad id."""
+    B, P = prompt_ids.shape
+    pad = spec.pad(env.cfg)
+    seq = jnp.full((B, P + spec.max_new_tokens + spec.window), pad, jnp.int32)
+    return seq.at[:, :P].set(jnp.where(jnp.arange(P)[None] < lengths[:, None], prompt_ids, pad))
+
+
+def new_state(env: DecodeEnv, seq, P: int, done=None) -> LoopState:
+    """The loop carry before the first call: an empty cache of P + max_new_tokens slots per row."""
+    B, spec = seq.shape[0], env.spec
+    zeros_B, false_B = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool)
+    return LoopState(
+        seq=env.constrain(seq),
+        cache=env.constrain(init_cache(env.cfg, B, P + spec.max_new_tokens)),
+        block_offset=zeros_B,
+        masked=(jnp.arange(spec.window)[None] < env.max_new[:, None]) & (spec.mode == "sbd"),  # the first block
+        commit_start=zeros_B,
+        commit_len=zeros_B,
+        done=false_B if done is None else done,
+        eos=false_B,
+        n_generated=zeros_B,
+        nfe=zeros_B,
+        iters=jnp.int32(0),
+        wide=jnp.int32(0),
+        accepted=jnp.zeros((B, spec.window + 1), jnp.int32),
+        decoded_at=jnp.full((B, spec.window), spec.window, jnp.int32))
+
+
+def constrainer(cfg, mesh, B):
+    """Per-row arrays over the batch axes, the cache as `cache_sharding` (identity without a mesh)."""
+    if mesh is None:
+        return lambda x: x
+    cs = cache_sharding(cfg, mesh, B)
+    return lambda x: jax.lax.with_sharding_constraint(
+        x, KVCache(cs, cs, batch_sharding(mesh, 1, B)) if isinstance(x, KVCache) else batch_sharding(mesh, x.ndim, B))
+
+
+def tally(accepted_BN, n_B, active_B):
+    """Count one model call that decoded `n_B` tokens for each active row."""
+    return accepted_BN + (jax.nn.one_hot(n_B, accepted_BN.shape[1], dtype=jnp.int32) * active_B[:, None])
+
+
+def gather(seq, pos):
+    """seq's tokens at positions `pos` [B, n] (clipped into the buffer)."""
+    return jnp.take_along_axis(seq, jnp.clip(pos, 0, seq.shape[1] - 1), axis=1)
+
+
+def block_positions(state: LoopState, env: DecodeEnv, offset=0):
+    """Positions [B, K] of the current block (shifted by `offset` blocks)."""
+    K = env.spec.block_size
+    return (env.lengths + state.block_offset + offset * K)[:, None] + jnp.arange(K, dtype=jnp.int32)[None]
