@@ -144,18 +144,18 @@ def decode_memory(cfg: ModelConfig, *, batch: int, prompt: int, new: int, mode: 
 
 def continuous_memory(cfg: ModelConfig, *, slots: int, prompt: int, new: int, mode: str, tensor: int, devices,
                       admit_rows: int = 16) -> dict:
-    """AOT-compile the continuous decoder (decode.py's default engine): its decode loop `_run` and its largest
-    admission `_admit` (min(slots, admit_rows) rows, rounded up to a power of two, as the decoder does). A
+    """AOT-compile the continuous decoder (decode.py's default engine): its decode loop `run_slots` and its largest
+    admission `admit_slots` (min(slots, admit_rows) rows, rounded up to a power of two, as the decoder does). A
     program's peak is its arguments + temporaries + the outputs not aliased to a donated argument."""
     mesh, params = _abstract_params(cfg, tensor, devices)
     kw = dict(cfg=cfg, spec=DecodeSpec(mode=mode, block_size=16, max_new_tokens=new), mesh=mesh)
     t0 = time.perf_counter()
-    state, rows = continuous._empty.lower(params, slots=slots, width=prompt, **kw).compile().out_info
+    state, rows = continuous.empty_slots.lower(params, slots=slots, width=prompt, **kw).compile().out_info
     R = continuous.admission_rows(min(slots, admit_rows))
     new_rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct((R,) + a.shape[1:], a.dtype), rows)
     peak = {}
-    for name, fn, args in (("run", continuous._run, (params, state, rows, jax.ShapeDtypeStruct((), bool))),
-                           ("admit", continuous._admit, (params, state, rows, jax.ShapeDtypeStruct((R,), "int32"),
+    for name, fn, args in (("run", continuous.run_slots, (params, state, rows, jax.ShapeDtypeStruct((), bool))),
+                           ("admit", continuous.admit_slots, (params, state, rows, jax.ShapeDtypeStruct((R,), "int32"),
                                                          jax.ShapeDtypeStruct((R, prompt), "int32"), new_rows))):
         ma = fn.lower(*args, **kw).compile().memory_analysis()
         peak[name] = (ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes

@@ -30,7 +30,7 @@ def _release_compiled_programs():
     import jax
 
     from sbd_jax.decoding import continuous
-    continuous._COMPILED.clear()
+    continuous.PROGRAMS.clear()
     jax.clear_caches()
     gc.collect()
 

@@ -1,11 +1,23 @@
-"""SBD decoding: `generate` (a jitted lax.while_loop decoder over a static KV cache, SBD or AR) configured
-by a `DecodeSpec`, the sampling / acceptance rules, and the batch runner behind decode.py."""
+"""SBD decoding, in layers (each imports only the ones above it, by public names):
+
+  spec.py      DecodeSpec (what shapes the compiled decoder) and the defaults every entry point uses
+  checks.py    the request checks (model, prompt fits, caps, vocabulary, rates)
+  sampling.py  entropies, the acceptance rules, token sampling
+  state.py     the loop state (`LoopState`, per-row fields marked `Row`) and environment (`DecodeEnv`)
+  prefill.py   writing prompts into the cache
+  modes/       sbd.py, verify.py, ar.py: each mode's first call, loop step and cache finalize
+  loop.py      the one `lax.while_loop` driver
+  decoder.py   `generate` / `prepare_generate` / `generate_jit` -> `GenerateOutput`
+  continuous.py  the continuous batching engine (init / admit / step / harvest) and its `ProgramCache`
+  results.py   `RowResult`, one finished row (every row-at-a-time entry point)
+  runner.py, sampler.py, prompts.py, roofline.py: the batch runner, text in / text out, files, bandwidth
+"""
 from .checks import check_request
 from .decoder import GenerateOutput, generate, generate_jit, prepare_generate
+from .results import RowResult
 from .sampling import accept, accept_eb, accept_threshold, entropy, sample, shape_logits
 from .spec import DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, MODES, RULES, DecodeError, DecodeSpec, PromptTooLongError
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_GAMMA",
-           "MODES", "RULES", "DecodeError", "DecodeSpec", "GenerateOutput", "PromptTooLongError", "accept",
-           "accept_eb", "accept_threshold", "check_request", "entropy", "generate", "generate_jit",
-           "prepare_generate", "sample", "shape_logits"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_GAMMA", "MODES", "RULES", "DecodeError", "DecodeSpec", "GenerateOutput",
+           "PromptTooLongError", "RowResult", "accept", "accept_eb", "accept_threshold", "check_request", "entropy",
+           "generate", "generate_jit", "prepare_generate", "sample", "shape_logits"]

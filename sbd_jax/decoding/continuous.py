@@ -1,19 +1,23 @@
-"""Continuous batching: a fixed number of slots run the decode loop of decoder.py; when a row finishes, its
-slot takes the next prompt without waiting for the others and without recompiling.
+"""Continuous batching: a fixed number of slots run the decode loop of loop.py; when a row finishes, its slot
+takes the next prompt without waiting for the others and without recompiling.
 
-  * Device side, two compiled programs per spec and slot layout. `_run` is the decode loop (the same step
-    functions as `generate`), left when every row is done or, while prompts wait, as soon as a row finishes.
-    `_admit` puts new prompts into free slots: their rows of the loop state are reset, the slot's cache
-    length set to the prompt's (what a previous row left beyond it is never attended again) and the prompt's
-    K/V written in `prefill_chunk` pieces by a forward over those rows and a prompt-wide cache only (one program
-    per power-of-two count of rows, at most `admit_rows`: that cache holds rows x prompt width tokens, 4 GiB for
-    16 rows of 2048 at 8B, so a larger admission runs in groups with the same prefill work).
+  * The engine (`ContinuousDecoder`) has MaxText's contract: `init()` -> idle `Slots`; `admit(slots, entries)`
+    puts prompts into free slots; `step(slots, more_waiting)` runs the decode loop; `harvest(slots, owned)`
+    reads the rows that finished. `decode(requests)` is the host scheduler over these four.
+  * Device side, three compiled programs per spec and slot layout, kept in a `ProgramCache` (`PROGRAMS`, shared
+    by the decoders of a process unless one is given). `run_slots` is the decode loop (the same mode step as
+    `generate`), left when every row is done or, while prompts wait, as soon as a row finishes. `admit_slots`
+    puts new prompts into free slots: their rows of the loop state are reset (the fields `state.ROW_FIELDS`
+    derives from `LoopState`'s type), the slot's cache length set to the prompt's (what a previous row left
+    beyond it is never attended again) and the prompt's K/V written in `prefill_chunk` pieces by a forward over
+    those rows and a prompt-wide cache only (one program per power-of-two count of rows, at most `admit_rows`:
+    that cache holds rows x prompt width tokens, 4 GiB for 16 rows of 2048 at 8B, so a larger admission runs in
+    groups with the same prefill work).
   * A new row's first call is then the loop's ordinary step: SBD's first COPY block over the cached prompt;
     AR's prompt is prefilled but for its last token, which the first step runs to yield the first token. So a
     row makes the same calls, draws the same random numbers (fold_in(key_b, nfe)) and counts the same NFE as
     when decoded alone by `generate`; its tokens equal that up to float rounding (tested equal).
-  * Host side (`ContinuousDecoder.decode`): admit, run, read which rows finished, hand them out, repeat. One
-    small device-to-host read per finished batch of rows.
+  * Results: one `RowResult` per finished row (results.py), one small device-to-host read per harvest.
 """
 from __future__ import annotations
 
@@ -29,15 +33,16 @@ import numpy as np
 from ..config import ModelConfig
 from ..models.transformer import KVCache, init_cache
 from ..sharding import mesh_context
+from .checks import check_fits, check_stream_prompt
 from .loop import run_loop
 from .modes import mode_of
 from .prefill import write_prompt
-from .state import ROW_FIELDS, LoopState, make_env, new_state, prompt_seq
-from .checks import check_fits, check_stream_prompt
+from .results import RowResult, row_result
 from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
+from .state import ROW_FIELDS, LoopState, make_env, new_state, prompt_seq
 
 
-class _Rows(NamedTuple):
+class SlotRows(NamedTuple):
     """What each slot decodes with ([slots] arrays), set when a prompt is admitted."""
 
     lengths: jax.Array   # prompt lengths
@@ -47,15 +52,22 @@ class _Rows(NamedTuple):
     keys: jax.Array      # raw PRNG key data [slots, 2] (host-built, so admitting compiles nothing eagerly)
 
 
-def _env(params, cfg, spec, rows: _Rows, mesh):
+class Slots(NamedTuple):
+    """The engine's device state: the loop state of every slot and what each slot decodes with."""
+
+    state: LoopState
+    rows: SlotRows
+
+
+def _env(params, cfg, spec, rows: SlotRows, mesh):
     return make_env(params, cfg, spec, rows.lengths, rows.max_new, rows.gamma, rows.temp,
                      jax.random.wrap_key_data(rows.keys), mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh", "slots", "width"))
-def _empty(params, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None, slots: int, width: int):
+def empty_slots(params, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None, slots: int, width: int):
     """The state and rows of `slots` idle slots."""
-    rows = _Rows(jnp.ones((slots,), jnp.int32), jnp.ones((slots,), jnp.int32), jnp.zeros((slots,), jnp.float32),
+    rows = SlotRows(jnp.ones((slots,), jnp.int32), jnp.ones((slots,), jnp.int32), jnp.zeros((slots,), jnp.float32),
                  jnp.zeros((slots,), jnp.float32), jnp.zeros((slots, 2), jnp.uint32))
     env = _env(params, cfg, spec, rows, mesh)
     seq = prompt_seq(jnp.zeros((slots, width), jnp.int32), rows.lengths, spec, env)
@@ -63,14 +75,14 @@ def _empty(params, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None, slots: int,
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"), donate_argnums=(1,))
-def _run(params, state: LoopState, rows: _Rows, stop_at_finish, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None):
+def run_slots(params, state: LoopState, rows: SlotRows, stop_at_finish, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None):
     """Decode until every row is done or (`stop_at_finish`) a row that was running finishes."""
     with mesh_context(mesh):
         return run_loop(state, _env(params, cfg, spec, rows, mesh), mode_of(spec).step, stop_at_finish)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"), donate_argnums=(1,))
-def _admit(params, state: LoopState, rows: _Rows, slot_R, prompt_RP, new: _Rows, *, cfg: ModelConfig,
+def admit_slots(params, state: LoopState, rows: SlotRows, slot_R, prompt_RP, new: SlotRows, *, cfg: ModelConfig,
            spec: DecodeSpec, mesh=None):
     """Start prompts `prompt_RP` (right-padded, lengths `new.lengths`) in slots `slot_R` (a slot index equal to
     the slot count marks an unused entry): reset their rows of the state and write their prompts' K/V, in as many
@@ -79,7 +91,7 @@ def _admit(params, state: LoopState, rows: _Rows, slot_R, prompt_RP, new: _Rows,
         B = state.done.shape[0]
         R, P = prompt_RP.shape
         put = lambda a, v: a.at[slot_R].set(v, mode="drop")  # noqa: E731 - rows of the slots
-        rows = _Rows(*(put(a, v) for a, v in zip(rows, new)))
+        rows = SlotRows(*(put(a, v) for a, v in zip(rows, new)))
         env, new_env, mode = _env(params, cfg, spec, rows, mesh), _env(params, cfg, spec, new, None), mode_of(spec)
         fresh = mode.admit(new_state(new_env, prompt_seq(prompt_RP, new.lengths, spec, env), P), new_env)
         # the prompts' K/V (AR and verify mode leave the last prompt token to the first step) in a cache of the
@@ -104,7 +116,30 @@ def admission_rows(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-_COMPILED: dict = {}  # programs shared by every ContinuousDecoder of the process (see `_program`)
+class ProgramCache:
+    """Compiled programs by key (model layout, spec, mesh, slot layout, program name): a decoder compiles a
+    program once and later decoders with the same key (another call, another timing round) reuse it. `PROGRAMS`
+    is the one shared by the process's decoders; `clear()` drops its programs (their memory goes with them)."""
+
+    def __init__(self):
+        self._compiled: dict = {}
+
+    def get(self, key, compile_fn):
+        """-> (the program of `key`, seconds spent compiling it now: 0 when it was cached)."""
+        if key in self._compiled:
+            return self._compiled[key], 0.0
+        t = time.perf_counter()
+        self._compiled[key] = compile_fn()
+        return self._compiled[key], time.perf_counter() - t
+
+    def clear(self) -> None:
+        self._compiled.clear()
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+
+PROGRAMS = ProgramCache()
 
 
 class Request(NamedTuple):
@@ -123,13 +158,20 @@ def _key_data(key) -> np.ndarray:
 
 
 class ContinuousDecoder:
-    """Decodes a stream of prompts of at most `prompt_width` tokens in `slots` rows, a finished row's slot
-    taking the next prompt at once, at most `admit_rows` prompts prefilled per admission call. `decode(requests)`
-    yields `(index, result)` as rows finish (index: the request's place in the stream); result: tokens,
-    n_tokens, nfe, tokens_per_forward, stop, accepted."""
+    """The continuous batching engine: `slots` rows decoding prompts of at most `prompt_width` tokens, at most
+    `admit_rows` prompts prefilled per admission call, programs from `programs` (default the shared `PROGRAMS`).
+
+        slots = dec.init()                                     every slot idle
+        slots = dec.admit(slots, [(slot, request), ...])       prompts into free slots
+        slots = dec.step(slots, more_waiting)                  decode until a row finishes (or all are done)
+        finished = dec.harvest(slots, owned_slots)             [(slot, RowResult)] of the finished ones
+
+    `decode(requests)` schedules a stream over these and yields `(index, RowResult)` as rows finish (index: the
+    request's place in the stream)."""
 
     def __init__(self, params, cfg: ModelConfig, spec: DecodeSpec, *, slots: int, prompt_width: int,
-                 gamma=DEFAULT_GAMMA, temperature=DEFAULT_TEMPERATURE, mesh=None, admit_rows: int = 16):
+                 gamma=DEFAULT_GAMMA, temperature=DEFAULT_TEMPERATURE, mesh=None, admit_rows: int = 16,
+                 programs: ProgramCache | None = None):
         if admit_rows < 1:
             raise DecodeError(f"admit_rows must be >= 1, got {admit_rows}")
         if spec.finalize_cache or spec.return_cache:
@@ -138,40 +180,67 @@ class ContinuousDecoder:
         self.params, self.cfg, self.spec, self.mesh = params, cfg, spec, mesh
         self.slots, self.width, self.gamma, self.temperature = slots, prompt_width, gamma, temperature
         self.admit_rows = admit_rows
+        self.programs = PROGRAMS if programs is None else programs
         self.compile_s = 0.0
         self.calls = 0  # batched model calls of the decode loop so far (admissions' prefills apart)
-        self._programs: dict = {}  # name -> compiled program used by this decoder
+        self._programs: dict = {}  # name -> the compiled program this decoder uses
         self._layout = tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in jax.tree.leaves(params))
 
     def _program(self, name: str, fn, *args, **static):
-        """`fn` compiled ahead of time (its compile time kept apart from decoding time), once per process for a
-        model layout, spec, mesh and slot layout: later decoders (another call, another timing round) reuse it."""
+        """`fn` compiled ahead of time (its compile time kept apart from decoding time), once per program cache
+        for a model layout, spec, mesh and slot layout."""
         if name not in self._programs:
             key = (name, self._layout, self.cfg, self.spec, self.mesh, self.slots, self.width)
-            if key not in _COMPILED:
-                t = time.perf_counter()
-                _COMPILED[key] = fn.lower(*args, cfg=self.cfg, spec=self.spec, mesh=self.mesh, **static).compile()
-                self.compile_s += time.perf_counter() - t
-            self._programs[name] = _COMPILED[key]
+            self._programs[name], seconds = self.programs.get(
+                key, lambda: fn.lower(*args, cfg=self.cfg, spec=self.spec, mesh=self.mesh, **static).compile())
+            self.compile_s += seconds
         return self._programs[name]
 
-    def _admit(self, state, rows, slots: list[int], reqs: list[Request]):
-        R = admission_rows(len(slots))
+    def init(self) -> Slots:
+        """Every slot idle."""
+        return Slots(*self._program("empty", empty_slots, self.params, slots=self.slots, width=self.width)(self.params))
+
+    def admit(self, slots: Slots, entries: list[tuple[int, Request]]) -> Slots:
+        """Start each request in its (free) slot, `admit_rows` prompts per admission call."""
+        for g in range(0, len(entries), self.admit_rows):
+            slots = self._admit_group(slots, entries[g:g + self.admit_rows])
+        return slots
+
+    def _admit_group(self, slots: Slots, entries: list[tuple[int, Request]]) -> Slots:
+        reqs = [r for _, r in entries]
+        R = admission_rows(len(reqs))
         ids = np.zeros((R, self.width), np.int32)
         for i, r in enumerate(reqs):
             ids[i, :len(r.ids)] = r.ids
         pad = R - len(reqs)
         cap = self.spec.max_new_tokens
-        new = _Rows(np.asarray([len(r.ids) for r in reqs] + [1] * pad, np.int32),
-                    np.asarray([r.max_new_tokens or cap for r in reqs] + [1] * pad, np.int32),
-                    np.full((R,), self.gamma, np.float32), np.full((R,), self.temperature, np.float32),
-                    np.asarray([_key_data(r.key) for r in reqs] + [_key_data(reqs[0].key)] * pad, np.uint32))
-        args = (self.params, state, rows, np.asarray(slots + [self.slots] * pad, np.int32), ids, new)
-        return self._program(f"admit{R}", _admit, *args)(*args)
+        new = SlotRows(np.asarray([len(r.ids) for r in reqs] + [1] * pad, np.int32),
+                       np.asarray([r.max_new_tokens or cap for r in reqs] + [1] * pad, np.int32),
+                       np.full((R,), self.gamma, np.float32), np.full((R,), self.temperature, np.float32),
+                       np.asarray([_key_data(r.key) for r in reqs] + [_key_data(reqs[0].key)] * pad, np.uint32))
+        slot_R = np.asarray([b for b, _ in entries] + [self.slots] * pad, np.int32)
+        args = (self.params, slots.state, slots.rows, slot_R, ids, new)
+        return Slots(*self._program(f"admit{R}", admit_slots, *args)(*args))
 
-    def decode(self, requests: Iterable[Request]) -> Iterator[tuple[int, dict]]:
+    def step(self, slots: Slots, more_waiting: bool) -> Slots:
+        """Decode until every row is done or, when `more_waiting` (prompts wait for a slot), a row finishes."""
+        args = (self.params, slots.state, slots.rows, np.bool_(more_waiting))
+        return slots._replace(state=self._program("run", run_slots, *args)(*args))
+
+    def harvest(self, slots: Slots, owned) -> list[tuple[int, RowResult]]:
+        """The results of the finished rows among the slots `owned` (one device-to-host read)."""
+        state = slots.state
+        done, n, nfe, eos, accepted, lengths, seq, iters = jax.device_get(
+            (state.done, state.n_generated, state.nfe, state.eos, state.accepted, slots.rows.lengths, state.seq,
+             state.iters))
+        self.calls = int(iters)
+        return [(b, row_result(seq[b, lengths[b]:lengths[b] + n[b]].tolist(), int(nfe[b]), bool(eos[b]),
+                               accepted[b].tolist())) for b in owned if done[b]]
+
+    def decode(self, requests: Iterable[Request]) -> Iterator[tuple[int, RowResult]]:
+        """Decode a stream of requests; a finished row's slot takes the next request at once."""
         pending: Iterator = enumerate(requests)
-        state, rows = self._program("empty", _empty, self.params, slots=self.slots, width=self.width)(self.params)
+        slots = self.init()
         owner: dict[int, int] = {}  # slot -> index of the request it decodes
         waiting = next(pending, None)
         while owner or waiting is not None:
@@ -180,31 +249,21 @@ class ContinuousDecoder:
             while free and waiting is not None:
                 batch.append((free.pop(0), waiting))
                 waiting = next(pending, None)
+            for b, (i, r) in batch:
+                check_stream_prompt(self.cfg, i, r.ids, self.width)
+                owner[b] = i
             if batch:
-                for b, (i, r) in batch:
-                    check_stream_prompt(self.cfg, i, r.ids, self.width)
-                    owner[b] = i
-                for g in range(0, len(batch), self.admit_rows):
-                    group = batch[g:g + self.admit_rows]
-                    state, rows = self._admit(state, rows, [b for b, _ in group], [r for _, (_, r) in group])
-            args = (self.params, state, rows, np.bool_(waiting is not None))
-            state = self._program("run", _run, *args)(*args)
-            done, n, nfe, eos, accepted, lengths, seq, iters = jax.device_get(
-                (state.done, state.n_generated, state.nfe, state.eos, state.accepted, rows.lengths, state.seq,
-                 state.iters))
-            self.calls = int(iters)
-            for b in [b for b in owner if done[b]]:
-                tokens = seq[b, lengths[b]:lengths[b] + n[b]].tolist()
-                yield owner.pop(b), {"tokens": tokens, "n_tokens": int(n[b]), "nfe": int(nfe[b]),
-                                     "tokens_per_forward": int(n[b]) / max(int(nfe[b]), 1),
-                                     "stop": "eos" if eos[b] else "length", "accepted": accepted[b].tolist()}
+                slots = self.admit(slots, [(b, r) for b, (_, r) in batch])
+            slots = self.step(slots, waiting is not None)
+            for b, result in self.harvest(slots, list(owner)):
+                yield owner.pop(b), result
 
 
 def decode_stream(params, cfg: ModelConfig, prompts: Iterable, spec: DecodeSpec, *, slots: int, prompt_width: int,
                   gamma=DEFAULT_GAMMA, temperature=DEFAULT_TEMPERATURE, key=None, mesh=None,
-                  on_row: Callable[[int, dict], None] | None = None) -> Iterator[tuple[int, dict]]:
-    """Continuous batching over a stream of prompts (lists of token ids, or `Request`s); yields `(index, result)`
-    as rows finish. Request i's key is fold_in(key, i) unless it brings its own."""
+                  on_row: Callable[[int, RowResult], None] | None = None) -> Iterator[tuple[int, RowResult]]:
+    """Continuous batching over a stream of prompts (lists of token ids, or `Request`s); yields `(index,
+    RowResult)` as rows finish. Request i's key is fold_in(key, i) unless it brings its own."""
     base = jax.random.key(0) if key is None else key
     reqs = (p if isinstance(p, Request) else Request(tuple(p), jax.random.fold_in(base, i))
             for i, p in enumerate(prompts))

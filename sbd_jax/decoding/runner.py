@@ -25,6 +25,7 @@ import numpy as np
 from ..config import ModelConfig
 from .decoder import generate_jit, prepare_generate
 from .prompts import Prompt
+from .results import RowResult, row_result
 from . import checks
 from .checks import check_model, check_rate, max_prompt_width
 from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
@@ -265,8 +266,6 @@ def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: De
     return summary
 
 
-def _row(res, i) -> dict:
+def _row(res, i) -> RowResult:
     n = int(res["lengths"][i])
-    nfe = int(res["nfe"][i])
-    return {"tokens": res["tokens"][i, :n].tolist(), "n_tokens": n, "nfe": nfe,
-            "tokens_per_forward": n / max(nfe, 1), "stop": "eos" if bool(res["stopped_by_eos"][i]) else "length"}
+    return row_result(res["tokens"][i, :n].tolist(), int(res["nfe"][i]), bool(res["stopped_by_eos"][i]))

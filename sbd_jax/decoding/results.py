@@ -1,0 +1,35 @@
+"""What decoding returns. Two shapes, by what the caller holds:
+
+  * `GenerateOutput` (decoder.py): a batch's arrays, from `generate` / `generate_jit` (device arrays, jittable).
+  * `RowResult`: one finished row on the host, from every row-at-a-time entry point: `decode_stream` and
+    `ContinuousDecoder.decode` / `harvest`, the batch runner's `on_row` (decode.py writes it as a JSON line, with
+    "id" and "prompt_tokens"), and `Sampler.decode`'s `on_row`. A plain dict with these keys (so it is written to
+    JSON as is); `Sampler.__call__` wraps it with the text as a `Completion`.
+"""
+from __future__ import annotations
+
+from typing import NotRequired, TypedDict
+
+
+class RowResult(TypedDict):
+    """One finished row."""
+
+    tokens: list[int]  # generated ids, the stop token included when the row stopped on one
+    n_tokens: int
+    nfe: int  # model calls that carried a token of the row
+    tokens_per_forward: float
+    stop: str  # "eos" (a stop id) or "length" (its max_new_tokens)
+    # per model call of the row: how many calls decoded 0, 1, ... tokens (continuous engine; in the batch runner's
+    # summary instead of each row)
+    accepted: NotRequired[list[int]]
+    text: NotRequired[str]  # Sampler / decode.py: the tokens as text, when the model has a tokenizer
+    ar: NotRequired[RowResult]  # compare_ar: the same prompt decoded by AR
+
+
+def row_result(tokens: list[int], nfe: int, eos: bool, accepted: list[int] | None = None) -> RowResult:
+    n = len(tokens)
+    row = RowResult(tokens=tokens, n_tokens=n, nfe=nfe, tokens_per_forward=n / max(nfe, 1),
+                    stop="eos" if eos else "length")
+    if accepted is not None:
+        row["accepted"] = accepted
+    return row
