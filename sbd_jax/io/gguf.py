@@ -31,7 +31,7 @@ import numpy as np
 
 from ..config import ModelConfig, RopeScaling
 from ..models.transformer import param_specs
-from .hf import CheckpointError, _hf_names, save_generation_files, save_pretrained
+from .hf import CheckpointError, hf_names, save_generation_files, save_pretrained
 
 CONVERTER_VERSION = 1  # part of the cache key: a changed converter never reuses an older conversion
 DTYPES = ("float32", "bfloat16")
@@ -201,7 +201,7 @@ def read_weights(tensors: dict, cfg: ModelConfig, arch: str, path: Path) -> dict
 def to_params(cfg: ModelConfig, hf: dict[str, np.ndarray], path: Path) -> dict:
     """HF tensors -> our param pytree (the inverse of save_pretrained's layout), consuming `hf` as it goes."""
     def one(spec):
-        names = _hf_names(spec, cfg)
+        names = hf_names(spec, cfg)
         missing = [n for n in names if n not in hf]
         if missing:
             raise GGUFError(f"{str(path)!r} lacks the weight(s) {missing[:3]} (HF names) for this config")

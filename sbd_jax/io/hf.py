@@ -57,7 +57,8 @@ def check_number_types(d: dict, path: Path) -> None:
                                   f"{'an integer' if kind == 'int' else 'a number'}")
 
 
-def _hf_names(s: ParamSpec, cfg: ModelConfig) -> list[str]:
+def hf_names(s: ParamSpec, cfg: ModelConfig) -> list[str]:
+    """The HF tensor name(s) of one parameter: one per layer for a stacked weight."""
     return [f"model.layers.{i}.{s.hf}" for i in range(cfg.num_hidden_layers)] if s.stacked else [s.hf]
 
 
@@ -141,7 +142,7 @@ def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = N
 
     def load(s: ParamSpec, sharding):
         shape = s.shape(cfg)
-        names, hf_shape = _hf_names(s, cfg), _hf_shape(s, cfg)
+        names, hf_shape = hf_names(s, cfg), _hf_shape(s, cfg)
 
         def block(index: tuple[slice, ...]) -> np.ndarray:
             box = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
@@ -184,7 +185,7 @@ def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | os.PathLike, 
         raise ConfigError(f"export dtype must be one of {sorted(_ST_DTYPES)}, got {dtype.name!r}")
     entries, shards = [], [[]]  # entries: (HF name, HF shape, spec, layer); shards: lists of entries
     for spec in jax.tree.leaves(param_specs(cfg)):
-        for layer, name in enumerate(_hf_names(spec, cfg)):
+        for layer, name in enumerate(hf_names(spec, cfg)):
             entries.append((name, _hf_shape(spec, cfg), spec, layer if spec.stacked else None))
     nbytes = lambda e: math.prod(e[1]) * dtype.itemsize  # noqa: E731
     for e in entries:
