@@ -31,6 +31,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 import sbd_jax
 from sbd_jax.io import gguf as G
+from sbd_jax.io import gguf_tokenizer as GT
 from sbd_jax.io import real_model
 from sbd_jax.io.hf import load_hf_config
 from sbd_jax.io.tokenizer import Tokenizer
@@ -143,7 +144,7 @@ def test_unsupported_files_are_clear_errors(kwargs, message, tmp_path):
 ])
 def test_pre_tokenizers_split_as_llama_cpp(pre, pieces):
     """Each family's pieces of one string, from llama.cpp's regex lists (llama-vocab.cpp, llm_tokenizer_bpe)."""
-    tok, _ = G.build_tokenizer({**_synthetic_meta(), "tokenizer.ggml.pre": pre}, Path("x.gguf"))
+    tok, _ = GT.build_tokenizer({**_synthetic_meta(), "tokenizer.ggml.pre": pre}, Path("x.gguf"))
     assert [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("ab 1234 's")] == pieces
 
 
@@ -153,7 +154,7 @@ def _synthetic_meta() -> dict:
 
 
 def test_add_bos_token_adds_bos():
-    tok, conf = G.build_tokenizer({**_synthetic_meta(), "tokenizer.ggml.add_bos_token": True}, Path("x.gguf"))
+    tok, conf = GT.build_tokenizer({**_synthetic_meta(), "tokenizer.ggml.add_bos_token": True}, Path("x.gguf"))
     assert conf["add_bos_token"] is True and tok.encode("hi").ids == [1, 259]
     assert tok.encode("hi", add_special_tokens=False).ids == [259]
 
