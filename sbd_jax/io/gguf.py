@@ -1,8 +1,8 @@
 """GGUF (llama.cpp) -> a complete HF-layout model directory, the way `transformers` imports GGUF files: read and
 dequantize with llama.cpp's own Python reader (`gguf.GGUFReader`, `gguf.quants.dequantize`), map the metadata to
 a ModelConfig, undo llama.cpp's q/k row permutation (`llama` architecture only), and rebuild the tokenizer from
-the vocabulary, merges and pre-tokenizer stored in the file (gguf_tokenizer.py) (tokenizer.json + tokenizer_config.json with the chat
-template, generation_config.json with the stop ids). Never downloads.
+the vocabulary, merges and pre-tokenizer stored in the file (gguf_tokenizer.py: tokenizer.json +
+tokenizer_config.json with the chat template; generation_config.json with the stop ids). Never downloads.
 
   convert(gguf_path, out_dir, dtype)     -> out_dir, written aside and renamed into place (never half-written)
   cached_convert(gguf_path, dtype=...)   -> a directory in the model cache ($SBD_MODEL_CACHE, default
