@@ -299,7 +299,8 @@ def check_mask_id(cfg: DataConfig, tokenizer: Tokenizer, mask_id: int, paths: Se
            "model.add_mask_token=true to add one")
     if cfg.chat_template and cfg.mode != "text" and tokenizer.chat_template:
         for name, text in tokenizer.special_tokens.items():
-            if isinstance(text, str) and text and tokenizer.encode(text, False) == [mask_id]:
+            used = name in tokenizer.chat_template or (isinstance(text, str) and text in tokenizer.chat_template)
+            if used and isinstance(text, str) and text and tokenizer.encode(text, False) == [mask_id]:
                 raise DataError(f"model.mask_token_id {mask_id} is {text!r}, the tokenizer's {name} that the chat "
                                 f"template (data.chat_template=true) uses; {fix}")
         sample = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
