@@ -202,7 +202,7 @@ def _bad_utf8(d: Path, cfg: Path) -> tuple[list, str]:
 def _bad_json_line(d: Path, cfg: Path) -> tuple[list, str]:
     lines = [json.dumps({"text": "the fox"})] * 6 + ["", "", "{bad json"]  # row 6, line 9
     (d / "bj.jsonl").write_text("\n".join(lines) + "\n")
-    return [cfg, f"data.path={d / 'bj.jsonl'}"], r"bj\.jsonl' line 9 is not valid JSON"
+    return [cfg, f"data.path={d / 'bj.jsonl'}"], r"bj\.jsonl' line 9: not valid JSON"
 
 
 def _out_dir_under_file(d: Path, cfg: Path) -> tuple[list, str]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..io.tokenizer import Tokenizer, TokenizerError
+from ..jsonlines import parse_object
 from .checks import ids_in_vocab
 from .spec import DecodeError
 
@@ -50,12 +51,7 @@ def read_prompts(path, tokenizer: Tokenizer | None, *, chat: bool = False, vocab
                 raise PromptFileError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptFileError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise PromptFileError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            row = parse_object(line, where, PromptFileError)
             pid = row.get("id", n)
             if isinstance(pid, (dict, list)) or pid is None:
                 raise PromptFileError(f"{where}: 'id' must be a string or a number")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..jsonlines import parse_object
 from .config import DataConfig
 from .data import DataError, Documents
 
@@ -127,12 +128,7 @@ def check_json_lines(source: str) -> None:
 
 
 def _json_object(source: str, n: int, line: str) -> None:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"data file {source!r} line {n} is not valid JSON: {e.msg} (column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise DataError(f"data file {source!r} line {n} is not a JSON object ({type(obj).__name__})")
+    parse_object(line, f"data file {source!r} line {n}", DataError)
 
 
 def resolve_mode(cfg: DataConfig, columns: list[str], source: str) -> str:
