@@ -19,6 +19,18 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 if "SBD_DATA_STORE" not in os.environ:
     os.environ["SBD_DATA_STORE"] = tempfile.mkdtemp(prefix="sbd_test_stores_")
     atexit.register(shutil.rmtree, os.environ["SBD_DATA_STORE"], ignore_errors=True)
+# One on-disk XLA compilation cache per test run, shared by the pytest workers (they inherit the controller's
+# environment) and by the scripts the tests start (train.py, decode.py, the 8-device scripts; a script given an
+# environment of its own gets subproc.compilation_cache_env()): a program compiled once - in another file, worker
+# or process - is loaded, not compiled again. Programs that compile in under 0.3 s (eager ops, small helpers) are
+# not written: storing them costs about what compiling them does. No size cap: with one, jax scans the whole
+# directory on every write. (Two workers writing the same entry at once at worst make a third compile it again:
+# an unreadable entry is a cache miss.) Programs still leave memory when a file ends (_release_compiled_programs).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="sbd_test_xla_cache_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+for _k, _v in {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.3", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}.items():
+    os.environ.setdefault(_k, _v)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -24,6 +24,12 @@ def run_on_8_devices(script: str, *args) -> dict:
     return json.loads(proc.stdout.split("RESULT", 1)[1])
 
 
+def compilation_cache_env() -> dict:
+    """The test run's XLA compilation cache settings (tests/conftest.py), for a script started with an
+    environment of its own: it loads the programs the run compiled before and leaves its own for the rest."""
+    return {k: v for k, v in os.environ.items() if k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 import sbd_jax
-from subproc import ROOT
+from subproc import ROOT, compilation_cache_env
 from test_training_loop import _write_inputs
 
 SWAPPED = {"model.init_from", "model.mask_token_id", "data.path", "data.tokenizer", "data.seq_len", "steps",
@@ -41,7 +41,7 @@ def test_readme_fine_tune_command_runs_on_a_tiny_model(tmp_path):
                       str(tmp_path / "train.jsonl"), "data.tokenizer": str(model), "data.seq_len": "32", "steps": "2",
                       "out_dir": str(tmp_path / "run")})
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PATH": ""}
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PATH": "", **compilation_cache_env()}
     proc = subprocess.run([sys.executable, *argv[1:4], *(f"{k}={v}" for k, v in overrides.items())], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]

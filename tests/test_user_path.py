@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import sbd_jax
-from subproc import ROOT
+from subproc import ROOT, compilation_cache_env
 
 sys.path.insert(0, str(ROOT))
 import decode  # noqa: E402
@@ -56,7 +56,7 @@ def export(tmp_path_factory):
             "sbd.block_align=response", "batch_size=4", "steps=120", "optim.lr=1e-2", "optim.warmup_steps=5",
             f"out_dir={d / 'run'}"]
     env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "PATH": ""}
+           "PATH": "", **compilation_cache_env()}
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
