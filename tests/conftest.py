@@ -31,6 +31,27 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 for _k, _v in {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.3", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}.items():
     os.environ.setdefault(_k, _v)
+# The tests' programs are tiny and mostly run once or a few times: compiling them costs more than running them,
+# so XLA skips most of its optimizations (jax's own switch; the scripts the tests start inherit it). The files
+# whose time goes into running programs (training and evaluating a model) compile them optimized:
+# XLA_OPTIMIZED_FILES. Measured one file at a time on this 2-core machine (CPU seconds): test_verify.py +
+# test_readme_recipe.py 192 -> 120, test_training_step.py + test_pallas_attention.py 156 -> 111, but
+# test_demo.py 105 -> 164 unoptimized.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+XLA_OPTIMIZED_FILES = {"test_demo.py", "test_demo_real.py", "test_gguf.py"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _xla_optimization(request):
+    """XLA's optimizations on for the files of XLA_OPTIMIZED_FILES (and off again after them)."""
+    if Path(str(request.fspath)).name not in XLA_OPTIMIZED_FILES:
+        yield
+        return
+    import jax
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(autouse=True, scope="module")
