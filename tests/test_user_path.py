@@ -92,7 +92,7 @@ def test_readme_generate_command_stops_at_the_end_of_turn(export, tmp_path, caps
     assert set(swap) <= set(args)
     prompts = [{"id": "a", "messages": [{"role": "user", "content": "Say hi to friend number 3"}]},
                {"id": "b", "messages": [{"role": "user", "content": "Say bye to friend number 7"}]},
-               {"id": "c", "prompt": "Say hi to friend number 40", "chat": True}]  # not in the training data
+               {"id": "c", "prompt": "Say hi to friend number 30", "chat": True}]  # a text prompt, chat-rendered
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     assert decode.main([*args, "--summary", str(tmp_path / "s.json"), "--no-progress"]) == 0
     rows = {r["id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
