@@ -18,10 +18,8 @@ would be cut short by that rule (a line of a multi-line string or an expression 
 `def`'s column) are left out, so that a completion equal to the target scores full marks; `Selection.counts`
 says how many functions each rule left out.
 
-Files: `training_records` gives the SFT pairs {"prompt", "response"} of the train split (prompt left-truncated
-to the token budget), `heldout_records` self-contained held-out records (prompt ids, target, what the metrics
-need) and `humaneval_records` the HumanEval prompts; `write_jsonl` writes any of them. Prompt and response are
-meant to be tokenized separately (the prompt ends with "\n", the body starts with its indentation).
+Records: `training_records` (SFT pairs, prompt left-truncated), `heldout_records` (self-contained: prompt ids,
+target, what the metrics need), `humaneval_records`; `write_jsonl` writes any of them.
 """
 from __future__ import annotations
 
