@@ -7,10 +7,9 @@ and a body of `min_body_lines`..`max_body_lines` non-blank lines after it:
 - target = the rest of the function, exactly as in the source: the lines after the docstring through the line
   where the function's last statement ends, ending with a newline. prompt + target is the module's text through
   the function's end.
-Prompts are whole module prefixes (up to ~170 kB): the caller left-truncates them to a token budget with its own
-tokenizer (`truncate_prompt`). A model keeps generating past the function's end; `cut_completion` cuts the
-generated text at the first code line at or left of the `def`'s indentation (blank and comment lines never cut:
-a comment may sit at any column inside a body).
+Prompts are whole module prefixes, left-truncated to a token budget by the caller (`truncate_prompt`).
+`cut_completion` cuts generated text at the first code line at or left of the `def`'s indentation (blank and
+comment lines never cut: a comment may sit at any column inside a body).
 
 Selection is deterministic: modules in path order, functions in source order, at most `per_module_cap` per module
 (a subset drawn with a generator seeded by (seed, module path), kept in source order). Functions whose target
