@@ -5,10 +5,12 @@
 DIR is a local HF-layout checkpoint (config.json with mask_token_id for SBD, safetensors, tokenizer.json for
 text prompts). Input lines: {"id", "prompt"}, {"id", "prompt_ids"} or {"id", "messages"} (chat template;
 sbd_jax/decoding/prompts.py). Each completed prompt is appended to the output as one JSON line; --resume skips
-ids already there. The summary (tokens/s, tokens per forward, with --compare-ar the measured speedup over AR
-on the same prompts) is printed and, with --summary FILE, written as JSON. The mesh takes train.py's options
-(params laid out by the training rules, the batch over data x fsdp); on several hosts start the same command
-on each (jax.distributed is initialised from the environment); process 0 writes the output.
+ids already there, and refuses other settings, a changed model or a written id that now names other prompt content
+(the record `<output>.settings.json`, sbd_jax/decoding/resume.py). The summary (tokens/s, tokens per forward,
+with --compare-ar the measured speedup over AR on the same prompts) is printed and, with --summary FILE, written
+as JSON. The mesh takes train.py's options (params laid out by the training rules, the batch over data x fsdp);
+on several hosts start the same command on each (jax.distributed is initialised from the environment); process 0
+writes the output.
 """
 from __future__ import annotations
 
@@ -57,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--resume", action="store_true", help="append to --output, skipping ids already there")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     ap.add_argument("--allow-change", action="append", default=[], metavar="KEY",
-                    help="--resume: accept this changed setting (e.g. spec.max_new_tokens)")
+                    help="--resume: accept this changed setting (e.g. spec.max_new_tokens; model_files: the model's "
+                         "files changed; prompts: a written row's id now names other content; settings: the "
+                         "<output>.settings.json record is missing)")
     ap.add_argument("--pad-multiple", type=int, default=16, help="prompt widths are rounded up to this")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                     help="weights and compute dtype (default float32, whatever the checkpoint stores)")
@@ -97,6 +101,7 @@ def run(args) -> int:
 
     from sbd_jax.decoding import DecodeError, DecodeSpec
     from sbd_jax.decoding.prompts import check_output_settings, open_output, read_prompts, write_row
+    from sbd_jax.decoding.resume import model_fingerprint
     from sbd_jax.decoding.runner import check_prompts
     from sbd_jax.decoding.sampler import Sampler
     from sbd_jax.sharding import make_mesh, maybe_initialize_distributed
@@ -123,9 +128,12 @@ def run(args) -> int:
                     "adapter": args.adapter and str(Path(args.adapter).resolve()),
                     "spec": {k: v for k, v in dataclasses.asdict(opts.spec).items()
                              if k not in DecodeSpec.SPEED_ONLY}, "gamma": args.gamma, "temperature": args.temperature,
-                    "seed": args.seed, "compare_ar": args.compare_ar, "chat": args.chat, "dtype": args.dtype}
+                    "seed": args.seed, "compare_ar": args.compare_ar, "chat": args.chat, "dtype": args.dtype,
+                    "model_files": model_fingerprint(args.model),
+                    "adapter_files": args.adapter and model_fingerprint(args.adapter)}
         try:
-            check_output_settings(args.output, settings, resume=args.resume, allowed=tuple(args.allow_change))
+            check_output_settings(args.output, settings, resume=args.resume, allowed=tuple(args.allow_change),
+                                  prompts=prompts, done=done)
         except DecodeError:
             out.close()
             raise

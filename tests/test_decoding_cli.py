@@ -182,6 +182,7 @@ def test_decode_cli_resume_after_partial_line(first_run, model_dir, tmp_path, ca
     full = out.read_text().splitlines(keepends=True)
     part = tmp_path / "out.jsonl"
     part.write_text("".join(full[:3]) + full[3][: len(full[3]) // 2])  # killed mid-line
+    (tmp_path / "out.jsonl.settings.json").write_text(Path(f"{out}.settings.json").read_text())
     rc = decode.main(["--model", str(model_dir), "--input", str(inp), "--output", str(part), "--resume",
                       "--compare-ar", *FLAGS])
     assert rc == 0

@@ -260,3 +260,85 @@ def test_ctrl_c_exits_130_without_abort(inputs):
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130, err[-3000:]
     assert "interrupted: the last complete checkpoint is intact" in err and "terminate called" not in err
+
+
+# --- 5. decoding: the resume record, non-finite weights, bad requests (decode.py, Sampler, generate) -------------
+
+def decode_cli():
+    """decode.py as a module (its main() runs in this process)."""
+    spec = importlib.util.spec_from_file_location("decode_cli", ROOT / "decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+DECODE_FLAGS = ["--block-size", "4", "--max-new-tokens", "6", "--batch-size", "2", "--pad-multiple", "8",
+                "--no-progress"]
+PROMPTS = ["the quick brown fox", "a red sun", "my old cat sleeps"]  # no ids: keyed by line number
+
+
+def save_model(d: Path, scale: float = 1.0) -> Path:
+    """A tiny random SBD model (test_decoding's CFG) with the word-level tokenizer of write_inputs, in `d`."""
+    import sbd_jax
+    from test_decoding import CFG, make_params
+    sbd_jax.save_pretrained(CFG, jax.tree.map(lambda x: x * scale, make_params()), d)
+    tok = write_inputs(d.parent) and d.parent / "tok"
+    for f in tok.iterdir():
+        shutil.copy(f, d / f.name)
+    return d
+
+
+@pytest.fixture(scope="module")
+def decode_model(tmp_path_factory) -> Path:
+    return save_model(tmp_path_factory.mktemp("decode") / "m")
+
+
+def decode_run(model: Path, d: Path, *extra: str, prompts=PROMPTS, capsys=None) -> tuple[int, str]:
+    """decode.py on `prompts` (text lines) into d/out.jsonl -> (exit code, stderr)."""
+    inp = d / "in.jsonl"
+    if not inp.exists():
+        inp.write_text("".join(json.dumps(p if isinstance(p, dict) else {"prompt": p}) + "\n" for p in prompts))
+    argv = ["--model", str(model), "--input", str(inp), "--output", str(d / "out.jsonl"), *DECODE_FLAGS, *extra]
+    if capsys is not None:
+        capsys.readouterr()
+    code = decode_cli().main(argv)
+    return code, capsys.readouterr().err if capsys is not None else ""
+
+
+def _weights_rewritten(d: Path, model: Path) -> tuple[list, str]:
+    save_model(model, scale=0.5)  # same shapes, same config: only the weight file's size/mtime tell
+    match = r"was written by another model: its files changed \(model_files\.model\.safetensors: '\d+ bytes, " \
+            r"modified \d+' there, .*--allow-change model_files"
+    return ["--allow-change", "model_files"], match
+
+
+def _prompt_inserted(d: Path, model: Path) -> tuple[list, str]:
+    lines = (d / "in.jsonl").read_text().splitlines(keepends=True)
+    (d / "in.jsonl").write_text(json.dumps({"prompt": "one two three"}) + "\n" + "".join(lines))
+    match = r"1 written row\(s\) have an id that now names other prompt content: 1 \(input line 1\).*--allow-change prompts"
+    return ["--allow-change", "prompts"], match
+
+
+def _record_deleted(d: Path, model: Path) -> tuple[list, str]:
+    (d / "out.jsonl.settings.json").unlink()
+    return ["--allow-change", "settings"], r"holds 1 row\(s\) but its settings record '.*out\.jsonl\.settings\.json' " \
+                                           r"is missing.*--allow-change settings"
+
+
+@pytest.mark.parametrize("change", [_weights_rewritten, _prompt_inserted, _record_deleted],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_decode_resume_refuses_a_changed_model_prompt_or_missing_record(decode_model, tmp_path, capsys, change):
+    """A first run leaves one row; after the change `--resume` is an error naming it (nothing appended); the
+    `--allow-change` it names resumes."""
+    model = tmp_path / "m"
+    shutil.copytree(decode_model, model)
+    assert decode_run(model, tmp_path, capsys=capsys)[0] == 0
+    out = tmp_path / "out.jsonl"
+    out.write_text(out.read_text().splitlines(keepends=True)[0])
+    allow, match = change(tmp_path, model)
+    code, err = decode_run(model, tmp_path, "--resume", capsys=capsys)
+    assert code == 2 and re.search(r"^error: .*" + match, err, re.M), err
+    assert len(out.read_text().splitlines()) == 1
+    assert decode_run(model, tmp_path, "--resume", *allow, capsys=capsys)[0] == 0
+    assert len(out.read_text().splitlines()) == len(json.loads((tmp_path / "out.jsonl.settings.json").read_text())
+                                                     ["prompt_hashes"])

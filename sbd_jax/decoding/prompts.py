@@ -135,19 +135,21 @@ def open_output(path, *, resume: bool, overwrite: bool) -> tuple[set, object]:
     return done, f
 
 
-def check_output_settings(path, settings: dict, *, resume: bool, allowed=()) -> None:
-    """The settings an output file is made with live next to it (`<output>.settings.json`); `--resume` under
-    other settings is refused, naming each changed key unless `allowed`. Written (again) once checked."""
-    from ..config import changed_settings
+def check_output_settings(path, settings: dict, *, resume: bool, allowed=(), prompts=(), done=()) -> None:
+    """The settings an output file is made with live next to it (`<output>.settings.json`, see resume.py: the
+    model's file fingerprint, a hash of each prompt's content); `--resume` under other settings, with a changed
+    model, or with a written row's id now naming other content is refused, naming each change unless `allowed`.
+    An output with rows but no record is refused unless `allowed` holds "settings". Written (again) once checked."""
+    from .resume import check_record, prompt_hashes
     side = Path(f"{path}.settings.json")
-    if resume and side.is_file():
-        diff = changed_settings(json.loads(side.read_text()), settings, allowed)
-        if diff:
-            raise PromptFileError(f"{path} was written with other settings ({'; '.join(diff)}): resume with the "
-                                  "same ones, accept a change on purpose with --allow-change KEY, or write to "
-                                  "another --output")
-    side.parent.mkdir(parents=True, exist_ok=True)
-    side.write_text(json.dumps(settings, indent=2, default=str) + "\n")
+    record = {**settings, "prompt_hashes": prompt_hashes(prompts)}
+    if resume:
+        check_record(path, side, record, allowed=tuple(allowed), done=done, prompts=prompts)
+    try:
+        side.parent.mkdir(parents=True, exist_ok=True)
+        side.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    except OSError as e:
+        raise PromptFileError(f"cannot write {str(side)!r}: {e.strerror or e}") from None
 
 
 def write_row(f, row: dict) -> None:
