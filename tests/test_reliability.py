@@ -342,3 +342,21 @@ def test_decode_resume_refuses_a_changed_model_prompt_or_missing_record(decode_m
     assert decode_run(model, tmp_path, "--resume", *allow, capsys=capsys)[0] == 0
     assert len(out.read_text().splitlines()) == len(json.loads((tmp_path / "out.jsonl.settings.json").read_text())
                                                      ["prompt_hashes"])
+
+
+def _nan_weights(d: Path, model: Path) -> tuple[list, str]:
+    save_model(model, scale=float("nan"))
+    return [], r"model '.*m': the weights are not finite \(NaN or inf\) in \d+ of \d+ tensors, first \["
+
+
+@pytest.mark.parametrize("case", [_nan_weights],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_decode_py_bad_input_is_an_error_line(decode_model, tmp_path, capsys, case):
+    """Each an `error:` line naming the value, exit 2, before anything is decoded or written."""
+    model = tmp_path / "m"
+    shutil.copytree(decode_model, model)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "the quick fox"}) + "\n")
+    extra, match = case(tmp_path, model)
+    code, err = decode_run(model, tmp_path, *extra, capsys=capsys)
+    assert code == 2 and re.search(r"^error: .*" + match, err, re.M), err
+    assert "Traceback" not in err and not (tmp_path / "out.jsonl").exists()

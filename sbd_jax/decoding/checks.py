@@ -120,3 +120,25 @@ def check_request(cfg: ModelConfig, spec: DecodeSpec, prompt_shape, *, prompt_le
         if np.shape(prompt_lengths) != (B,):
             raise DecodeError(f"prompt_lengths must have shape ({B},), got {np.shape(prompt_lengths)}")
         _check_lengths(cfg, prompt_lengths, P, prompt_ids)
+
+
+@jax.jit
+def _leaves_finite(params):
+    import jax.numpy as jnp
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)
+                      if jnp.issubdtype(x.dtype, jnp.inexact)] or [jnp.bool_(True)])
+
+
+def check_finite_params(params, where: str) -> None:
+    """Every float weight is finite (one jitted reduction, one host read); else DecodeError naming the first
+    non-finite weights of `where` (a model that decodes every row as the mask id otherwise)."""
+    ok = np.asarray(_leaves_finite(params))
+    if ok.all():
+        return
+    import jax.numpy as jnp
+    paths = [jax.tree_util.keystr(k) for k, x in jax.tree_util.tree_leaves_with_path(params)
+             if jnp.issubdtype(x.dtype, jnp.inexact)]
+    bad = [p for p, good in zip(paths, ok) if not good]
+    raise DecodeError(f"{where}: the weights are not finite (NaN or inf) in {len(bad)} of {len(paths)} tensors, "
+                      f"first {', '.join(bad[:3])}: the checkpoint is broken (a diverged training run?); "
+                      "decode from a good checkpoint")

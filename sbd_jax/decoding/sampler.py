@@ -12,7 +12,7 @@ from ..config import ModelConfig
 from ..io.tokenizer import Tokenizer
 from .prompts import Prompt, row_ids
 from .runner import DecodeOptions, check_prompts, decode_prompts
-from .checks import check_model
+from .checks import check_finite_params, check_model
 from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
 
 
@@ -70,6 +70,7 @@ class Sampler:
             cfg, params = apply_adapter(cfg, params, adapter, model_dir=model_dir)
             params = params if mesh is None else shard_params(params, cfg, mesh)
             eos = tuple(dict.fromkeys(eos + generation_eos(cfg, adapter)))
+        check_finite_params(params, f"model {str(model_dir)!r}" + (f" with adapter {str(adapter)!r}" if adapter else ""))
         tokenizer = (adapter is not None and Tokenizer.find(adapter)) or Tokenizer.find(model_dir)
         return cls(unstack_layers(params, delete=True), cfg, tokenizer, eos_ids=eos, mesh=mesh)
 
