@@ -113,6 +113,7 @@ def run(args) -> int:
                       top_k=args.top_k, top_p=args.top_p, tempered_entropy=args.tempered_entropy,
                       eos_ids=() if args.ignore_eos else (tuple(args.eos_id) if args.eos_id else None))
     mesh_cfg = mesh_config(args)
+    check_summary_path(args.summary)
     maybe_initialize_distributed()
     mesh = make_mesh(mesh_cfg)
     sampler = Sampler.load(args.model, dtype=args.dtype, mesh=mesh, adapter=args.adapter)  # each process: its shards
@@ -172,6 +173,19 @@ def run(args) -> int:
     return 0
 
 
+def check_summary_path(summary) -> None:
+    """--summary FILE can be written once decoding is done: checked before it starts."""
+    from sbd_jax.decoding import DecodeError
+    if summary is None:
+        return
+    p = Path(summary)
+    if p.is_dir():
+        raise DecodeError(f"--summary {summary!r} is a directory: give a file path")
+    if not p.parent.is_dir():
+        raise DecodeError(f"--summary {summary!r}: its directory {str(p.parent)!r} does not exist (or is not a "
+                          "directory); create it first")
+
+
 def mesh_config(args):
     """MeshConfig from `mesh.x=N` overrides (train.py's syntax) and --mesh-x flags (flags win)."""
     from sbd_jax.config import ConfigError, apply_overrides, from_dict
@@ -217,4 +231,9 @@ def format_summary(s: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == 130:  # interrupted: a native (XLA, tokenizer) thread may still run; leave without the interpreter's
+        sys.stdout.flush()  # teardown, which aborts on a running native thread ("terminate called ...")
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -349,10 +349,50 @@ def _nan_weights(d: Path, model: Path) -> tuple[list, str]:
     return [], r"model '.*m': the weights are not finite \(NaN or inf\) in \d+ of \d+ tensors, first \["
 
 
-@pytest.mark.parametrize("case", [_nan_weights],
+def _eos_beyond_vocab(d: Path, model: Path) -> tuple[list, str]:
+    return ["--eos-id", "64"], r"eos id\(s\) \[64\] \(eos_ids, decode\.py --eos-id\) are outside the vocabulary " \
+                               r"\[0, 64\)"
+
+
+def _numeric_content(d: Path, model: Path) -> tuple[list, str]:
+    (d / "in.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
+    return [], r"in\.jsonl: line 1: message 0 'content' must be a string, got int 5"
+
+
+def _summary_dir_missing(d: Path, model: Path) -> tuple[list, str]:
+    return ["--summary", str(d / "nodir" / "s.json")], r"--summary '.*nodir/s\.json': its directory .* does not exist"
+
+
+def _output_under_file(d: Path, model: Path) -> tuple[list, str]:
+    (d / "afile").write_text("x")
+    return ["--output", str(d / "afile" / "out.jsonl")], r"output '.*afile/out\.jsonl' cannot be written: '.*afile' " \
+                                                          r"is a regular file"
+
+
+def _output_is_dir(d: Path, model: Path) -> tuple[list, str]:
+    (d / "odir").mkdir()
+    return ["--output", str(d / "odir")], r"output '.*odir' is a directory"
+
+
+def _template_loops(d: Path, model: Path) -> tuple[list, str]:
+    loop = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": loop}))
+    return ["--chat"], r"in\.jsonl: line 1: the tokenizer's chat template did not finish rendering within 0\.5 s"
+
+
+def _template_grows(d: Path, model: Path) -> tuple[list, str]:
+    grow = "{% for a in range(100000) %}{% for b in range(100000) %}{{ messages }}{% endfor %}{% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": grow}))
+    return ["--chat"], r"line 1: the tokenizer's chat template rendered more than 4000000 characters"
+
+
+@pytest.mark.parametrize("case", [_nan_weights, _eos_beyond_vocab, _numeric_content, _summary_dir_missing,
+                                  _output_under_file, _output_is_dir, _template_loops, _template_grows],
                          ids=lambda f: f.__name__.strip("_"))
-def test_decode_py_bad_input_is_an_error_line(decode_model, tmp_path, capsys, case):
+def test_decode_py_bad_input_is_an_error_line(decode_model, tmp_path, capsys, monkeypatch, case):
     """Each an `error:` line naming the value, exit 2, before anything is decoded or written."""
+    from sbd_jax.io import tokenizer
+    monkeypatch.setattr(tokenizer, "CHAT_RENDER_SECONDS", 0.5)
     model = tmp_path / "m"
     shutil.copytree(decode_model, model)
     (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "the quick fox"}) + "\n")
@@ -360,3 +400,50 @@ def test_decode_py_bad_input_is_an_error_line(decode_model, tmp_path, capsys, ca
     code, err = decode_run(model, tmp_path, *extra, capsys=capsys)
     assert code == 2 and re.search(r"^error: .*" + match, err, re.M), err
     assert "Traceback" not in err and not (tmp_path / "out.jsonl").exists()
+
+
+def _sampler() -> "object":
+    from sbd_jax.decoding.sampler import Sampler
+    from sbd_jax.io.tokenizer import Tokenizer
+    from test_decoding import CFG
+    return Sampler({}, CFG, Tokenizer.from_callable(lambda s: [5] * len(s.split())))
+
+
+def _generate(ids, lengths):
+    from sbd_jax.decoding import generate
+    from test_decoding import CFG
+    return generate({}, CFG, ids, lengths, max_new_tokens=4, block_size=4)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: _sampler()("hello"), r"inputs must be a list of prompts .*got str 'hello': for one prompt pass \[prompt\]"),
+    (lambda: _sampler()([]), r"inputs is empty: pass at least one prompt"),
+    (lambda: _generate(np.array([[1.7, 2.2]]), np.array([2])), r"prompt_ids must be integers, got dtype float"),
+    (lambda: _generate(np.array([[1, 2]]), np.array([1.5])), r"prompt_lengths must be integers, got dtype float64"),
+    (lambda: _sampler()(["a b"], eos_ids=(70,)), r"eos id\(s\) \[70\] .* outside the vocabulary \[0, 64\)"),
+], ids=["sampler_bare_string", "sampler_empty_list", "generate_float_ids", "generate_float_lengths",
+        "sampler_eos_beyond_vocab"])
+def test_decoding_api_refuses_bad_requests(call, match):
+    from sbd_jax.decoding import DecodeError
+    with pytest.raises(DecodeError, match=match):
+        call()
+
+
+def test_decode_py_ctrl_c_exits_130_without_abort(decode_model, tmp_path):
+    """SIGINT mid-decode: the message, exit 130, no native abort; every written row is complete."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt_ids": [5 + i % 30, 7]}) + "\n" for i in range(20000)))
+    out = tmp_path / "out.jsonl"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, str(ROOT / "decode.py"), "--model", str(decode_model), "--input", str(inp),
+                          "--output", str(out), *DECODE_FLAGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env, cwd=ROOT)
+    deadline = time.time() + 120
+    while not (out.is_file() and out.stat().st_size):
+        assert p.poll() is None and time.time() < deadline, p.communicate()[1][-2000:]
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-3000:]
+    assert "interrupted: every row in" in err and "terminate called" not in err
+    assert all(json.loads(line)["tokens"] is not None for line in out.read_text().splitlines())

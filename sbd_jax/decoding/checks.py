@@ -12,10 +12,15 @@ from .spec import DecodeError, DecodeSpec, PromptTooLongError
 
 
 def check_model(cfg, spec: DecodeSpec) -> None:
-    """The model-dependent check of a request that holds for any prompt: SBD needs a mask token."""
+    """The model-dependent checks of a request that hold for any prompt: SBD needs a mask token, the stop ids are
+    in the vocabulary."""
     if spec.mode == "sbd" and cfg.mask_token_id is None:
         raise DecodeError("SBD decoding needs a mask token but the model config has no mask_token_id "
                           "(fine-tune it with SBD first, or use AR mode)")
+    bad = [e for e in (cfg.eos_ids if spec.eos_ids is None else spec.eos_ids) if not 0 <= e < cfg.vocab_size]
+    if bad:
+        raise DecodeError(f"eos id(s) {bad} (eos_ids, decode.py --eos-id) are outside the vocabulary "
+                          f"[0, {cfg.vocab_size})")
 
 
 def check_rate(name: str, value, rows: int | None = None) -> None:
@@ -100,6 +105,18 @@ def _check_lengths(cfg, lens, P: int, prompt_ids) -> None:
             raise DecodeError(f"prompt token ids must be in [0, {cfg.vocab_size}) (the vocabulary)")
 
 
+def check_integers(name: str, value) -> None:
+    """Token ids and lengths are integers: a float (or bool) array would be truncated silently. The dtype is
+    known even for values traced inside a user's jit."""
+    if value is None:
+        return
+    dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
+    if dtype.kind not in "iu":
+        raise DecodeError(f"{name} must be integers, got dtype {dtype}"
+                          + (f" ({np.asarray(value).ravel()[:8].tolist()})" if _is_concrete(value) else "")
+                          + ": token ids and lengths are not truncated silently")
+
+
 def check_request(cfg: ModelConfig, spec: DecodeSpec, prompt_shape, *, prompt_lengths=None, prompt_ids=None,
                   gamma=None, temperature=None, row_max_new_tokens=None) -> None:
     """The request's model- and prompt-dependent checks of `generate` (the options were checked by `DecodeSpec`);
@@ -108,6 +125,9 @@ def check_request(cfg: ModelConfig, spec: DecodeSpec, prompt_shape, *, prompt_le
     if len(prompt_shape) != 2:
         raise DecodeError(f"prompt_ids must be [batch, prompt_len], got shape {tuple(prompt_shape)}")
     B, P = prompt_shape
+    for name, val in (("prompt_ids", prompt_ids), ("prompt_lengths", prompt_lengths),
+                      ("row_max_new_tokens", row_max_new_tokens)):
+        check_integers(name, val)
     if P < 1:
         raise DecodeError("prompt_ids has no columns: every prompt needs at least one token")
     check_fits(cfg, P, spec.max_new_tokens, "the padded prompt width")

@@ -99,6 +99,7 @@ def _row_ids(row: dict, tokenizer: Tokenizer | None, chat: bool, where: str) -> 
             if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                      for m in msgs):
                 raise PromptFileError(f"{where}: 'messages' must be a list of {{'role', 'content'}} objects")
+            check_messages(msgs, where)
             return tokenizer.apply_chat_template(msgs)
         if not isinstance(row["prompt"], str):
             raise PromptFileError(f"{where}: 'prompt' must be a string")
@@ -109,12 +110,28 @@ def _row_ids(row: dict, tokenizer: Tokenizer | None, chat: bool, where: str) -> 
         raise PromptFileError(f"{where}: {e}") from None
 
 
+def check_messages(msgs: list[dict], where: str) -> None:
+    """Each message's role and content are strings (a number would reach the template, which may fail on it)."""
+    for j, m in enumerate(msgs):
+        for key in ("role", "content"):
+            if not isinstance(m[key], str):
+                raise PromptFileError(f"{where}: message {j} {key!r} must be a string, got "
+                                      f"{type(m[key]).__name__} {m[key]!r}")
+
+
 def open_output(path, *, resume: bool, overwrite: bool) -> tuple[set, object]:
     """Open the output for appending. Returns (ids already written, file). With `resume`, a trailing
     partial line (a killed write) is cut off; without `resume` or `overwrite` an existing non-empty
-    file is an error (nothing is ever silently overwritten)."""
+    file is an error (nothing is ever silently overwritten). A directory, or a path under a regular file,
+    is an error naming the path."""
     path = Path(path)
     done: set = set()
+    if path.is_dir():
+        raise PromptFileError(f"output {str(path)!r} is a directory: --output takes a file path")
+    blocker = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
+    if blocker is not None:
+        raise PromptFileError(f"output {str(path)!r} cannot be written: {str(blocker)!r} is a regular file, not a "
+                              "directory")
     if path.exists() and path.stat().st_size and not (resume or overwrite):
         raise PromptFileError(f"output {str(path)!r} exists: pass --resume to continue it or --overwrite")
     if path.exists() and resume:
@@ -130,8 +147,11 @@ def open_output(path, *, resume: bool, overwrite: bool) -> tuple[set, object]:
                 done.add(json.loads(line)["id"])
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise PromptFileError(f"{path}: line {n} is not a result line; cannot resume from this file") from None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = path.open("w" if overwrite and not resume else "a", encoding="utf-8")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = path.open("w" if overwrite and not resume else "a", encoding="utf-8")
+    except OSError as e:
+        raise PromptFileError(f"output {str(path)!r} cannot be written: {e.strerror or e}") from None
     return done, f
 
 

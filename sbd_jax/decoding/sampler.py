@@ -91,6 +91,12 @@ class Sampler:
     def prompts(self, inputs: Sequence, *, chat: bool = False) -> list[Prompt]:
         """Strings (with `chat`, each as one user message of the chat template), message lists (the template) or
         id lists, as `Prompt`s with ids 0..n-1."""
+        if isinstance(inputs, (str, bytes, dict)):
+            raise DecodeError(f"inputs must be a list of prompts (strings, message lists or id lists), got "
+                              f"{type(inputs).__name__} {str(inputs)[:60]!r}: for one prompt pass [prompt]")
+        inputs = list(inputs)
+        if not inputs:
+            raise DecodeError("inputs is empty: pass at least one prompt")
         out = []
         for i, x in enumerate(inputs):
             if isinstance(x, str):

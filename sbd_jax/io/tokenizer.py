@@ -12,6 +12,8 @@ from pathlib import Path
 from ..config import ConfigError
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+CHAT_RENDER_MAX_CHARS = 4_000_000  # a rendered conversation longer than this is a broken template
+CHAT_RENDER_SECONDS = 10.0  # so is one that renders for longer (a loop that never ends must not hang decode.py)
 
 
 class TokenizerError(ConfigError):
@@ -91,20 +93,9 @@ class Tokenizer:
         if not self.chat_template:
             raise TokenizerError("a chat template is asked for but the tokenizer has none (no chat_template in "
                                  "tokenizer_config.json, none named 'default' in its list, no chat_template.jinja)")
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(msg):
-            raise TemplateError(msg)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
         special = {k: self.special_tokens.get(k) or "" for k in SPECIAL_TOKENS}
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **special)
-        except TemplateError as e:
-            raise TokenizerError(f"the tokenizer's chat template failed to render: {e}") from None
+        return render_template(self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt,
+                               **special)
 
     def end_of_turn_id(self) -> int | None:
         """The special token the chat template writes right after an assistant turn (`<|im_end|>`, `<|eot_id|>`),
@@ -119,3 +110,67 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """The ids of `messages` and the generation prompt (the template writes its own BOS)."""
         return self.encode(self.render_chat(messages, True), add_special_tokens=False)
+
+
+def _guarded_env(deadline: float):
+    """A sandboxed jinja2 environment (as `transformers` renders templates) whose every call and every `*` / `**`
+    checks the clock: a template that loops (nearly) for ever fails at `deadline` instead of hanging."""
+    import time
+
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def check():
+        if time.monotonic() > deadline:
+            raise TokenizerError(f"the tokenizer's chat template did not finish rendering within "
+                                 f"{CHAT_RENDER_SECONDS:g} s (a loop that does not end?)")
+
+    class Guarded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call(self, __context, __obj, *args, **kwargs):
+            check()
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def call_binop(self, context, operator, left, right):
+            check()
+            if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
+                raise TemplateError(f"exponent {right!r} is too large")
+            if operator == "*" and any(isinstance(x, (str, list, tuple)) for x in (left, right)):
+                n = right if isinstance(left, (str, list, tuple)) else left
+                seq = left if isinstance(left, (str, list, tuple)) else right
+                if isinstance(n, int) and n * max(len(seq), 1) > CHAT_RENDER_MAX_CHARS:
+                    raise TemplateError(f"a repetition of {n} x {len(seq)} is over {CHAT_RENDER_MAX_CHARS} items")
+            return super().call_binop(context, operator, left, right)
+
+    def raise_exception(msg):
+        raise TemplateError(msg)
+
+    env = Guarded(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env, check
+
+
+def render_template(template: str, **variables) -> str:
+    """A chat template rendered in a sandbox, within CHAT_RENDER_MAX_CHARS characters and CHAT_RENDER_SECONDS
+    seconds; a template that fails, loops or grows past them is a TokenizerError saying which."""
+    import time
+
+    from jinja2.exceptions import TemplateError
+    env, check = _guarded_env(time.monotonic() + CHAT_RENDER_SECONDS)
+    parts, size = [], 0
+    try:
+        for chunk in env.from_string(template).generate(**variables):
+            parts.append(chunk)
+            size += len(chunk)
+            if size > CHAT_RENDER_MAX_CHARS:
+                raise TokenizerError(f"the tokenizer's chat template rendered more than {CHAT_RENDER_MAX_CHARS} "
+                                     "characters (a loop that does not end?)")
+            check()
+    except TokenizerError:
+        raise
+    except TemplateError as e:
+        raise TokenizerError(f"the tokenizer's chat template failed to render: {e}") from None
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError, OverflowError) as e:
+        raise TokenizerError(f"the tokenizer's chat template failed to render: {type(e).__name__}: {e}") from None
+    return "".join(parts)
