@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..decoding.prompts import Prompt
-from ..demo.evaluation import Decoder, batch_decoder, decode_all, sbd_decoders
+from ..demo.evaluation import Decoder, batch_decoder, decode_all, sbd_decoders, suite_width
 from ..io.hf import from_pretrained
 from ..io.tokenizer import Tokenizer
 from . import metrics, tasks
@@ -25,10 +25,6 @@ def _prompts(records: list[dict], start: int = 0) -> list[Prompt]:
     return [Prompt(r["id"], start + i + 1, tuple(r["prompt_ids"])) for i, r in enumerate(records)]
 
 
-def _width(prompts: list[Prompt]) -> int:
-    return -(-max(len(p.ids) for p in prompts) // 16) * 16
-
-
 def _texts(tok: Tokenizer, rows: list[dict]) -> list[str]:
     return [tok.decode(row["tokens"]) for row in rows]
 
@@ -40,10 +36,10 @@ def run_decoder(d: Decoder, params, mcfg, tok: Tokenizer, held: list[dict], huma
     prompts = _prompts(held) + _prompts(humaneval, len(held))
     make = lambda batch: batch_decoder(params, mcfg, mode=d.mode, block_size=cfg.block_size, gamma=d.gamma,
                                        rule=d.rule, max_new_tokens=cfg.max_new_tokens, verify=d.verify,
-                                       batch_size=batch, prompt_width=_width(prompts))
+                                       batch_size=batch, prompt_width=suite_width(prompts))
     rows, s = decode_all(make(cfg.eval_batch), prompts, f"eval {d.label}")
     n_lat = min(cfg.latency_n, len(held))
-    _, lat = decode_all(make(1), prompts[:n_lat], f"batch-1 {d.label}")
+    lat = decode_all(make(1), prompts[:n_lat], f"batch-1 {d.label}")[1] if n_lat else None  # no program without rows
     held_rows, he_rows = rows[:len(held)], rows[len(held):]
     scores = metrics.heldout_scores(held, _texts(tok, held_rows))  # cut where each function ends, then scored
     cut = [tasks.cut_completion(None, text, indent=r["indent"]) for r, text in zip(humaneval, _texts(tok, he_rows))]
