@@ -56,15 +56,15 @@ def finish(procs: list[subprocess.Popen], timeout: float = 600) -> list[str]:
 
 
 def train_setup():
-    """The tiny model, parameters (numpy) and packed batch of tests/test_training_step.py (8 rows of 24
+    """The tiny model, parameters (numpy) and packed batch of tests/training_fixtures.py (8 rows of 24
     tokens: two documents and padding per row) and AdamW (lr 1e-3, no warmup): (cfg, params, batch,
     tx, sched)."""
     import jax
     import numpy as np
-    from test_training_step import CFG, _batch, np_params
+    from training_fixtures import CFG, np_params, packed_batch
 
     from sbd_jax.training.config import OptimConfig
     from sbd_jax.training.optim import make_optimizer
 
     tx, sched = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0, eps=1e-6), 10)
-    return CFG, jax.tree.map(np.asarray, np_params(CFG)), _batch(), tx, sched
+    return CFG, jax.tree.map(np.asarray, np_params(CFG)), packed_batch(), tx, sched

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 from conftest import run_hf
 from subproc import ROOT, run_on_8_devices
-from test_training_loop import _per_step, _write_inputs
-from test_training_step import CFG, _batch, np_params
+from training_fixtures import CFG, lora_step, np_params, packed_batch, per_step, write_inputs
 
 import sbd_jax
 from sbd_jax.config import ConfigError, load_config
@@ -29,11 +28,10 @@ from sbd_jax.models.fingerprint import base_fingerprint
 from sbd_jax.models.lora import LORA_TARGETS, AdapterLayout, attach, init_adapter, merge
 from sbd_jax.sharding import MeshConfig, make_mesh, param_shardings
 from sbd_jax.training.checkpoint import Checkpointer
-from sbd_jax.training.config import OptimConfig, TrainConfig
+from sbd_jax.training.config import TrainConfig
 from sbd_jax.training.loop import train
 from sbd_jax.training.model_source import add_mask_row
-from sbd_jax.training.optim import make_optimizer
-from sbd_jax.training.step import StepOptions, WithBase, create_state, jit_train_step, make_train_step, state_shardings
+from sbd_jax.training.step import WithBase, create_state
 
 forward = jax.jit(sbd_jax.forward, static_argnums=1)
 
@@ -63,14 +61,6 @@ def test_lora_forward_equals_merged_forward(tied):
     np.testing.assert_allclose(forward(attach(params, init, layout), cfg, tokens, meta)[0], plain, atol=1e-6)
 
 
-def _lora_step(cfg, layout, mesh, accum=1):
-    tx, sched = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0, eps=1e-6), 10)
-    sh = state_shardings(cfg, tx, mesh, layout=layout)
-    step = jit_train_step(make_train_step(cfg, StepOptions(cfg.mask_token_id, grad_accum=accum), tx, sched, mesh,
-                                          layout), mesh, sh, 8, param_shardings(cfg, mesh))
-    return tx, sh, step
-
-
 def test_gradients_and_optimizer_state_reach_only_the_adapter():
     """One LoRA step: the state (what is differentiated, updated and has AdamW moments) is the adapter alone; the
     base is an argument the step reads, unchanged and not donated; every adapter array moves, B and the mask
@@ -78,11 +68,11 @@ def test_gradients_and_optimizer_state_reach_only_the_adapter():
     cfg, base = add_mask_row(dataclasses.replace(CFG, mask_token_id=None), np_params(CFG))
     layout = AdapterLayout(4, 8.0, tuple(LORA_TARGETS), mask_row=cfg.mask_token_id)
     mesh = make_mesh(MeshConfig(), jax.devices()[:1])
-    tx, sh, step = _lora_step(cfg, layout, mesh)
+    tx, sh, step = lora_step(cfg, layout, mesh)
     base = jax.device_put(base, param_shardings(cfg, mesh))
     adapter = init_adapter(cfg, layout, jax.random.key(0), base)
     state = create_state(jax.tree.map(jnp.copy, adapter), tx, jax.random.PRNGKey(0), sh)
-    batch = _batch()
+    batch = packed_batch()
     new, m = WithBase(step, base)(state, jax.tree.map(jnp.asarray, batch))
     assert jax.tree.structure(new.params) == jax.tree.structure(adapter)
     assert set(new.params) == {"layers", "mask_embed", "mask_head"}
@@ -141,7 +131,7 @@ def test_peft_loads_the_export_with_the_same_logits(case, hf_ref, tmp_path):
 def test_lora_resume_is_exact(tmp_path):
     """A LoRA run (mask token added, base held in bf16) stopped and resumed == the same run straight: per-step
     metrics and the final adapter identical. Its checkpoints hold the adapter and the base's fingerprint."""
-    cfg_path = _write_inputs(tmp_path)
+    cfg_path = write_inputs(tmp_path)
     over = ["lora.rank=4", "lora.base_dtype=bfloat16", "model.config.mask_token_id=null", "model.add_mask_token=true",
             "steps=8", "checkpoint.every=4", "checkpoint.export_hf=false"]
     straight = train(load_config(TrainConfig, cfg_path, over + [f"out_dir={tmp_path / 'a'}"]))
@@ -149,7 +139,7 @@ def test_lora_resume_is_exact(tmp_path):
     first = train(cfg, stop_after=4)
     second = train(cfg)
     assert second.resumed_from == 4 and second.step == 8 and straight.step_compilations == 1
-    assert _per_step(first.history + second.history) == _per_step(straight.history)
+    assert per_step(first.history + second.history) == per_step(straight.history)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(straight.params), jax.device_get(second.params))
     assert set(straight.params) == {"layers", "mask_embed", "mask_head"}  # the adapter, not the model
     meta = Checkpointer(tmp_path / "b" / "checkpoints").restore_meta(8)
@@ -176,7 +166,7 @@ def _train_py(argv) -> int:
 def lora_run(tmp_path_factory):
     """train.py with LoRA on a saved base (mask token id 3), adapter + merged export."""
     d = tmp_path_factory.mktemp("lora_run")
-    cfg_path = _write_inputs(d)
+    cfg_path = write_inputs(d)
     base = _model_dir(d / "base", 0)
     over = ["model.config=null", f"model.init_from={base}", "model.mask_token_id=3", "lora.rank=4", "lora.alpha=8",
             "lora.export_merged=true", "steps=6", "checkpoint.every=3", f"out_dir={d / 'run'}"]
@@ -248,7 +238,7 @@ def test_resume_refuses_another_base(lora_run, tmp_path):
 ])
 def test_lora_config_errors_name_the_key(tmp_path, override, message):
     with pytest.raises(ConfigError) as e:
-        load_config(TrainConfig, _write_inputs(tmp_path), [override])
+        load_config(TrainConfig, write_inputs(tmp_path), [override])
     assert message in str(e.value)
 
 
@@ -271,7 +261,7 @@ SHARDED = textwrap.dedent("""
     import json
     import jax, jax.numpy as jnp, numpy as np
     from subproc import train_setup
-    from test_lora import _lora_step
+    from training_fixtures import lora_step
     from sbd_jax.models.lora import LORA_TARGETS, AdapterLayout, init_adapter
     from sbd_jax.sharding import MeshConfig, make_mesh, param_shardings
     from sbd_jax.training.step import WithBase, create_state, put_batch
@@ -281,7 +271,7 @@ SHARDED = textwrap.dedent("""
     adapter = jax.tree.map(np.asarray, init_adapter(cfg, layout, jax.random.key(0), params))
 
     def run(mesh, accum):
-        tx, sh, step = _lora_step(cfg, layout, mesh, accum)
+        tx, sh, step = lora_step(cfg, layout, mesh, accum)
         base = jax.device_put(params, param_shardings(cfg, mesh))
         state = create_state(jax.device_put(adapter, sh.params), tx, jax.random.PRNGKey(0), sh)
         new, m = WithBase(step, base)(state, put_batch(batch, mesh, 8))
@@ -346,7 +336,7 @@ def test_readme_lora_command_runs_on_a_tiny_model(tmp_path):
     assert decode_argv[:2] == [".venv/bin/python", "decode.py"] and "--adapter" in decode_argv, decode_argv
     overrides = dict(a.split("=", 1) for a in train_argv[4:])
     assert LORA_SWAPPED <= set(overrides), sorted(LORA_SWAPPED - set(overrides))
-    _write_inputs(tmp_path)
+    write_inputs(tmp_path)
     model = _model_dir(tmp_path / "model", 0)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tmp_path / "tok" / f, model / f)

@@ -11,7 +11,7 @@ import pytest
 
 import sbd_jax
 from subproc import finish, free_port, start_processes
-from test_training_loop import _write_inputs
+from training_fixtures import write_inputs
 
 STEPS = 12
 TRAIN = ["train.py", "--config", None, f"steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=2", "log_every=1",
@@ -45,7 +45,7 @@ def _metrics(out):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("mp")
-    cfg_path = _write_inputs(d)
+    cfg_path = write_inputs(d)
     _train(cfg_path, d / "one", 1)
     _train(cfg_path, d / "two", 2, kill_after=4)
     assert not (d / "two" / "hf").exists()

@@ -11,7 +11,7 @@ import numpy as np
 
 import sbd_jax
 from subproc import ROOT, compilation_cache_env
-from test_training_loop import _write_inputs
+from training_fixtures import write_inputs
 
 SWAPPED = {"model.init_from", "model.mask_token_id", "data.path", "data.tokenizer", "data.seq_len", "steps",
            "out_dir"}
@@ -30,7 +30,7 @@ def test_readme_fine_tune_command_runs_on_a_tiny_model(tmp_path):
     assert argv[:4] == [".venv/bin/python", "train.py", "--config", "configs/tiny_sbd.yaml"], argv
     overrides = dict(a.split("=", 1) for a in argv[4:])
     assert SWAPPED <= set(overrides), sorted(SWAPPED - set(overrides))
-    _write_inputs(tmp_path)
+    write_inputs(tmp_path)
     model = tmp_path / "model"
     cfg = sbd_jax.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, bos_token_id=1)

@@ -15,11 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-import yaml
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
-from tokenizers.processors import TemplateProcessing
 
 import sbd_jax
 from sbd_jax.config import ConfigError, load_config
@@ -29,41 +25,12 @@ from sbd_jax.training.config import TrainConfig
 from sbd_jax.training.data import build_iterator
 from sbd_jax.io.tokenizer import Tokenizer
 from sbd_jax.training.loop import train
+from training_fixtures import CORPUS, STEPS
+from training_fixtures import per_step as _per_step
+from training_fixtures import write_inputs as _write_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECIALS = ["<pad>", "<s>", "</s>", "<m>", "<unk>"]
-CORPUS = ["the quick brown fox jumps over the lazy dog",
-          "a red sun rises over the quiet blue sea",
-          "my old cat sleeps on the warm soft mat",
-          "one two three four five six seven eight nine ten",
-          "green trees grow tall near the cold river bank",
-          "she reads a long book by the bright window"]
-STEPS, HALF = 40, 20
-
-
-def _write_inputs(d: Path) -> Path:
-    words = sorted({w for s in CORPUS for w in s.split()})
-    vocab = {t: i for i, t in enumerate(SPECIALS + words)}
-    tk = HFTokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = WhitespaceSplit()
-    tk.add_special_tokens(SPECIALS)
-    tk.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    (d / "tok").mkdir()
-    tk.save(str(d / "tok" / "tokenizer.json"))
-    (d / "tok" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    (d / "train.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in CORPUS * 4))
-    cfg = {
-        "model": {"config": {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                             "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0,
-                             "mask_token_id": 3, "eos_token_id": 2, "bos_token_id": 1}},
-        "data": {"path": str(d / "train.jsonl"), "tokenizer": str(d / "tok"), "seq_len": 32, "seed": 0},
-        "sbd": {"k_max": 8},
-        "optim": {"lr": 1e-2, "warmup_steps": 5, "weight_decay": 0.0},
-        "checkpoint": {"every": 10, "keep": 2},
-        "steps": STEPS, "batch_size": 8, "seed": 0, "log_every": 1, "progress": False,
-    }
-    (d / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    return d / "cfg.yaml"
+HALF = STEPS // 2
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +44,6 @@ def straight(tmp_path_factory):
 
 def _leaves(params):
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(params))]
-
-
-def _per_step(history, keys=("ntp_tokens", "matp_tokens", "k", "tokens", "loss")):
-    return [tuple(h[k] for k in keys) for h in history]
 
 
 def test_tiny_model_overfits_both_losses(straight):

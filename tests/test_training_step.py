@@ -9,10 +9,8 @@ import optax
 import pytest
 
 from sbd_jax.config import ModelConfig
-from sbd_jax.models import param_shapes
 from sbd_jax.sharding import MeshConfig, make_mesh
 from sbd_jax.training.config import OptimConfig
-from sbd_jax.training.examples import PackedBatch
 from sbd_jax.training.optim import decay_mask, make_optimizer, make_schedule
 from sbd_jax.training.step import (
     StepOptions,
@@ -22,29 +20,7 @@ from sbd_jax.training.step import (
     put_batch,
     state_shardings,
 )
-
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, rope_theta=10000.0, mask_token_id=3)
-
-
-def np_params(cfg, seed=0, std=0.05):
-    rng = np.random.default_rng(seed)
-
-    def leaf(path, shape):
-        base = 1.0 if path[-1].key.endswith("norm") else 0.0
-        return jnp.asarray(base + rng.normal(0, std, shape), jnp.float32)
-    return jax.tree.map_with_path(leaf, param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-
-
-def _batch(B=8, L=24, seed=0):
-    rng = np.random.default_rng(seed)
-    tok = rng.integers(4, 64, (B, L))
-    cut = rng.integers(6, L - 6, B)
-    ar = np.arange(L)
-    seg = np.where(ar < cut[:, None], 1, 2)
-    seg[:, -2:] = 0
-    pos = np.where(seg == 1, ar, ar - cut[:, None]) * (seg > 0)
-    return PackedBatch(*(a.astype(np.int32) for a in (tok * (seg > 0), seg, pos, (seg > 0).astype(int))))
+from training_fixtures import CFG, np_params, packed_batch
 
 
 @functools.cache
@@ -56,12 +32,12 @@ def _compiled(cfg, opts):
 
 
 def _run(cfg, opts, steps=2):
-    """`steps` train steps from the same initial params on batches _batch(seed=0..steps-1)."""
+    """`steps` train steps from the same initial params on batches packed_batch(seed=0..steps-1)."""
     mesh, tx, sh, f = _compiled(cfg, opts)
     state = create_state(np_params(cfg), tx, jax.random.PRNGKey(0), sh)
     ms = []
     for i in range(steps):
-        state, m = f(state, put_batch(_batch(seed=i), mesh, 8))
+        state, m = f(state, put_batch(packed_batch(seed=i), mesh, 8))
         ms.append(jax.device_get(m))
     return jax.device_get(state), ms
 
