@@ -25,47 +25,48 @@ deterministic, resumable order.
   `datasets` is already the project's reader and tokenizer driver, and the packer is SBD-specific (response-
   aligned pieces, the copy_len budget per row), so Grain would add a dependency around ~100 lines of packing
   without replacing them; the two things taken from its design are the per-index shuffle and per-row streams.
-- Iterator state (JSON; per row: documents taken per source, offset in the current one, rows packed) is saved
-  with each checkpoint, merged over processes (`gather_state`); `restore` continues with exactly the rows an
-  uninterrupted run would have produced, on any number of processes.
+- Iterator state (JSON; per row a `RowPosition`: documents taken per source, offset in the current one, rows
+  packed) is saved with each checkpoint, merged over processes (`gather_state`); `restore` continues with exactly
+  the rows an uninterrupted run would have produced, on any number of processes.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from ..config import ConfigError
 from ..io.tokenizer import Tokenizer
 from .config import DataConfig
+from .documents import DataError, Documents  # importable from here too, as users do
 from .examples import PackedBatch
 from .shuffle import Permutation
+from .store import prepare
 
 STATE_VERSION = 2  # one packing stream per batch row
 
 
-class DataError(ConfigError):
-    """A dataset that cannot be used as configured (missing file/field, no usable rows...)."""
+class RowPosition(NamedTuple):
+    """Where one batch row's packing stream stands, which is all `restore` needs to continue it."""
 
-
-@dataclasses.dataclass(frozen=True)
-class Documents:
-    """Tokenized documents in one flat array: document i is values[offsets[i]:offsets[i + 1]]."""
-
-    values: np.ndarray  # int32
-    offsets: np.ndarray  # int64 [n + 1]
-    n_prompt: np.ndarray  # int64 [n]: each document's loss-masked prefix
-
-    def __len__(self) -> int:
-        return len(self.n_prompt)
+    taken: tuple[int, ...]  # documents taken from each source
+    offset: int  # token offset in the current document (text longer than a row is cut into pieces)
+    packed: int  # rows packed
 
     @classmethod
-    def from_lists(cls, docs: list[list[int]], n_prompt: list[int] | None = None) -> Documents:
-        values = np.concatenate([np.asarray(d, np.int32) for d in docs]) if docs else np.zeros(0, np.int32)
-        offsets = np.cumsum([0] + [len(d) for d in docs], dtype=np.int64)
-        return cls(values, offsets, np.asarray(np.zeros(len(docs)) if n_prompt is None else n_prompt, np.int64))
+    def start(cls, n_sources: int) -> RowPosition:
+        return cls((0,) * n_sources, 0, 0)
+
+    def to_json(self) -> list[int]:
+        """The saved layout (iterator state "streams", by row): [taken..., offset, packed]."""
+        return [*self.taken, self.offset, self.packed]
+
+    @classmethod
+    def from_json(cls, saved: Sequence[int]) -> RowPosition:
+        *taken, offset, packed = (int(x) for x in saved)
+        return cls(tuple(taken), offset, packed)
 
 
 class PackedIterator:
@@ -99,8 +100,7 @@ class PackedIterator:
                 raise DataError(f"{name} has no usable rows: {len(d)} document(s), none gives a piece of at least "
                                 f"{self.min_tokens} tokens (with a response token inside seq_len={self.L} for "
                                 "prompt/response data); check the field names and the data")
-        # per row: [documents taken from each source..., token offset in the current document, rows packed]
-        self._streams = {r: [0] * len(self.sources) + [0, 0] for r in self.rows}
+        self._streams = {r: RowPosition.start(len(self.sources)) for r in self.rows}
         self._perms: dict = {}
 
     @property
@@ -110,14 +110,14 @@ class PackedIterator:
     def epoch(self, source: int = 0) -> int:
         """The epoch of `source` every local row has reached (rows move through their shares at their own pace)."""
         n = len(self.sources[source])
-        return min((s[source] * self.B + r) // n for r, s in self._streams.items())
+        return min((p.taken[source] * self.B + r) // n for r, p in self._streams.items())
 
     def state(self) -> dict:
         """JSON-able position of the local rows (`streams`, by row), which `restore` continues from."""
         return {"version": STATE_VERSION, "seed": self.seed, "seq_len": self.L, "copy_len": self.C,
                 "batch_size": self.B, "shuffle": self.shuffle, "weights": self.weights,
-                "documents": [len(d) for d in self.sources], "rows": sum(s[-1] for s in self._streams.values()),
-                "streams": {str(r): list(s) for r, s in self._streams.items()}}
+                "documents": [len(d) for d in self.sources], "rows": sum(p.packed for p in self._streams.values()),
+                "streams": {str(r): p.to_json() for r, p in self._streams.items()}}
 
     def restore(self, state: dict) -> None:
         if state.get("lookahead") or state.get("copy_reserve") or state.get("pending"):
@@ -136,16 +136,16 @@ class PackedIterator:
         if missing:
             raise DataError(f"the data iterator state has no position for rows {missing[:8]} (saved rows: "
                             f"{sorted(state['streams'], key=int)[:8]}...)")
-        self._streams = {r: [int(x) for x in state["streams"][str(r)]] for r in self.rows}
+        self._streams = {r: RowPosition.from_json(state["streams"][str(r)]) for r in self.rows}
 
-    def _document(self, r: int) -> tuple[int, int]:
-        """The current (source, document) of row r's stream: the source whose share of the draws so far lags its
-        weight most (deterministic weighted round robin), and in it position taken * B + r of the concatenated
-        epoch orders (epoch e: a permutation that is a pure function of (seed, source, e))."""
-        s = self._streams[r]
-        j = min(range(len(self.sources)), key=lambda j: (s[j] + 1) / self.weights[j]) if len(self.sources) > 1 else 0
+    def _document(self, r: int, taken: Sequence[int]) -> tuple[int, int]:
+        """The current (source, document) of row r's stream, which took `taken` documents from each source: the
+        source whose share of the draws so far lags its weight most (deterministic weighted round robin), and in it
+        position taken * B + r of the concatenated epoch orders (epoch e: a permutation that is a pure function of
+        (seed, source, e))."""
+        j = min(range(len(self.sources)), key=lambda j: (taken[j] + 1) / self.weights[j])
         n = len(self.sources[j])
-        epoch, i = divmod(s[j] * self.B + r, n)
+        epoch, i = divmod(taken[j] * self.B + r, n)
         if not self.shuffle:
             return j, i
         perm = self._perms.get((j, epoch))
@@ -192,12 +192,13 @@ class PackedIterator:
 
     def _row(self, r: int):
         tokens, segment, position, loss_mask = (np.zeros(self.L, np.int32) for _ in range(4))
-        s = self._streams[r]
+        pos = self._streams[r]
+        taken, offset = list(pos.taken), pos.offset
         used, used_copy, seg, skipped = 0, 0, 0, 0
         while used < self.L:
-            j, i = self._document(r)
+            j, i = self._document(r, taken)
             docs = self.sources[j]
-            piece, counted, nxt, n_copy = self._piece(docs, i, s[-2])  # copy tokens: from the response on
+            piece, counted, nxt, n_copy = self._piece(docs, i, offset)  # copy tokens: from the response on
             if piece is not None:
                 n = len(piece)
                 if used + n > self.L or used_copy + n_copy > self.C:
@@ -212,11 +213,11 @@ class PackedIterator:
                     raise DataError(f"batch row {r} met no usable document in {skipped} draws: too few usable "
                                     "documents for this batch size without shuffling (see the data report)")
             if nxt is not None:
-                s[-2] = nxt
+                offset = nxt
             else:
-                s[-2] = 0
-                s[j] += 1
-        s[-1] += 1
+                offset = 0
+                taken[j] += 1
+        self._streams[r] = RowPosition(tuple(taken), offset, pos.packed + 1)
         return tokens, segment, position, loss_mask
 
     def next_batch(self) -> PackedBatch:
@@ -256,7 +257,6 @@ def build_iterator(cfg: DataConfig, batch_size: int, *, tokenizer: Tokenizer | C
     `vocab_size`: token ids must be below it; `mask_id` (the SBD mask token) must occur in no document and be no
     special token of the chat template. The iterator's `report` says what was used, dropped and truncated,
     and why, per source (`sources`) and in all; more than `cfg.max_drop_share` of a source dropped is an error."""
-    from .store import prepare
     if tokenizer is None:
         if not cfg.tokenizer:
             raise DataError("data.tokenizer is not set (a tokenizer.json or a directory that holds one)")

@@ -15,29 +15,32 @@ import functools
 import json
 import queue
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
+from jax.sharding import Mesh
 from tqdm import tqdm
 
-from ..config import ConfigError, ModelConfig, changed_settings, to_dict
+from ..config import ConfigError, ModelConfig, to_dict
 from ..io.hf import save_generation_files, save_pretrained
 from ..io.tokenizer import Tokenizer
 from ..models.lora import AdapterLayout, init_adapter
 from ..sharding import make_mesh, param_shardings, shard_params
 from .checkpoint import Checkpointer
-from .config import RESUME_NEUTRAL, TrainConfig
+from .config import TrainConfig
 from .data import DataError, build_iterator, format_report
 from .lora import LoRARun, check_base, export_lora, prepare_lora
 from .model_source import prepare_model
+from .monitor import FiniteGuard, MetricsLog, trim_metrics
 from .optim import make_optimizer
+from .resume import SETTINGS_FILE, check_settings, restore_good
 from .spec import StepOptions
-from .step import (NONFINITE, NonFiniteStepError, TrainState, WithBase, abstract_state, jit_train_step, local_rows,
-                   make_train_step, put_batch, state_initializer, state_shardings)
+from .step import (TrainState, WithBase, abstract_state, jit_train_step, local_rows, make_train_step, put_batch,
+                   state_initializer, state_shardings)
 
 
 @dataclasses.dataclass
@@ -60,18 +63,69 @@ class TrainResult:
         return int(self.state.step)
 
 
+class Traces:
+    """Counts the traces of the function it wraps (`wrap`). jit traces, then compiles, a function once per new
+    argument signature, so under jit this is how many programs were compiled for it."""
+
+    def __init__(self):
+        self.count = 0
+
+    def wrap(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def traced(*args):
+            self.count += 1  # runs while tracing only: the compiled program does not call back into Python
+            return fn(*args)
+        return traced
+
+
+class CompiledStep(NamedTuple):
+    tx: optax.GradientTransformation
+    shardings: TrainState  # of the state
+    step: Callable  # jitted (state, batch[, base]) -> (state, metrics)
+    init: Callable  # jitted (params, rng) -> the initial state
+    traces: Traces  # of `step`: TrainResult.step_compilations
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled(model_cfg: ModelConfig, opts: StepOptions, optim_cfg, total_steps: int, mesh, batch_size: int,
-              layout: AdapterLayout | None = None):
-    """(tx, state shardings, jitted step, jitted state init) for one setting, reused across `train`
-    calls in a process (resume, the demo's several runs) instead of recompiling. With a LoRA `layout` the state
-    holds the adapter and the step takes the frozen base (sharded like the full model's weights) third."""
+              layout: AdapterLayout | None = None) -> CompiledStep:
+    """The jitted step and state init for one setting, reused across `train` calls in a process (resume, the demo's
+    several runs) instead of recompiling. With a LoRA `layout` the state holds the adapter and the step takes the
+    frozen base (sharded like the full model's weights) third."""
     tx, schedule = make_optimizer(optim_cfg, total_steps)
-    shardings = state_shardings(model_cfg, tx, mesh, layout=layout)
+    shardings, traces = state_shardings(model_cfg, tx, mesh, layout=layout), Traces()
     base_sh = None if layout is None else param_shardings(model_cfg, mesh)
-    step_fn = jit_train_step(make_train_step(model_cfg, opts, tx, schedule, mesh, layout), mesh, shardings,
-                             batch_size, base_sh)
-    return tx, shardings, step_fn, state_initializer(tx, shardings)
+    step_fn = jit_train_step(traces.wrap(make_train_step(model_cfg, opts, tx, schedule, mesh, layout)), mesh,
+                             shardings, batch_size, base_sh)
+    return CompiledStep(tx, shardings, step_fn, state_initializer(tx, shardings), traces)
+
+
+class Given(NamedTuple):
+    """What a `train` caller brought instead of what the config names."""
+    data: Any = None  # the data iterator
+    tokenizer: Any = None  # a Tokenizer or a callable text -> ids
+    model: tuple[ModelConfig, dict] | None = None  # (ModelConfig, params)
+
+
+@dataclasses.dataclass
+class Run:
+    """What one `train` call works with, built by `_setup` (the state, which the steps replace, travels apart)."""
+    cfg: TrainConfig
+    ckpt: Checkpointer
+    mesh: Mesh
+    out_dir: Path
+    model_cfg: ModelConfig
+    data: Any  # next_batch() -> PackedBatch, state() -> dict, restore(dict)
+    step_fn: Callable  # (state, batch) -> (state, metrics)
+    traces: Traces
+    lora: LoRARun | None
+    resume: int | None  # the checkpoint step this call started from
+    tokenizer: Any = None  # as given to `train`, for the export
+
+    @property
+    def meta(self) -> dict | None:
+        """What each checkpoint records besides the state and data position (a LoRA run's base)."""
+        return self.lora.meta if self.lora else None
 
 
 def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConfig, dict] | None = None,
@@ -83,18 +137,22 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
     `stop_after`: leave after this many total steps without the final save/export (as if killed)."""
     out_dir = make_out_dir(Path(out_dir or cfg.out_dir).absolute())
     mesh = make_mesh(cfg.mesh, devices)
+    check_batch_split(cfg, mesh)
+    ckpt = Checkpointer(out_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+                        async_save=cfg.checkpoint.async_save)
+    try:
+        return _run(*_setup(cfg, ckpt, mesh, out_dir, Given(data, tokenizer, model)), stop_after, on_log)
+    finally:
+        ckpt.close()  # waits for in-flight saves: a Ctrl-C leaves the last started checkpoint complete
+
+
+def check_batch_split(cfg: TrainConfig, mesh: Mesh) -> None:
+    """Each microbatch's rows must divide over the devices the batch is split over."""
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     micro = cfg.batch_size // cfg.optim.grad_accum
     if micro % n_batch:
         raise ConfigError(f"batch_size / optim.grad_accum = {micro} rows per microbatch do not divide over the "
                           f"data x fsdp = {n_batch} devices of mesh {dict(mesh.shape)}")
-    ckpt = Checkpointer(out_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-                        async_save=cfg.checkpoint.async_save)
-    try:
-        return _run(cfg, ckpt, *_setup(cfg, ckpt, data, tokenizer, model, mesh), mesh, out_dir, stop_after, on_log,
-                    tokenizer)
-    finally:
-        ckpt.close()  # waits for in-flight saves: a Ctrl-C leaves the last started checkpoint complete
 
 
 def make_out_dir(out_dir: Path) -> Path:
@@ -108,91 +166,65 @@ def make_out_dir(out_dir: Path) -> Path:
     return out_dir
 
 
-SETTINGS_FILE = "train_config.json"
-
-
-def check_settings(cfg: TrainConfig, run_dir: Path, resume: int) -> None:
-    """A resumed run keeps the settings it was started with (train_config.json), but for RESUME_NEUTRAL keys and
-    `cfg.allow_changes`. A missing or unreadable train_config.json is refused too (the check would be off) unless
-    allow_changes names it."""
-    saved = run_dir / SETTINGS_FILE
-    if SETTINGS_FILE in cfg.allow_changes:
-        return
-    hint = (f"restore it, resume without the settings check with allow_changes=[{SETTINGS_FILE}], or use another "
-            "out_dir")
-    if not saved.is_file():
-        raise ConfigError(f"{run_dir} holds checkpoints (up to step {resume}) but no {SETTINGS_FILE}, so the "
-                          f"settings cannot be checked against the run's; {hint}")
-    try:
-        train = json.loads(saved.read_text())["train"]
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        raise ConfigError(f"{saved} is unreadable ({type(e).__name__}: {str(e)[:200]}); {hint}") from None
-    diff = changed_settings(train, cfg, RESUME_NEUTRAL + cfg.allow_changes)
-    if diff:
-        raise ConfigError(f"{run_dir} holds a run with other settings ({'; '.join(diff)}): resume it with the same "
-                          "ones, allow a change on purpose with allow_changes=[key, ...], or use another out_dir")
-
-
-def _setup(cfg: TrainConfig, ckpt: Checkpointer, data, tokenizer, model, mesh):
-    """Model, data iterator, compiled step and the initial (or restored) state."""
+def _setup(cfg: TrainConfig, ckpt: Checkpointer, mesh: Mesh, out_dir: Path, given: Given) -> tuple[Run, TrainState]:
+    """The run (model, data iterator, compiled step) and its initial or restored state."""
     resume = ckpt.manager.latest_step()
     if resume is not None:
-        check_settings(cfg, ckpt.directory.parent, resume)
-    model_cfg, params, lora = _model(cfg, model, mesh, resume is None)
+        check_settings(cfg, out_dir, resume)
+    model_cfg, params, lora = _model(cfg, given.model, mesh, resume is None)
+    check_mask_token(cfg, model_cfg)
+    data = given.data if given.data is not None else _data(cfg, model_cfg, mesh, given.tokenizer, out_dir)
+    layout = lora.layout if lora else None
+    compiled = _compiled(model_cfg, cfg.step_options(model_cfg.mask_token_id), cfg.optim, cfg.steps, mesh,
+                         cfg.batch_size, layout)
+    if resume is None:
+        state = _initial_state(cfg, model_cfg, compiled, params, lora)
+    else:
+        resume, state = _restore(ckpt, abstract_state(model_cfg, compiled.tx, compiled.shardings, layout), lora, data)
+    step_fn = compiled.step if lora is None else WithBase(compiled.step, lora.base)
+    return Run(cfg, ckpt, mesh, out_dir, model_cfg, data, step_fn, compiled.traces, lora, resume,
+               given.tokenizer), state
+
+
+def check_mask_token(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
+    """An SBD run needs the model's mask token id."""
     if not cfg.sbd.ntp_only and model_cfg.mask_token_id is None:
         raise ConfigError("the model has no mask token id: set model.mask_token_id to an unused id already in the "
                           "vocabulary (e.g. a reserved special token), or model.add_mask_token=true to grow the "
                           "vocabulary by one row (or train the NTP baseline with sbd.ntp_only=true)")
-    if data is None:
-        data = build_iterator(cfg.data, cfg.batch_size, tokenizer=tokenizer,
-                              eos_id=model_cfg.eos_ids[0] if model_cfg.eos_ids else None,
-                              vocab_size=model_cfg.vocab_size, rows=local_rows(mesh, cfg.batch_size),
-                              mask_id=None if cfg.sbd.ntp_only else model_cfg.mask_token_id)
-        if jax.process_index() == 0:
-            print(format_report(data.report), flush=True)
-            ckpt.directory.parent.mkdir(parents=True, exist_ok=True)
-            (ckpt.directory.parent / "data_report.json").write_text(json.dumps(data.report, indent=2))
-    opts, layout = cfg.step_options(model_cfg.mask_token_id), lora.layout if lora else None
-    tx, shardings, step_fn, init_fn = _compiled(model_cfg, opts, cfg.optim, cfg.steps, mesh, cfg.batch_size, layout)
-    if resume is not None:
-        resume, state, data_state = restore_good(ckpt, abstract_state(model_cfg, tx, shardings, layout))
-        if lora is not None:
-            check_base(lora, ckpt.restore_meta(resume), ckpt.directory)
-        data.restore(data_state)
-    else:
-        if lora is not None:  # A random, B zero: the run starts from the base's own outputs
-            params = jax.device_put(init_adapter(model_cfg, layout, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 2),
-                                                 lora.base), shardings.params)
-        state = init_fn(params, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1))
-    return resume, model_cfg, state, data, step_fn if lora is None else WithBase(step_fn, lora.base), lora
 
 
-def restore_good(ckpt: Checkpointer, abstract: TrainState) -> tuple[int, TrainState, dict]:
-    """(step, state, data position) of the newest checkpoint that restores. A newer one that does not is reported
-    (which step, which file), set aside to <checkpoints>.damaged/ and skipped, saying so; when none restores, the
-    newest one's problem is a ConfigError (a damaged checkpoint, or one of another configuration)."""
-    steps = sorted(ckpt.manager.all_steps(), reverse=True)
-    failed = []
-    for step in steps:
-        try:
-            state, data_state = ckpt.restore(abstract, step)
-        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for a damaged file
-            failed.append((step, e))
-            continue
-        for bad, err in failed:
-            problem = ckpt.damage(bad, err)
-            where = ckpt.set_aside(bad) if jax.process_index() == 0 else None
-            print(f"warning: checkpoint step {bad} cannot be restored: {problem}; "
-                  f"{f'moved it to {where}; ' if where else ''}resuming from the previous good one, step {step}",
-                  flush=True)
-        return step, state, data_state
-    step, e = failed[0]
-    problem = ckpt.damage(step, e)
-    if problem.startswith(f"{ckpt.directory / str(step)} is unreadable"):  # no sign of damage: another config
-        problem = (f"it does not match this model/optimizer configuration ({type(e).__name__}: {str(e)[:300]})"
-                   + (f", nor do the {len(failed) - 1} older one(s)" if len(failed) > 1 else ""))
-    raise ConfigError(f"cannot resume from checkpoint step {step} in {str(ckpt.directory)!r}: {problem}; use the "
-                      "configuration it was written with, move the damaged checkpoint away, or use another out_dir")
+def _data(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, tokenizer, out_dir: Path):
+    """The data iterator cfg.data names, packing this process's rows; its report is printed and written to
+    <out_dir>/data_report.json."""
+    data = build_iterator(cfg.data, cfg.batch_size, tokenizer=tokenizer,
+                          eos_id=model_cfg.eos_ids[0] if model_cfg.eos_ids else None,
+                          vocab_size=model_cfg.vocab_size, rows=local_rows(mesh, cfg.batch_size),
+                          mask_id=None if cfg.sbd.ntp_only else model_cfg.mask_token_id)
+    if jax.process_index() == 0:
+        print(format_report(data.report), flush=True)
+        (out_dir / "data_report.json").write_text(json.dumps(data.report, indent=2))
+    return data
+
+
+def _initial_state(cfg: TrainConfig, model_cfg: ModelConfig, compiled: CompiledStep, params,
+                   lora: LoRARun | None) -> TrainState:
+    """The state of a fresh run: `params` (the weights, sharded), or a LoRA run's new adapter (A random, B zero:
+    the run starts from the base's own outputs)."""
+    if lora is not None:
+        key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 2)
+        params = jax.device_put(init_adapter(model_cfg, lora.layout, key, lora.base), compiled.shardings.params)
+    return compiled.init(params, jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 1))
+
+
+def _restore(ckpt: Checkpointer, abstract: TrainState, lora: LoRARun | None, data) -> tuple[int, TrainState]:
+    """(step, state) of the newest checkpoint that restores (`restore_good`), `data` moved to its position; a LoRA
+    run's checkpoint must hold an adapter of this base."""
+    step, state, data_state = restore_good(ckpt, abstract)
+    if lora is not None:
+        check_base(lora, ckpt.restore_meta(step), ckpt.directory)
+    data.restore(data_state)
+    return step, state
 
 
 def _model(cfg: TrainConfig, model, mesh, load_weights: bool) -> tuple[ModelConfig, dict | None, LoRARun | None]:
@@ -204,36 +236,6 @@ def _model(cfg: TrainConfig, model, mesh, load_weights: bool) -> tuple[ModelConf
     if model is not None:
         return model[0], shard_params(model[1], model[0], mesh) if load_weights else None, None
     return *prepare_model(cfg.model, cfg.seed, mesh, load_weights=load_weights), None
-
-
-class FiniteGuard:
-    """The `nonfinite` flags of the steps dispatched since the last check (device scalars, read only where the loop
-    waits anyway: a logged step's metrics, before a checkpoint, at the end). A step that was not finite kept the
-    previous parameters (step.py); `check` stops the run there with `NonFiniteStepError`."""
-
-    def __init__(self, cfg: TrainConfig, directory: Path):
-        self.cfg, self.directory, self.pending = cfg, directory, []
-
-    def add(self, step: int, metrics: dict) -> None:
-        self.pending.append((step, metrics))
-
-    def check(self, last_good: int | None, upto: int | None = None) -> None:
-        todo = [(s, m) for s, m in self.pending if upto is None or s <= upto]
-        self.pending = self.pending[len(todo):]
-        codes = jax.device_get([m["nonfinite"] for _, m in todo])
-        for (step, m), code in zip(todo, codes):
-            if int(code):
-                raise NonFiniteStepError(self.message(step, int(code), m, last_good))
-
-    def message(self, step: int, code: int, m: dict, last_good: int | None) -> str:
-        v = {k: float(x) for k, x in jax.device_get({"loss": m["loss"], "grad_norm": m["grad_norm"]}).items()}
-        where = (f"rerunning the same command resumes from the last good checkpoint, step {last_good} in "
-                 f"{self.directory}" if last_good is not None else
-                 "no checkpoint was written before it, so rerunning starts over")
-        return (f"step {step}: {NONFINITE[code]} is not finite (loss {v['loss']:.4g}, gradient norm "
-                f"{v['grad_norm']:.4g}); its update was not applied and nothing after it was saved. {where[0].upper()}"
-                f"{where[1:]}; to get past it lower the learning rate, e.g. optim.lr={self.cfg.optim.lr / 10:g} "
-                "allow_changes=[optim.lr] (or set optim.clip_norm, or check the data)")
 
 
 class _Prefetch:
@@ -272,98 +274,88 @@ class _Prefetch:
         self._thread.join()
 
 
-def _run(cfg: TrainConfig, ckpt: Checkpointer, resume, model_cfg, state, data, step_fn, lora: LoRARun | None, mesh,
-         out_dir, stop_after, on_log, tokenizer=None) -> TrainResult:
-    """The step loop. Nothing waits on the host per step: batches are prefetched (`_Prefetch`), the metrics
-    of a logged step are read after the next step is dispatched, checkpoints are written by orbax in the
-    background; then the final save + HF export."""
-    lead = jax.process_index() == 0
+def _run(run: Run, state: TrainState, stop_after: int | None, on_log: Callable[[dict], Any] | None) -> TrainResult:
+    """The step loop (`_steps`), then the final save and export (`_finish`)."""
+    cfg, lead = run.cfg, jax.process_index() == 0
+    start, end = int(state.step), cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    metrics_path = run.out_dir / "metrics.jsonl"
     if lead:
-        (out_dir / "train_config.json").write_text(json.dumps(
-            {"train": to_dict(cfg), "model": to_dict(model_cfg)}, indent=2, default=str))
-    start = int(state.step)
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    history: list[dict] = []
-    metrics_path = out_dir / "metrics.jsonl"
-    if lead and resume is not None and metrics_path.exists():  # drop records of steps redone after the resume
-        kept = [ln for ln in metrics_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume]
-        metrics_path.write_text("".join(ln + "\n" for ln in kept))
-    window_tokens, t0 = 0.0, time.perf_counter()
+        (run.out_dir / SETTINGS_FILE).write_text(json.dumps(
+            {"train": to_dict(cfg), "model": to_dict(run.model_cfg)}, indent=2, default=str))
+        if run.resume is not None:
+            trim_metrics(metrics_path, run.resume)
+    with tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True,
+              disable=not (cfg.progress and lead and start < end)) as bar:
+        log = MetricsLog(cfg, end, FiniteGuard(cfg, run.ckpt.directory), metrics_path if lead else None, on_log, bar)
+        state, data_state, last_saved = _steps(run, state, start, end, log)
+    hf_dir = adapter_dir = None
+    if end == cfg.steps:
+        hf_dir, adapter_dir = _finish(run, state, data_state, last_saved, ran=end > start)
+    return TrainResult(run.model_cfg, state, log.history, run.out_dir, hf_dir, run.resume, run.traces.count,
+                       adapter_dir)
 
-    rows = getattr(data, "rows", None)  # the batch rows the iterator packs (this process's), or all of them
+
+def _steps(run: Run, state: TrainState, start: int, end: int, log: MetricsLog):
+    """Steps start + 1 .. end, with a checkpoint on the interval (only of finite state). Nothing waits on the host
+    per step: batches are prefetched (`_Prefetch`), a logged step's metrics are read after the next step is
+    dispatched (`MetricsLog`), orbax writes checkpoints in the background.
+    -> (state, the data position after the last step, the last step saved)."""
+    last_saved, data_state = run.resume, None
+    if start >= end:
+        return state, data_state, last_saved
+    place, scale = _placement(run.cfg, run.mesh, run.data)
+    prefetch = _Prefetch(run.data, place, scale)
+    try:
+        for step in range(start + 1, end + 1):
+            batch, data_state, tokens = prefetch.next()
+            state, metrics = run.step_fn(state, batch)
+            log.after_step(step, metrics, tokens, last_saved)
+            if run.ckpt.due(step):
+                log.guard.check(last_saved)
+                last_saved = step if run.ckpt.save(step, state, data_state, meta=run.meta) else last_saved
+        log.flush(last_saved)
+        log.guard.check(last_saved)
+    finally:
+        prefetch.close()
+    return state, data_state, last_saved
+
+
+def _placement(cfg: TrainConfig, mesh: Mesh, data) -> tuple[Callable, float]:
+    """(host batch -> global device arrays, batch_size / the rows each host batch holds). An iterator with `rows`
+    packs only those rows of the global batch (this process's)."""
+    rows = getattr(data, "rows", None)
     rows = None if rows is None or len(rows) == cfg.batch_size else rows
+    n = cfg.batch_size if rows is None else len(rows)
 
     def place(batch_np):
-        n = cfg.batch_size if rows is None else len(rows)
         if np.ndim(batch_np.tokens) != 2 or len(batch_np.tokens) != n:
             raise DataError(f"the data iterator yields batches of shape {np.shape(batch_np.tokens)}, expected "
                             f"[{n}, L] (batch_size={cfg.batch_size}" + (")" if rows is None else
                                                                         f", {n} rows on this process)"))
         return put_batch(batch_np, mesh, cfg.batch_size, rows)
-
-    guard = FiniteGuard(cfg, ckpt.directory)
-
-    def log(step, m, tokens):
-        nonlocal t0
-        guard.check(last_saved, upto=step)
-        m = {k: float(v) for k, v in jax.device_get(m).items()}
-        dt, t0 = time.perf_counter() - t0, time.perf_counter()
-        rec = {"step": step, **m, "k": int(m["k"]), "nonfinite": int(m["nonfinite"]),
-               "tokens_per_s": tokens / max(dt, 1e-9), "time": time.time()}
-        history.append(rec)
-        if lead:
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
-        if on_log:
-            on_log(rec)
-        pbar.set_postfix(loss=f"{rec['loss']:.3f}", ntp=f"{rec['ntp_loss']:.3f}", matp=f"{rec['matp_loss']:.3f}",
-                         tok_s=f"{rec['tokens_per_s']:.0f}", lr=f"{rec.get('lr', 0):.2e}", refresh=False)
-
-    last_saved, pending, data_state, meta = resume, None, None, lora.meta if lora else None
-    prefetch = _Prefetch(data, place, cfg.batch_size / (cfg.batch_size if rows is None else len(rows))) \
-        if start < end else None
-    try:
-        with tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True,
-                  disable=not (cfg.progress and lead and start < end)) as pbar:
-            for i in range(start, end):
-                batch, data_state, tokens = prefetch.next()
-                state, m = step_fn(state, batch)
-                step = i + 1
-                guard.add(step, m)
-                window_tokens += tokens
-                if pending is not None:  # the previous logged step's metrics, read while this step runs
-                    log(*pending)
-                    pending = None
-                if step % cfg.log_every == 0 or step == end:
-                    pending, window_tokens = (step, m, window_tokens), 0.0
-                pbar.update(1)
-                if ckpt.due(step):  # only finite state is saved
-                    guard.check(last_saved)
-                    last_saved = step if ckpt.save(step, state, data_state, meta=meta) else last_saved
-            if pending is not None:
-                log(*pending)
-            guard.check(last_saved)
-    finally:
-        if prefetch is not None:
-            prefetch.close()
-    hf_dir = adapter_dir = None
-    if end == cfg.steps:
-        if last_saved != cfg.steps and end > start:
-            ckpt.save(cfg.steps, state, data_state, force=True, meta=meta)
-        if cfg.checkpoint.export_hf:
-            hf_dir, adapter_dir = _export(cfg, model_cfg, state.params, lora, out_dir, tokenizer)
-    return TrainResult(model_cfg, state, history, out_dir, hf_dir, resume, step_fn._cache_size(), adapter_dir)
+    return place, cfg.batch_size / n
 
 
-def _export(cfg: TrainConfig, model_cfg: ModelConfig, params, lora: LoRARun | None, out_dir: Path, tokenizer):
+def _finish(run: Run, state: TrainState, data_state: dict | None, last_saved: int | None, ran: bool):
+    """At cfg.steps: the final checkpoint (when this call ran steps the interval did not save) and the export
+    -> (hf_dir, adapter_dir)."""
+    if last_saved != run.cfg.steps and ran:
+        run.ckpt.save(run.cfg.steps, state, data_state, force=True, meta=run.meta)
+    if not run.cfg.checkpoint.export_hf:
+        return None, None
+    return _export(run, state.params)
+
+
+def _export(run: Run, params) -> tuple[Path | None, Path | None]:
     """The final weights in HF layout (<out_dir>/hf), or a LoRA run's adapter (<out_dir>/adapter, + hf merged on
     request), each with the run's tokenizer and stop ids, so that it decodes text as trained -> (hf, adapter)."""
+    cfg, model_cfg, lora = run.cfg, run.model_cfg, run.lora
     if lora is None:
-        dirs = [save_pretrained(model_cfg, params, out_dir / "hf", dtype=cfg.checkpoint.export_dtype)]
+        dirs = [save_pretrained(model_cfg, params, run.out_dir / "hf", dtype=cfg.checkpoint.export_dtype)]
     else:
-        dirs = export_lora(lora, model_cfg, params, out_dir, cfg)
+        dirs = export_lora(lora, model_cfg, params, run.out_dir, cfg)
     if jax.process_index() == 0:
-        tok = tokenizer if isinstance(tokenizer, Tokenizer) else (
+        tok = run.tokenizer if isinstance(run.tokenizer, Tokenizer) else (
             Tokenizer.load(cfg.data.tokenizer) if cfg.data.tokenizer else None)
         for d in dirs:
             save_generation_files(d, model_cfg, tok, chat=cfg.data.chat_template and cfg.data.mode != "text")

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..jsonlines import parse_object
 from .config import DataConfig
-from .data import DataError, Documents
+from .documents import DataError, Documents
 
 STORE_VERSION = 2  # 2: counts.bin
 _EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
