@@ -1,12 +1,12 @@
 """Device meshes and logical-axis sharding rules, shared by training and decoding. Parameters carry logical
 axis names (`ParamSpec.axes` in sbd_jax/models/transformer.py); `DEFAULT_RULES` maps them onto the mesh axes
-("data", "fsdp", "tensor"). A dimension whose size the mesh axis does not divide is replicated instead (so
-e.g. 8 KV heads on a tensor axis of 16 still works). `mesh_context` makes a mesh ambient for the Pallas kernels."""
+("data", "fsdp", "tensor"); the rules live in sharding_rules.py (re-exported here), which the Pallas attention
+wrapper reads too. A dimension whose size the mesh axis does not divide is replicated instead (so e.g. 8 KV heads
+on a tensor axis of 16 still works). `mesh_context` makes a mesh ambient for the Pallas kernels."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 
 import jax
@@ -15,13 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import ConfigError, ModelConfig
 from .models.transformer import param_specs
-
-MESH_AXES = ("data", "fsdp", "tensor")
-
-# logical axis -> mesh axis (or axes, used together); axes not named here are replicated
-DEFAULT_RULES: dict[str, str | tuple[str, ...]] = {
-    "batch": ("data", "fsdp"), "vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
-    "mlp": "tensor"}
+from .sharding_rules import DEFAULT_RULES, MESH_AXES, logical_to_spec  # noqa: F401 (DEFAULT_RULES: re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,22 +67,6 @@ def make_mesh(cfg: MeshConfig | None = None, devices=None) -> Mesh:
         raise ConfigError(f"mesh {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} devices, "
                           f"but {n} are available")
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
-
-
-def logical_to_spec(axes: tuple, shape: tuple, mesh: Mesh, rules=None) -> P:
-    """PartitionSpec of an array with these logical axes (None: replicated) and shape, by `rules`."""
-    rules = DEFAULT_RULES if rules is None else rules
-    spec, used = [], set()
-    for name, dim in zip(axes, shape):
-        target = rules.get(name) or ()
-        names = tuple(a for a in ((target,) if isinstance(target, str) else target)
-                      if a not in used and mesh.shape[a] > 1)
-        if not names or dim % math.prod(mesh.shape[a] for a in names):
-            spec.append(None)
-            continue
-        used.update(names)
-        spec.append(names[0] if len(names) == 1 else names)
-    return P(*spec)
 
 
 def spec_shardings(specs: dict, cfg: ModelConfig, mesh: Mesh, rules=None) -> dict:

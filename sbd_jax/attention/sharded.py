@@ -5,13 +5,15 @@ every device or fail. Attention is independent per (row, KV-head group), so the 
 unchanged on each shard of the ambient mesh (`jax.sharding.get_abstract_mesh()`; none, or all axes
 of size 1 or already manual: the kernels are called directly):
 
-  * batch and metadata: split over the batch axes ("data", "fsdp": those with size > 1), or
-    replicated if the batch does not divide (as `batch_sharding`);
-  * heads, over the "tensor" axis (t devices), from H query heads and K KV heads (G = H // K):
-      - K % t == 0: q and KV heads both split (the layout of wq/wk/wv under the training rules);
+  * batch and metadata: split by the "batch" rule of sbd_jax/sharding_rules.py ("data", "fsdp":
+    those with size > 1), or replicated if the batch does not divide (as `batch_sharding`);
+  * heads, by the "heads" and "kv_heads" rules (both "tensor": t devices), from H query heads and
+    K KV heads (G = H // K):
+      - K % t == 0: q and KV heads both split (the layout of wq/wk/wv under the same rules);
       - else, if H % t == 0 and G % (H/t) == 0 (e.g. 8 KV heads on a tensor axis of 16): q heads
         split, K/V replicated over "tensor", each shard slicing out its query heads' KV head;
       - otherwise heads are replicated (correct, no tensor parallelism).
+  Time and head_dim are never split: the kernels read whole sequences.
 
 The custom VJP runs inside the shard_map, so gradients are per shard too. `check_vma=False`: the
 kernels' out_shapes carry no varying-axes annotation; shard_map's transpose then sums the cotangent
@@ -26,10 +28,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from ..sharding_rules import DEFAULT_RULES, logical_to_spec, rule_axes, spec_entry
 from .mask import TokenMeta
-
-BATCH_AXES = ("data", "fsdp")
-HEAD_AXIS = "tensor"
 
 
 class ShardedAttentionError(ValueError):
@@ -39,15 +39,17 @@ class ShardedAttentionError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class HeadLayout:
     """How one attention call is split over the mesh. `batch`: the batch axes (a name, a tuple of
-    names, or None = replicated); `heads`: "split" | "q_only" | "replicated"; `t`: the tensor size."""
+    names, or None = replicated); `heads`: "split" | "q_only" | "replicated"; `t`: the size of the
+    heads rule's mesh axes, `axis`: those axes (a name or a tuple of names)."""
 
     batch: str | tuple[str, ...] | None
     heads: str
     t: int = 1
+    axis: str | tuple[str, ...] | None = DEFAULT_RULES["heads"]
 
     @property
     def head_axis(self):
-        return HEAD_AXIS if self.heads in ("split", "q_only") else None
+        return self.axis if self.heads in ("split", "q_only") else None
 
     @property
     def trivial(self) -> bool:
@@ -55,7 +57,7 @@ class HeadLayout:
 
     def specs(self):
         """(q/out spec, k/v spec, metadata spec)."""
-        kv_axis = HEAD_AXIS if self.heads == "split" else None
+        kv_axis = self.axis if self.heads == "split" else None
         return (P(self.batch, None, self.head_axis, None), P(self.batch, None, kv_axis, None),
                 P(self.batch, None))
 
@@ -66,30 +68,26 @@ def active_mesh():
     return None if mesh.empty else mesh
 
 
-def _free_axes(mesh) -> dict[str, int]:
-    """Mesh axes we may still split over: size > 1 and not already manual (inside a shard_map)."""
-    manual = set(getattr(mesh, "manual_axes", ()) or ())
-    return {a: int(s) for a, s in mesh.shape.items() if s > 1 and a not in manual}
-
-
-def head_layout(mesh, B: int, H: int, K: int) -> HeadLayout:
-    """The layout of a [B, T, H, D] x [B, S, K, D] attention on `mesh` (rules: module docstring)."""
+def head_layout(mesh, B: int, H: int, K: int, rules=None) -> HeadLayout:
+    """The layout of a [B, T, H, D] x [B, S, K, D] attention on `mesh` by the logical-axis `rules`
+    (default: sharding_rules.DEFAULT_RULES; how: module docstring)."""
     if mesh is None:
         return HeadLayout(None, "replicated")
-    free = _free_axes(mesh)
-    axes = tuple(a for a in BATCH_AXES if a in free)
-    n = int(np.prod([free[a] for a in axes])) if axes else 1
-    batch = None if not axes or B % n else (axes[0] if len(axes) == 1 else axes)
-    t = free.get(HEAD_AXIS, 1)
-    if t == 1:
+    manual = tuple(getattr(mesh, "manual_axes", ()) or ())  # inside a shard_map: not split again
+    q_spec = logical_to_spec(("batch", None, "heads", None), (B, 0, H, 0), mesh, rules, manual)
+    kv_spec = logical_to_spec(("batch", None, "kv_heads", None), (B, 0, K, 0), mesh, rules, manual)
+    # the q heads' axes; when they stay whole, those the rule names (t is reported either way)
+    axis = q_spec[2] if q_spec[2] is not None else spec_entry(rule_axes("heads", mesh, rules, manual))
+    t = int(np.prod([mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis or ())]))
+    if q_spec[2] is None:
         heads = "replicated"
-    elif K % t == 0:
+    elif kv_spec[2] == q_spec[2]:
         heads = "split"
-    elif H % t == 0 and (H // K) % (H // t) == 0:
+    elif kv_spec[2] is None and (H // K) % (H // t) == 0:
         heads = "q_only"
     else:
         heads = "replicated"
-    return HeadLayout(batch, heads, t)
+    return HeadLayout(q_spec[0], heads, t, axis)
 
 
 def _shapes(q, k, v):
@@ -104,14 +102,14 @@ def _shapes(q, k, v):
 
 
 def _local_kv(layout: HeadLayout, H: int, K: int):
-    """Inside the shard_map: slice K/V (replicated over "tensor") to the one KV head of this shard's
-    query heads ("q_only" layout); identity otherwise."""
+    """Inside the shard_map: slice K/V (replicated over the heads axis) to the one KV head of this
+    shard's query heads ("q_only" layout); identity otherwise."""
     if layout.heads != "q_only":
         return lambda x: x
     G, h_local = H // K, H // layout.t
 
     def take(x):
-        idx = jax.lax.axis_index(HEAD_AXIS) * h_local // G
+        idx = jax.lax.axis_index(layout.axis) * h_local // G
         return jax.lax.dynamic_slice_in_dim(x, idx, 1, axis=2)
     return take
 

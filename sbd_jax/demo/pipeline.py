@@ -20,64 +20,10 @@ from pathlib import Path
 
 import jax
 
-from ..config import ConfigError
-from ..decoding.spec import DEFAULT_BLOCK_SIZE
+from .config import DemoConfig
 from .evaluation import evaluate
 from .report import family_table, markdown_table, plot, write_atomic
 from .stages import model_config, stage_data, stage_train, train_config
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoConfig:
-    out_dir: str = "results"
-    seed: int = 0
-    # data
-    n_pretrain: int = 30000
-    n_finetune: int = 30000
-    n_test: int = 500
-    vocab_size: int = 1024  # BPE trained on the pretraining texts (numbers of <= 3 digits are single tokens)
-    # model (Llama-style)
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 384
-    # training
-    seq_len: int = 128
-    # fine-tunes: an SBD copy stream of the responses only (data.copy_len; responses are ~56% of the tokens);
-    # the baseline's rows are packed under the same budget, so both fine-tunes see the same rows
-    copy_len: int | None = 80
-    batch_size: int = 8  # more, smaller SBD updates for the same CPU time (docs/demo_experiments.md)
-    pretrain_steps: int = 1200
-    finetune_steps: int = 2800  # the SBD fine-tune's length decides the result (docs/demo_experiments.md)
-    pretrain_lr: float = 2e-3
-    finetune_lr: float = 2e-3
-    k_max: int = 16
-    train_block_size: int | None = None  # fixed training block size instead of k ~ U[2, k_max] (the paper's)
-    block_align: str = "response"  # SFT blocks start at the response, as at inference after the prompt
-    # evaluation
-    block_size: int = DEFAULT_BLOCK_SIZE
-    gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0)  # EB rule (the paper's): low 0.1, middle 0.35, high 0.6
-    threshold_gammas: tuple[float, ...] = (0.1, 0.35, 0.6)  # the threshold rule (SBD.md step 4), for comparison
-    # lossless (verify) rows: the sweep's gammas and a larger one (drafts are only proposals there)
-    verify_gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0, 3.0)
-    max_new_tokens: int = 48
-    eval_batch: int = 100
-    latency_n: int = 100  # problems also decoded one at a time (batch 1) for the latency-bound tokens/s
-    timing_rounds: int = 3  # every decoder timed this many times, interleaved; tokens/s from the median round
-
-    def __post_init__(self):
-        if self.timing_rounds < 1:
-            raise ConfigError(f"timing_rounds must be >= 1, got {self.timing_rounds}")
-
-    @classmethod
-    def quick(cls, **kw) -> "DemoConfig":
-        base = dict(n_pretrain=3000, n_finetune=3000, n_test=64, hidden_size=64, num_layers=2, num_heads=4,
-                    num_kv_heads=2, intermediate_size=192, batch_size=16, pretrain_steps=300,
-                    finetune_steps=250, gammas=(0.35, 3.0), threshold_gammas=(0.35,), verify_gammas=(0.35, 3.0),
-                    eval_batch=64,
-                    latency_n=16, timing_rounds=2, out_dir="results/quick")
-        return cls(**{**base, **kw})
 
 
 def run(cfg: DemoConfig, log=print) -> list[dict]:

@@ -6,16 +6,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..config import ConfigError, ModelConfig, changed_settings, to_dict
 from ..sharding import MeshConfig
 from ..training.config import CheckpointConfig, DataConfig, ModelSource, OptimConfig, SBDConfig, TrainConfig
 from . import tasks
 from . import tokenizer as demo_tok
-
-if TYPE_CHECKING:
-    from .pipeline import DemoConfig
+from .config import DemoConfig
 
 
 def stage_data(cfg: DemoConfig, log=print) -> dict:

@@ -31,14 +31,13 @@ import numpy as np
 
 from ..config import ModelConfig, RopeScaling
 from ..models.transformer import param_specs
-from .hf import CheckpointError, hf_names, save_generation_files, save_pretrained
+from .gguf_meta import GGUFError, meta_value
+from .gguf_tokenizer import build_tokenizer
+from .hf_layout import CheckpointError, hf_names
+from .hf_save import save_generation_files, save_pretrained
 
 CONVERTER_VERSION = 1  # part of the cache key: a changed converter never reuses an older conversion
 DTYPES = ("float32", "bfloat16")
-
-
-class GGUFError(CheckpointError):
-    """A GGUF file that cannot be converted exactly: unsupported architecture, quantization, tokenizer..."""
 
 
 # --- reading --------------------------------------------------------------------------------------------------
@@ -56,15 +55,6 @@ def _reader(path: Path):
 def read_metadata(reader) -> dict:
     """Every key/value of the file, values as Python scalars, strings or lists."""
     return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-
-
-def meta_value(meta: dict, key: str, path: Path, default=KeyError):
-    """`meta[key]`; a missing key is an error naming it and the file unless a default is given."""
-    if key in meta:
-        return meta[key]
-    if default is KeyError:
-        raise GGUFError(f"{str(path)!r} lacks the required metadata key {key!r}")
-    return default
 
 
 # --- model config ---------------------------------------------------------------------------------------------
@@ -225,7 +215,6 @@ def _write_model(path: Path, out: Path, dtype: str) -> None:
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     cfg = read_config(meta, tensors, path)
-    from .gguf_tokenizer import build_tokenizer  # (it imports this module's error and metadata reader)
     tok, tok_conf = build_tokenizer(meta, path)  # before the weights: a bad tokenizer fails fast
     params = to_params(cfg, read_weights(tensors, cfg, meta["general.architecture"], path), path)
     save_pretrained(cfg, params, out, dtype=dtype)

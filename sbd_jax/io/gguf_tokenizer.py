@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .gguf import GGUFError, meta_value
+from .gguf_meta import GGUFError, meta_value
 
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"

@@ -1,0 +1,129 @@
+"""The package's structure (issue #29), read from the source with `ast` (nothing is imported): no module uses another
+module's private names, the modules of sbd_jax/ import each other without cycles (imports inside functions count,
+and so do `if TYPE_CHECKING:` ones), no function is longer than 60 lines and no module longer than 400."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "sbd_jax"
+MAX_FUNCTION_LINES, MAX_MODULE_LINES = 60, 400
+# namedtuple's API: public although spelled with an underscore
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+TREES = {name: ast.parse(p.read_text(), str(p)) for name, p in MODULES.items()}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__") and name not in NAMEDTUPLE_API
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    """The absolute name of the module an ImportFrom reads from (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(module: str):
+    """(imported sbd_jax module, (local name, the module object bound to it) or None, names taken from it) for every
+    import statement of `module`, wherever it is. `from pkg import sub` gives the submodule `pkg.sub`."""
+    for node in ast.walk(TREES[module]):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in MODULES:  # `import a.b` binds `a`, `import a.b as x` binds `a.b`
+                    top = a.name.partition(".")[0]
+                    yield a.name, (a.asname, a.name) if a.asname else (top, top), ()
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(module, node)
+            if source not in MODULES:
+                continue
+            for a in node.names:
+                sub = f"{source}.{a.name}"
+                if sub in MODULES:
+                    yield sub, (a.asname or a.name, sub), ()
+                else:
+                    yield source, None, (a.name,)
+
+
+def _dotted(node) -> str | None:
+    """`a.b.c` of an expression made of names and attributes only; None otherwise."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return head and f"{head}.{node.attr}"
+    return None
+
+
+def test_no_module_uses_another_modules_private_names():
+    bad = []
+    for module in MODULES:
+        aliases = {}  # local name -> the sbd_jax module object it is bound to
+        for source, binding, names in _imports(module):
+            bad += [f"{module} imports {n} from {source}" for n in names if _private(n)]
+            if binding:
+                aliases[binding[0]] = binding[1]
+        for node in ast.walk(TREES[module]):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                head, _, rest = (_dotted(node.value) or "").partition(".")
+                target = aliases.get(head, "") + (f".{rest}" if rest else "")
+                if target in MODULES and target != module:
+                    bad.append(f"{module}:{node.lineno} reads {target}.{node.attr}")
+    assert not bad, "\n".join(bad)
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    edges = {m: {source for source, _, _ in _imports(m)} - {m} for m in MODULES}
+    cycles = _cycles(edges)
+    assert not cycles, "import cycles among sbd_jax modules:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_size_limits():
+    bad = []
+    for module, path in MODULES.items():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            bad.append(f"{path.relative_to(ROOT)}: {lines} lines (limit {MAX_MODULE_LINES})")
+        for node in ast.walk(TREES[module]):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    bad.append(f"{path.relative_to(ROOT)}::{node.name}: {n} lines (limit {MAX_FUNCTION_LINES})")
+    assert not bad, "\n".join(bad)
