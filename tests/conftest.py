@@ -146,13 +146,13 @@ def hf_ref_session(tmp_path_factory) -> HFRef:
 
 @pytest.fixture(scope="module")
 def params():
-    """The random decoding test model of tests/test_decoding.py (one copy per module that asks for it)."""
-    from test_decoding import make_params
+    """The random decoding test model of tests/decoding_fixtures.py (one copy per module that asks for it)."""
+    from decoding_fixtures import make_params
     return make_params()
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    """tests/test_decoding.py's ragged prompt batch (garbage in the padding)."""
-    from test_decoding import make_prompts
+    """tests/decoding_fixtures.py's ragged prompt batch (garbage in the padding)."""
+    from decoding_fixtures import make_prompts
     return make_prompts()

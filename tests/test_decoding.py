@@ -3,8 +3,9 @@ EOS, block size 1, use inside a user's jit, HF greedy parity, errors.
 
 The model is random but initialised with std 0.5, so its distributions are sharp enough that
 entropies differ between positions and acceptance is non-trivial (1 < tokens/forward < k, asserted).
-Every test uses the same static configuration (`BASE`) so that one compiled decoder serves most of
-them; the other decoding test modules import the constants from here.
+Every test uses the same static configuration (`BASE`, tests/decoding_fixtures.py, which the other decoding
+test modules share) so that one compiled decoder serves most of them. A row of a batch equals its prompt
+decoded alone: tests/test_rows_alone.py.
 """
 import jax
 import jax.numpy as jnp
@@ -14,54 +15,10 @@ import pytest
 import sbd_jax
 from sbd_jax.decoding import DecodeError, PromptTooLongError, generate
 from brute import brute_force_generate
-from sbd_jax.models import causal_meta, init_cache, param_shapes
+from decoding_fixtures import BASE, CFG, K, LENGTHS, MAX_NEW, B, P, assert_same, outputs, pick_eos
+from sbd_jax.models import causal_meta, init_cache
 
-CFG = sbd_jax.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                          mask_token_id=63, rope_theta=10000.0, rms_norm_eps=1e-6)
-B, P, K, MAX_NEW = 4, 8, 4, 18
-LENGTHS = np.array([8, 5, 3, 6], np.int32)
-BASE = {"max_new_tokens": MAX_NEW, "block_size": K, "finalize_cache": True, "return_cache": True, "pad_id": 0}
 KV_TOL = 1e-5  # relative to max|K/V|: float32 K/V written by windows vs one causal forward (other shapes)
-
-
-def make_params():
-    """Random weights, normal(0, 0.5), norms 1 (numpy: compiling jax.random per leaf costs seconds)."""
-    rng = np.random.default_rng(0)
-
-    def leaf(path, shape):
-        if path[-1].key.endswith("norm"):
-            return jnp.ones(shape, jnp.float32)
-        return jnp.asarray(0.5 * rng.standard_normal(shape), jnp.float32)
-    return jax.tree.map_with_path(leaf, param_shapes(CFG), is_leaf=lambda x: isinstance(x, tuple))
-
-
-def make_prompts(seed=0, garbage_seed=1):
-    """[B, P] prompt ids (< 62, never the mask token 63) with random garbage in the padding, so a row
-    that attended its padding would decode differently."""
-    ids = np.random.default_rng(seed).integers(0, 62, (B, P)).astype(np.int32)
-    garbage = np.random.default_rng(garbage_seed).integers(0, 62, (B, P)).astype(np.int32)
-    return np.where(np.arange(P)[None] < LENGTHS[:, None], ids, garbage)
-
-
-def _np(out):
-    return {f: np.asarray(getattr(out, f)) for f in ("tokens", "lengths", "nfe", "stopped_by_eos", "accepted")}
-
-
-def _assert_same(a, b, what):
-    a, b = _np(a), _np(b)
-    for f in a:
-        np.testing.assert_array_equal(a[f], b[f], err_msg=f"{what}: {f} differ")
-
-
-def pick_eos(tokens):
-    """An EOS id the model really emits in this configuration: a token of row 0 (after its 3rd
-    token) that some other row never emits, so EOS stops some rows and not others."""
-    tokens = np.asarray(tokens)
-    for t in tokens[0, 3:]:
-        if not all((tokens[b] == t).any() for b in range(1, len(tokens))):
-            return int(t)
-    return int(tokens[0, 5])
 
 
 @pytest.fixture(scope="module")
@@ -97,16 +54,16 @@ def test_cached_equals_brute_force(params, prompts, eos_id):
         ours = generate(params, CFG, prompts, LENGTHS, key=key, **kw, **BASE)
         ref = brute_force_generate(params, CFG, prompts, LENGTHS, key=key, max_new_tokens=MAX_NEW,
                                    block_size=K, pad_id=0, **kw)
-        _assert_same(ours, ref, f"case {c}")
+        assert_same(ours, ref, f"case {c}")
         assert int(ours.iterations) == int(ref.iterations) >= int(np.max(ours.nfe))
         assert int(ours.wide_steps) == int(ref.wide_steps)
         if c.get("commit_quorum") == 0.0:  # no row ever waits
             assert int(ours.iterations) == int(np.max(ours.nfe)), c
         held_calls.append(int(ours.iterations) - int(np.max(ours.nfe)))
         if "commit_quorum" in c:  # the rows of the same case at the previous quorum (the default 0.5, then 0)
-            _assert_same(ours, plain, f"case {c}: waiting changed the rows")
+            assert_same(ours, plain, f"case {c}: waiting changed the rows")
         plain = ours
-        o = _np(ours)
+        o = outputs(ours)
         tpf[c["rule"]].append(o["lengths"].sum() / o["nfe"].sum())
         eos_stops += int(o["stopped_by_eos"].sum())
         if c["temperature"] == 1.0 and c["seed"] == 0:
@@ -117,7 +74,7 @@ def test_cached_equals_brute_force(params, prompts, eos_id):
         assert max(v) > 1.5, f"{rule}: no case accepted much ({v})"
     assert eos_stops >= 2, "EOS never stopped a row: the EOS path is not exercised"
     assert max(held_calls) > 0, "no row ever waited for a commit quorum: the waiting path is not exercised"
-    greedy = _np(generate(params, CFG, prompts, LENGTHS, gamma=0.5, eos_ids=(), **BASE))["tokens"]
+    greedy = outputs(generate(params, CFG, prompts, LENGTHS, gamma=0.5, eos_ids=(), **BASE))["tokens"]
     assert not np.array_equal(sampled_vs_greedy[0], greedy), "sampling had no effect"
 
 
@@ -144,7 +101,7 @@ def test_final_cache_equals_one_causal_forward(params, prompts, mode):
     kw = dict(mode="sbd", verify=True) if mode == "verify" else dict(mode=mode)
     eos_id = pick_eos(generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(), **kw, **BASE).tokens)
     out = generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(eos_id,), **kw, **BASE)
-    o = _np(out)
+    o = outputs(out)
     total = LENGTHS + o["lengths"]
     assert o["stopped_by_eos"].any() and not o["stopped_by_eos"].all(), "want rows stopped by EOS and by length"
     seq = np.zeros((B, P + MAX_NEW), np.int32)
@@ -173,8 +130,8 @@ def test_prompt_prefilled_in_pieces_equals_one_call(params, prompts, eos_id, mod
         ours = generate(params, CFG, prompts, LENGTHS, key=key, mode=mode, prefill_chunk=3, **kw, **BASE)
         ref = brute_force_generate(params, CFG, prompts, LENGTHS, key=key, max_new_tokens=MAX_NEW, block_size=K,
                                    pad_id=0, mode=mode, **kw)
-        _assert_same(ours, ref, f"{mode} {kw}")
-        o = _np(ours)
+        assert_same(ours, ref, f"{mode} {kw}")
+        o = outputs(ours)
         total = LENGTHS + o["lengths"]
         seq = np.zeros((B, P + MAX_NEW), np.int32)
         for b in range(B):
@@ -189,46 +146,28 @@ def test_prompt_prefilled_in_pieces_equals_one_call(params, prompts, eos_id, mod
 @pytest.mark.parametrize("mode", ["sbd", "ar"])
 def test_per_row_max_new_tokens(params, prompts, mode):
     """Each row stops at its own cap (`row_max_new_tokens`, <= the spec's cache-sizing cap): the same as the
-    brute-force decoder with those caps, and as each row decoded alone with its cap as the spec's."""
+    brute-force decoder with those caps (each row decoded alone with its cap as the spec's: tests/test_rows_alone.py)."""
     caps = np.array([18, 5, 9, 1], np.int32)
     kw = dict(gamma=0.5, temperature=0.0, eos_ids=(), mode=mode)
     ours = generate(params, CFG, prompts, LENGTHS, row_max_new_tokens=caps, **kw, **BASE)
     ref = brute_force_generate(params, CFG, prompts, LENGTHS, row_max_new_tokens=caps, max_new_tokens=MAX_NEW,
                                block_size=K, pad_id=0, **kw)
-    _assert_same(ours, ref, f"{mode} per-row caps")
-    o = _np(ours)
+    assert_same(ours, ref, f"{mode} per-row caps")
+    o = outputs(ours)
     np.testing.assert_array_equal(o["lengths"], caps)
-    for b in range(B):
-        alone = _np(generate(params, CFG, prompts[b:b + 1], LENGTHS[b:b + 1], **kw,
-                             **{**BASE, "max_new_tokens": int(caps[b])}))
-        np.testing.assert_array_equal(o["tokens"][b, :caps[b]], alone["tokens"][0])
-        assert o["nfe"][b] == alone["nfe"][0] and not o["tokens"][b, caps[b]:].any()
     with pytest.raises(DecodeError, match=r"row_max_new_tokens must be .* each in \[1, max_new_tokens=18\]"):
         generate(params, CFG, prompts, LENGTHS, row_max_new_tokens=[18, 19, 1, 1], **kw, **BASE)
 
 
-def test_ragged_batch_equals_each_prompt_alone(params, prompts):
-    keys = jax.random.split(jax.random.key(11), B)  # per-row keys: sampling independent of the batch
-    alone_prompts = make_prompts(garbage_seed=99)  # different padding garbage
-    for temperature in (0.0, 1.0):
-        batched = _np(generate(params, CFG, prompts, LENGTHS, gamma=2.0, temperature=temperature, key=keys,
-                               eos_ids=(), **BASE))
-        for b in range(B):
-            alone = _np(generate(params, CFG, alone_prompts[b:b + 1], LENGTHS[b:b + 1], gamma=2.0,
-                                 temperature=temperature, key=keys[b:b + 1], eos_ids=(), **BASE))
-            for f in batched:
-                np.testing.assert_array_equal(batched[f][b], alone[f][0], err_msg=f"T={temperature} row {b}: {f}")
-
-
 def test_block_size_one_is_one_token_per_forward(params, prompts):
     kw = dict(BASE, block_size=1)
-    free = _np(generate(params, CFG, prompts, LENGTHS, gamma=5.0, eos_ids=(), **kw))
+    free = outputs(generate(params, CFG, prompts, LENGTHS, gamma=5.0, eos_ids=(), **kw))
     np.testing.assert_array_equal(free["nfe"], MAX_NEW)
     eos_id = pick_eos(free["tokens"])
-    out = _np(generate(params, CFG, prompts, LENGTHS, gamma=5.0, eos_ids=(eos_id,), **kw))
+    out = outputs(generate(params, CFG, prompts, LENGTHS, gamma=5.0, eos_ids=(eos_id,), **kw))
     np.testing.assert_array_equal(out["nfe"], out["lengths"])
     assert out["stopped_by_eos"].any() and (out["lengths"] == MAX_NEW).any()
-    ref = _np(brute_force_generate(params, CFG, prompts, LENGTHS, gamma=5.0, eos_ids=(eos_id,), max_new_tokens=MAX_NEW,
+    ref = outputs(brute_force_generate(params, CFG, prompts, LENGTHS, gamma=5.0, eos_ids=(eos_id,), max_new_tokens=MAX_NEW,
                                    block_size=1, pad_id=0))
     for f in out:
         np.testing.assert_array_equal(out[f], ref[f], err_msg=f)
@@ -239,10 +178,10 @@ def test_eos_stops_row_and_drops_the_rest(params, prompts, mode):
     """With EOS = a token the model emits, each row's output is the no-EOS output cut right after
     its first EOS, padded after, with no more NFE; rows without that token are unchanged."""
     key = jax.random.key(5)
-    free = _np(generate(params, CFG, prompts, LENGTHS, gamma=2.0, temperature=0.0, key=key, eos_ids=(), mode=mode,
+    free = outputs(generate(params, CFG, prompts, LENGTHS, gamma=2.0, temperature=0.0, key=key, eos_ids=(), mode=mode,
                         **BASE))
     eos_id = pick_eos(free["tokens"])
-    stop = _np(generate(params, CFG, prompts, LENGTHS, gamma=2.0, temperature=0.0, key=key, eos_ids=(eos_id,),
+    stop = outputs(generate(params, CFG, prompts, LENGTHS, gamma=2.0, temperature=0.0, key=key, eos_ids=(eos_id,),
                         mode=mode, **BASE))
     n_stopped = 0
     for b in range(B):
@@ -268,7 +207,7 @@ def test_ar_matches_brute_force_sampled(params, prompts):
     ours = generate(params, CFG, prompts, LENGTHS, mode="ar", temperature=1.0, key=key, eos_ids=(), **BASE)
     ref = brute_force_generate(params, CFG, prompts, LENGTHS, mode="ar", temperature=1.0, key=key, eos_ids=(),
                                max_new_tokens=MAX_NEW, pad_id=0)
-    _assert_same(ours, ref, "ar sampled")
+    assert_same(ours, ref, "ar sampled")
     np.testing.assert_array_equal(np.asarray(ours.nfe), MAX_NEW)
 
 
@@ -342,4 +281,4 @@ def test_decode_spec_is_validated_where_built_and_hashable(params, prompts):
     # keywords replace the spec's fields: the same decoder as a spec that holds them
     a = generate(params, CFG, prompts, LENGTHS, spec, gamma=2.0, eos_ids=(), finalize_cache=True, return_cache=True)
     b = generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(), **BASE)
-    _assert_same(a, b, "spec + keywords vs keywords")
+    assert_same(a, b, "spec + keywords vs keywords")

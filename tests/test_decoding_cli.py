@@ -7,7 +7,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_decoding import CFG, make_params
+from decoding_fixtures import CFG, make_params
 
 import sbd_jax
 from brute import brute_force_generate

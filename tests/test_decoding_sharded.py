@@ -8,14 +8,14 @@ import json
 import jax
 import numpy as np
 from subproc import run_on_8_devices
-from test_decoding import BASE, CFG, LENGTHS, make_params, make_prompts
+from decoding_fixtures import BASE, CFG, LENGTHS, make_params, make_prompts
 
 from brute import brute_force_generate, brute_force_verify
 
 SCRIPT = r"""
 import json, sys
 import jax, numpy as np
-from test_decoding import BASE, CFG, LENGTHS, make_params, make_prompts
+from decoding_fixtures import BASE, CFG, LENGTHS, make_params, make_prompts
 from sbd_jax.decoding import generate
 from sbd_jax.models import unstack_layers
 from sbd_jax.sharding import MeshConfig, batch_sharding, make_mesh, shard_params

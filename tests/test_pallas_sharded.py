@@ -159,7 +159,7 @@ print("RESULT" + json.dumps(dict(one=m1, mesh=m8, grad_rel=gdiff, n_calls=len(ca
 """
 
 DECODE = PRELUDE + r"""
-from test_decoding import BASE, CFG, LENGTHS, make_params, make_prompts
+from decoding_fixtures import BASE, CFG, LENGTHS, make_params, make_prompts
 from sbd_jax.decoding import generate
 from sbd_jax.decoding.decoder import generate_jit, prepare_generate
 from sbd_jax.models import param_shapes

@@ -278,9 +278,9 @@ PROMPTS = ["the quick brown fox", "a red sun", "my old cat sleeps"]  # no ids: k
 
 
 def save_model(d: Path, scale: float = 1.0) -> Path:
-    """A tiny random SBD model (test_decoding's CFG) with the word-level tokenizer of write_inputs, in `d`."""
+    """A tiny random SBD model (tests/decoding_fixtures.py's CFG) with the word-level tokenizer of write_inputs, in `d`."""
     import sbd_jax
-    from test_decoding import CFG, make_params
+    from decoding_fixtures import CFG, make_params
     sbd_jax.save_pretrained(CFG, jax.tree.map(lambda x: x * scale, make_params()), d)
     tok = write_inputs(d.parent) and d.parent / "tok"
     for f in tok.iterdir():
@@ -405,13 +405,13 @@ def test_decode_py_bad_input_is_an_error_line(decode_model, tmp_path, capsys, mo
 def _sampler() -> "object":
     from sbd_jax.decoding.sampler import Sampler
     from sbd_jax.io.tokenizer import Tokenizer
-    from test_decoding import CFG
+    from decoding_fixtures import CFG
     return Sampler({}, CFG, Tokenizer.from_callable(lambda s: [5] * len(s.split())))
 
 
 def _generate(ids, lengths):
     from sbd_jax.decoding import generate
-    from test_decoding import CFG
+    from decoding_fixtures import CFG
     return generate({}, CFG, ids, lengths, max_new_tokens=4, block_size=4)
 
 

@@ -1,15 +1,15 @@
 """Verify mode (SBD.md "Lossless mode"): SBD drafts checked by the next call's clean queries against AR's
 position-keyed tokens. Its output equals AR mode's for the same key (greedy and sampled), its NFE equals the
-no-cache verifier's (brute.py), batched ragged == alone (the final cache: test_decoding.py), and on a model
-whose drafts are right it needs far fewer calls than AR."""
+no-cache verifier's (brute.py), and on a model whose drafts are right it needs far fewer calls than AR. (A batched
+row == its prompt decoded alone: tests/test_rows_alone.py; the final cache: tests/test_decoding.py.)"""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import brute
+from decoding_fixtures import CFG, LENGTHS, MAX_NEW, make_params, make_prompts, outputs
 from sbd_jax.decoding import DecodeError, generate
-from test_decoding import CFG, LENGTHS, MAX_NEW, _np, make_params, make_prompts
 
 B = len(LENGTHS)
 CAPS = np.array([18, 7, 13, 1], np.int32)  # per-row max_new_tokens, not multiples of k (and a 1-token row)
@@ -39,36 +39,25 @@ SAMPLING = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.8, 
 @pytest.mark.parametrize("how", SAMPLING, ids=["greedy", "t1", "topk", "topp"])
 def test_verify_equals_ar_and_the_no_cache_verifier(params, prompts, eos, how):
     key = jax.random.key(3)
-    ar = _np(_ar(params, prompts, key=key, eos_ids=(eos,), **how))
+    ar = outputs(_ar(params, prompts, key=key, eos_ids=(eos,), **how))
     assert ar["stopped_by_eos"].any() and not ar["stopped_by_eos"].all()
     events = set()
     for k in (1, 4, 16):
         for rule, gamma in (("eb", 0.1), ("eb", 3.0), ("threshold", 1.0), ("eb", 100.0)):
             v = _verify(params, prompts, k, gamma, rule, key=key, eos_ids=(eos,), **how)
-            got = _np(v)
+            got = outputs(v)
             for f in ("tokens", "lengths", "stopped_by_eos"):
                 np.testing.assert_array_equal(got[f], ar[f], err_msg=f"verify k={k} {rule} {gamma}: {f} != AR's")
             ref = brute.brute_force_verify(params, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=k,
                                            rule=rule, gamma=gamma, max_new_tokens=MAX_NEW, row_max_new_tokens=CAPS,
                                            key=key, eos_ids=(eos,), **how)
-            for f, want in _np(ref).items():
+            for f, want in outputs(ref).items():
                 np.testing.assert_array_equal(got[f], want, err_msg=f"verify k={k} {rule} {gamma}: {f} != brute")
             events |= brute.EVENTS
             # the histogram: one entry per verified block, drafts that stood
             assert got["accepted"][:, k:].sum() == 0 and (k == 1 or got["accepted"].sum() > 0)
     if how["temperature"] == 0.0:  # an EOS as AR's correction of a wrong draft happened in the grid
         assert "eos_as_correction" in events, events
-
-
-def test_batched_ragged_equals_each_prompt_alone(params, prompts, eos):
-    keys = jax.random.split(jax.random.key(7), B)
-    both = _np(_verify(params, prompts, 4, 3.0, "eb", key=keys, eos_ids=(eos,), temperature=1.0))
-    for b in range(B):
-        alone = _np(generate(params, CFG, prompts[b:b + 1, :LENGTHS[b]], LENGTHS[b:b + 1], mode="sbd", verify=True,
-                             block_size=4, gamma=3.0, max_new_tokens=MAX_NEW, row_max_new_tokens=CAPS[b:b + 1],
-                             key=keys[b:b + 1], eos_ids=(eos,), temperature=1.0))
-        for f in alone:
-            np.testing.assert_array_equal(both[f][b], alone[f][0], err_msg=f"row {b}: {f}")
 
 
 def test_inside_a_user_jit(params, prompts):
@@ -119,9 +108,9 @@ def test_eos_inside_an_accepted_prefix():
     prompts = make_prompts().copy()
     prompts[np.arange(B), LENGTHS - 1] = last
     kw = dict(block_size=4, gamma=100.0, max_new_tokens=MAX_NEW, eos_ids=(E,))
-    ar = _np(generate(p, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=(E,)))
-    v = _np(generate(p, CFG, prompts, LENGTHS, mode="sbd", verify=True, **kw))
-    ref = _np(brute.brute_force_verify(p, CFG, prompts, LENGTHS, mode="sbd", verify=True, **kw))
+    ar = outputs(generate(p, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=(E,)))
+    v = outputs(generate(p, CFG, prompts, LENGTHS, mode="sbd", verify=True, **kw))
+    ref = outputs(brute.brute_force_verify(p, CFG, prompts, LENGTHS, mode="sbd", verify=True, **kw))
     assert (ar["tokens"][:, :2] == [Y, E]).all() and (ar["lengths"] == 2).all() and ar["stopped_by_eos"].all()
     for f in ("tokens", "lengths", "stopped_by_eos"):
         np.testing.assert_array_equal(v[f], ar[f])
