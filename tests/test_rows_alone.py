@@ -3,8 +3,9 @@ alone by `generate` - the same tokens, length, stop (EOS or cap), NFE and accept
 its neighbours, its padding (width and content), its slot and when it was admitted.
 
   * engine "generate": a ragged batch (garbage in the padding) with per-row keys, per-row caps
-    (`row_max_new_tokens`) and an EOS the model emits; each row alone is its prompt unpadded, its cap as the
-    spec's `max_new_tokens` (so a row cap decodes as a spec cap), greedy and sampled.
+    (`row_max_new_tokens`) and an EOS the model emits (rows stop by EOS, by their cap and at max_new_tokens);
+    each row alone has its cap as the spec's `max_new_tokens` (so a row cap decodes as a spec cap) and its prompt
+    padded to the batch's width with other garbage (the last row: unpadded), greedy and sampled.
   * engine "continuous" (sbd_jax/decoding/continuous.py): 13 requests of 1-8 tokens with their own keys and caps
     through 3 slots, plain, with `prefill_chunk`, with admissions of at most 2 rows, and with an EOS; each row
     alone is its prompt right-padded to the decoder's prompt width with its cap as `row_max_new_tokens`. A stream
@@ -15,14 +16,16 @@ import jax
 import numpy as np
 import pytest
 
-from decoding_fixtures import BASE, CFG, LENGTHS, B, pick_eos
+from decoding_fixtures import BASE, CFG, LENGTHS, MAX_NEW, B, make_prompts, pick_eos
 from sbd_jax.decoding import DecodeSpec, generate
 from sbd_jax.decoding.continuous import ContinuousDecoder, Request
 
 MODES = {"sbd": dict(mode="sbd"), "ar": dict(mode="ar"), "verify": dict(mode="sbd", verify=True)}
 GAMMA = {"sbd": 2.0, "ar": 2.0, "verify": 3.0}
 TEMPERATURE = {"greedy": 0.0, "sampled": 1.0}
-CAPS = np.array([18, 7, 13, 1], np.int32)  # per-row max_new_tokens: not multiples of k, one 1-token row
+# per-row max_new_tokens. With each mode's EOS every case has a row stopped by EOS (row 0), one that decodes all
+# max_new_tokens (row 1 or 2) and one stopped by its row cap inside a block (row 3: 3 is not a multiple of k).
+CAPS = np.array([18, 18, 18, 3], np.int32)
 CASES = [("generate", m, s) for m in MODES for s in TEMPERATURE] + [("continuous", m, "sampled") for m in MODES]
 
 
@@ -32,12 +35,11 @@ def _row(tokens, n, nfe, eos, accepted) -> dict:
             "accepted": np.asarray(accepted).tolist()}
 
 
-def _alone(params, ids, key, cap, spec=None, width=None, cap_as_spec=False, **kw) -> dict:
-    """`ids` decoded alone by `generate` (batch 1): unpadded (width None) or right-padded with 0 to `width`; its cap
-    as the spec's `max_new_tokens` or as `row_max_new_tokens`."""
-    row = np.asarray([list(ids) + [0] * ((width or len(ids)) - len(ids))], np.int32)
+def _alone(params, ids, length, key, cap, spec=None, cap_as_spec=False, **kw) -> dict:
+    """The prompt `ids[:length]` decoded alone by `generate` (batch 1, `ids` its padded row); its cap as the spec's
+    `max_new_tokens` or as `row_max_new_tokens`."""
     caps = dict(max_new_tokens=int(cap)) if cap_as_spec else dict(row_max_new_tokens=[int(cap)])
-    out = generate(params, CFG, row, [len(ids)], spec, key=key[None], **{**kw, **caps})
+    out = generate(params, CFG, np.asarray([ids], np.int32), [int(length)], spec, key=key[None], **{**kw, **caps})
     return _row(out.tokens[0], out.lengths[0], out.nfe[0], out.stopped_by_eos[0], out.accepted[0])
 
 
@@ -56,8 +58,15 @@ def _generate_rows(params, prompts, eos_of, mode, temperature):
     out = generate(params, CFG, prompts, LENGTHS, key=keys, row_max_new_tokens=CAPS, **kw)
     toks, n = np.asarray(out.tokens), np.asarray(out.lengths)
     assert (n <= CAPS).all() and not any(toks[b, n[b]:].any() for b in range(B)), "tokens past a row's end"
-    got = [_row(toks[b], n[b], out.nfe[b], out.stopped_by_eos[b], out.accepted[b]) for b in range(B)]
-    alone = [_alone(params, prompts[b, :LENGTHS[b]], keys[b], CAPS[b], cap_as_spec=True, **kw) for b in range(B)]
+    eos = np.asarray(out.stopped_by_eos)
+    assert eos.any() and (n == MAX_NEW).any() and ((n == CAPS) & (CAPS < MAX_NEW) & ~eos).any(), \
+        f"want rows stopped by EOS, by a row cap and at max_new_tokens: lengths {n}, EOS {eos}"
+    got = [_row(toks[b], n[b], out.nfe[b], eos[b], out.accepted[b]) for b in range(B)]
+    # alone: rows 0-2 at the batch's width with other garbage in their padding (one program: their caps are the
+    # spec's), the last row unpadded
+    other = make_prompts(garbage_seed=99)
+    alone = [_alone(params, other[b] if b < B - 1 else prompts[b, :LENGTHS[b]], LENGTHS[b], keys[b], CAPS[b],
+                    cap_as_spec=True, **kw) for b in range(B)]
     return got, alone
 
 
@@ -74,8 +83,8 @@ def _continuous_rows(params, mode, temperature):
     reqs = _requests(13)
     kw = dict(gamma=0.5, temperature=temperature)
     plain = DecodeSpec(**MODES[mode], max_new_tokens=18, block_size=4, eos_ids=())
-    alone_of = lambda spec: [_alone(params, r.ids, r.key, r.max_new_tokens, spec, width=8, **kw)  # noqa: E731
-                             for r in reqs]
+    alone_of = lambda spec: [_alone(params, list(r.ids) + [0] * (8 - len(r.ids)), len(r.ids), r.key,  # noqa: E731
+                                    r.max_new_tokens, spec, **kw) for r in reqs]
     alone = alone_of(plain)
     # an EOS id the rows really emit, so that some stop early
     eos = max(set(range(62)), key=lambda t: sum(t in a["tokens"][1:] for a in alone))
