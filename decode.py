@@ -211,8 +211,11 @@ def format_summary(s: dict) -> str:
     hist = s["accepted_per_forward"]
     if s["mode"] == "sbd" and sum(hist):
         shares = ", ".join(f"{n}: {100 * c / sum(hist):.0f}%" for n, c in enumerate(hist) if c)
-        lines.append(f"drafts that stood per verified block (share of blocks): {shares}" if s.get("verify") else
-                     f"tokens accepted per forward (share of forwards): {shares}")
+        lines.append(f"tokens accepted per forward (share of forwards): {shares}")
+    if s.get("verify"):
+        lines.append(f"drafts: {s['drafts_agreed']} of {s['drafts']} stood ({100 * s['draft_acceptance']:.1f}%); "
+                     f"{s['tokens_per_forward']:.2f} tokens per forward of a ceiling of "
+                     f"{s['tokens_per_forward_ceiling']:.0f} (every draft standing)")
     if "ar" in s:
         a = s["ar"]
         lines.append(f"ar:  {a['tokens_per_s']:.1f} tokens/s, {a['tokens_per_forward']:.3f} tokens per forward "

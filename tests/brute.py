@@ -21,7 +21,7 @@ import numpy as np
 
 from sbd_jax.attention import clean_meta, concat_meta, copy_meta
 from sbd_jax.config import ModelConfig
-from sbd_jax.decoding import DecodeSpec, GenerateOutput, check_request, sampling
+from sbd_jax.decoding import DecodeSpec, GenerateOutput, check_request, costs, sampling
 from sbd_jax.models.transformer import forward
 
 
@@ -171,8 +171,9 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
     out = np.full((B, max_new_tokens), pad, np.int32)
     for b in range(B):
         out[b, :n_gen[b]] = seq[b, lengths[b]:lengths[b] + n_gen[b]]
+    zeros = jnp.zeros((B,), jnp.int32)
     return GenerateOutput(jnp.asarray(out), jnp.asarray(n_gen), jnp.asarray(nfe), jnp.asarray(stopped_eos),
-                          jnp.int32(calls), jnp.int32(wide), jnp.asarray(accepted), None)
+                          jnp.int32(calls), jnp.int32(wide), jnp.asarray(accepted), zeros, zeros, None)
 
 
 EVENTS: set[str] = set()  # how rows of the last brute_force_verify call stopped (for tests to assert coverage)
@@ -181,82 +182,120 @@ EVENTS: set[str] = set()  # how rows of the last brute_force_verify call stopped
 def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None,
                        *, gamma=0.35, temperature=0.0, key=None, row_max_new_tokens=None, **options) -> GenerateOutput:
     """The verify-mode oracle (SBD.md "Lossless mode"), no cache: every call recomputes [the known text as CLEAN
-    tokens (the prompt, the verified tokens and those waiting to be verified) ; the current block as COPY tokens].
-    AR's token at generated index g comes from the clean query at g - 1; drafts are checked against it, the
-    agreeing prefix stays, AR's token corrects the first wrong draft or starts the next block."""
+    tokens (the prompt, the verified tokens and the drafts waiting to be checked) ; the current block as COPY
+    tokens]. AR's token at generated index g comes from the clean query at g - 1. A wide call checks every
+    waiting draft (the agreeing prefix stays, AR's token corrects the first wrong one or opens the next block,
+    whose other positions the copy queries draft at once); an AR call checks the next waiting draft only (or
+    takes AR's token when none waits). Wide or AR per call: the spec's draft policy, re-implemented here."""
     spec, lengths, cap, eos, pad, keys, gam, temp, score, seq = _setup(
         cfg, prompt_ids, prompt_lengths, spec, options, gamma, temperature, key, row_max_new_tokens)
     B, W = seq.shape
     EVENTS.clear()
     k, max_new_tokens = spec.block_size, spec.max_new_tokens
     blk = np.zeros(B, np.int32)                                  # generated index of the current block
-    masked = np.stack([np.arange(k) < cap[b] for b in range(B)])
-    todo = [(-1, 1)] * B                                         # (first, count) waiting for AR's check
+    todo = [(-1, 1)] * B                                         # (verified token, window length incl. drafts)
     done, stopped_eos = np.zeros(B, bool), np.zeros(B, bool)
     n_gen, nfe = np.zeros(B, np.int32), np.zeros(B, np.int32)
     accepted = np.zeros((B, k + 1), np.int32)
-    calls = 0
+    proposed, agreed = np.zeros(B, np.int32), np.zeros(B, np.int32)
+    trials, hits = np.zeros(B, np.float32), np.zeros(B, np.float32)
+    calls = wide_calls = since_wide = 0
+    costs_w = np.asarray(costs.call_costs(params, cfg, spec, B, prompt_ids.shape[1] + max_new_tokens), np.float32)
     cols = np.broadcast_to(np.arange(W, dtype=np.int32), (B, W))
     while not done.all():
+        w = k if calls == 0 else _width_choice(spec, calls, trials, hits, done, since_wide, costs_w)  # 0: AR
         calls += 1
-        held = _held(np.array([t is not None for t in todo]) & ~done, done, spec, calls)
-        known = np.array([lengths[b] + (todo[b][0] + todo[b][1] if todo[b] else blk[b]) for b in range(B)])
+        if calls > 1:
+            wide_calls += w > 0
+            since_wide = 0 if w else since_wide + 1
+        known = np.array([lengths[b] + todo[b][0] + todo[b][1] for b in range(B)])
         pos_c = (lengths + blk)[:, None] + np.arange(k, dtype=np.int32)[None]
-        ctok = np.where(masked, cfg.mask_token_id, np.take_along_axis(seq, np.minimum(pos_c, W - 1), 1))
-        cseg = ((blk[:, None] + np.arange(k)[None]) < cap[:, None]).astype(np.int32)
+        cseg = ((blk[:, None] + np.arange(k)[None]) < np.minimum(cap, blk + max(w, 1))[:, None]).astype(np.int32)
         meta = concat_meta(clean_meta((cols < known[:, None]).astype(np.int32), cols),
                            copy_meta(cseg, pos_c, np.repeat((lengths + blk)[:, None], k, 1)))
-        logits = _forward(params, np.concatenate([seq, ctok], 1), meta, cfg=cfg)
+        logits = _forward(params, np.concatenate([seq, np.full((B, k), cfg.mask_token_id, np.int32)], 1), meta,
+                          cfg=cfg)
         ar_all = np.asarray(score(logits[:, :W], keys, jnp.asarray(cols - lengths[:, None] + 1), temp,
                                   suppress=None)[1])            # AR's token at column + 1
-        h, drawn = score(logits[:, W:], keys, jnp.asarray(pos_c - lengths[:, None]), temp,
-                         suppress=cfg.mask_token_id)
-        h, drawn = np.asarray(h), np.asarray(drawn)
+        drawn = np.asarray(score(logits[:, W:], keys, jnp.asarray(pos_c - lengths[:, None]), temp,
+                                 suppress=cfg.mask_token_id)[1])
+        C = max(w, 1)                                           # clean queries this call: AR 1, a width w
         for b in range(B):
-            if done[b] or held[b]:
+            if done[b]:
                 continue
             nfe[b] += 1
             L = lengths[b]
-            if todo[b]:
-                first, count = todo[b]
-                todo[b] = None
-                m = 0
-                while m < count - 1 and seq[b, L + first + 1 + m] == ar_all[b, L + first + m]:
-                    m += 1
-                if count > 1:
-                    accepted[b, m] += 1
-                stood = list(range(first + 1, first + m + 1))   # the drafts that stand (first itself stood before)
-                g = first + m + 1                               # AR's token goes here: correction or next block
-                tok = int(ar_all[b, L + first + m])
-                hit = next((i for i in stood if int(seq[b, L + i]) in eos), None)
-                if hit is not None:
-                    EVENTS.add("eos_in_prefix")
+            first, count = todo[b]
+            checkable = min(C, count - 1)
+            m = 0
+            while m < checkable and seq[b, L + first + 1 + m] == ar_all[b, L + first + m]:
+                m += 1
+            agreed[b] += m
+            if checkable:
+                trials[b] = trials[b] * np.float32(0.7) + np.float32(m + (m < checkable))
+                hits[b] = hits[b] * np.float32(0.7) + np.float32(m)
+            stood = list(range(first + 1, first + m + 1))       # the drafts that stand (first itself stood before)
+            hit = next((i for i in stood if int(seq[b, L + i]) in eos), None)
+            if hit is not None:
+                EVENTS.add("eos_in_prefix")
+            if m == checkable and C < count:                    # every checked draft stood; the others wait
                 if hit is not None or first + m + 1 >= cap[b]:
                     done[b], stopped_eos[b] = True, hit is not None
                     n_gen[b] = hit + 1 if hit is not None else cap[b]
-                    continue
-                seq[b, L + g] = tok
-                if tok in eos:
-                    EVENTS.add("eos_as_correction" if m < count - 1 else "eos_as_next_first")
-                if tok in eos or g + 1 >= cap[b]:
-                    done[b], stopped_eos[b], n_gen[b] = True, tok in eos, g + 1
-                    continue
-                if m < count - 1:                               # rejected: a new block after the correction
-                    blk[b] = g + 1
-                    masked[b] = (blk[b] + np.arange(k)) < cap[b]
-                    todo[b] = (g, 1)
-                    continue
-                masked[b, 0] = False                            # accepted: AR's token opens the current block
-            acc = _accept_row(spec.rule, h[b], masked[b], gam[b])
-            for i in np.flatnonzero(acc):
-                seq[b, L + blk[b] + i] = drawn[b, i]
-            masked[b] &= ~acc
-            if not masked[b].any():
-                todo[b] = (int(blk[b]), int(min(k, cap[b] - blk[b])))
-                blk[b] += k
-                masked[b] = (blk[b] + np.arange(k)) < cap[b]
+                else:
+                    todo[b] = (first + m, count - m)
+                accepted[b, min(m, k)] += 1
+                continue
+            g = first + m + 1                                   # AR's token goes here: correction or next block
+            tok = int(ar_all[b, L + first + m])
+            if hit is not None or g >= cap[b]:
+                done[b], stopped_eos[b] = True, hit is not None
+                n_gen[b] = hit + 1 if hit is not None else cap[b]
+                accepted[b, min(n_gen[b] - first - 1, k)] += 1
+                continue
+            seq[b, L + g] = tok
+            accepted[b, min(m + 1, k)] += 1
+            if tok in eos:
+                EVENTS.add("eos_as_correction" if m < count - 1 else "eos_as_next_first")
+            if tok in eos or g + 1 >= cap[b]:
+                done[b], stopped_eos[b], n_gen[b] = True, tok in eos, g + 1
+                continue
+            if m < count - 1 or not w:                          # a correction, or an AR call: nothing drafted
+                todo[b], blk[b] = (g, 1), g + 1
+                continue
+            n = int(min(w, cap[b] - g))                         # AR's token opens the block, the copy drafts it
+            seq[b, L + g + 1:L + g + n] = drawn[b, 1:n]
+            proposed[b] += n - 1
+            todo[b], blk[b] = (g, n), g + w
     out = np.full((B, max_new_tokens), pad, np.int32)
     for b in range(B):
         out[b, :n_gen[b]] = seq[b, lengths[b]:lengths[b] + n_gen[b]]
     return GenerateOutput(jnp.asarray(out), jnp.asarray(n_gen), jnp.asarray(nfe), jnp.asarray(stopped_eos),
-                          jnp.int32(calls), jnp.int32(0), jnp.asarray(accepted), None)
+                          jnp.int32(calls), jnp.int32(wide_calls), jnp.asarray(accepted), jnp.asarray(proposed),
+                          jnp.asarray(agreed), None)
+
+
+def _width_choice(spec: DecodeSpec, calls: int, trials, hits, done, since_wide, costs_w) -> int:
+    """The draft policy's choice for the batch's call number `calls`: 0 (a 1-wide AR call) or a draft width
+    (policy.py's rule, written out; `costs_w`: the costs `generate` used, the spec's or those measured once per
+    process)."""
+    widths = spec.draft_widths
+    if spec.draft_policy in ("always", "never"):
+        return widths[0] if spec.draft_policy == "always" else 0
+    if spec.draft_policy == "random":
+        i = int(jax.random.randint(jax.random.fold_in(jax.random.key(0), calls), (), 0, len(widths) + 1))
+        return 0 if i == 0 else widths[i - 1]
+    run = np.flatnonzero(~done)
+    rates = [np.float32(1.0)]
+    for w, c in zip(widths, costs_w):
+        taus = []
+        for b in run:
+            p = np.float32((hits[b] + np.float32(0.5)) / (trials[b] + np.float32(1.0)))
+            powers = [np.float32(p ** i) for i in range(1, w)]
+            q = powers[-1] if powers else np.float32(1.0)
+            taus.append((np.float32(2.0) + np.float32(sum(powers)) - q) / (np.float32(2.0) - q))
+        rates.append(np.float32(sum(taus)) / np.float32(max(len(run), 1)) / c)
+    best = int(np.argmax(rates))
+    if best == 0 and since_wide >= int(np.ceil(max(float(np.min(costs_w)) - 1.0, 0.0) / 0.03)):
+        best = 1 + int(np.argmin(costs_w))
+    return 0 if best == 0 else widths[best - 1]

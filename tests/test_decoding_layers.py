@@ -2,7 +2,7 @@
 the loop state (derived from its type). (Private imports and size limits: tests/test_structure.py, for all of sbd_jax.)"""
 import jax
 import jax.numpy as jnp
-from test_decoding import CFG
+from decoding_fixtures import CFG
 
 from sbd_jax.decoding import DecodeSpec
 from sbd_jax.decoding.state import ROW_FIELDS, LoopState, make_env, new_state, prompt_seq

@@ -20,7 +20,9 @@ from decoding_fixtures import BASE, CFG, LENGTHS, MAX_NEW, B, make_prompts, pick
 from sbd_jax.decoding import DecodeSpec, generate
 from sbd_jax.decoding.continuous import ContinuousDecoder, Request
 
-MODES = {"sbd": dict(mode="sbd"), "ar": dict(mode="ar"), "verify": dict(mode="sbd", verify=True)}
+# verify: every call 2k-wide, so a row's calls are its own (the adaptive policy decides per batch: its calls
+# depend on the neighbours, its tokens do not - tests/test_verify.py)
+MODES = {"sbd": dict(mode="sbd"), "ar": dict(mode="ar"), "verify": dict(mode="sbd", verify=True, draft_policy="always")}
 GAMMA = {"sbd": 2.0, "ar": 2.0, "verify": 3.0}
 TEMPERATURE = {"greedy": 0.0, "sampled": 1.0}
 # per-row max_new_tokens. With each mode's EOS every case has a row stopped by EOS (row 0), one that decodes all

@@ -1,6 +1,7 @@
-"""Verify mode (SBD.md "Lossless mode"): SBD drafts checked by the next call's clean queries against AR's
-position-keyed tokens. Its output equals AR mode's for the same key (greedy and sampled), its NFE equals the
-no-cache verifier's (brute.py), and on a model whose drafts are right it needs far fewer calls than AR. (A batched
+"""Verify mode (SBD.md "Lossless mode"): drafts checked by the next call's clean queries against AR's
+position-keyed tokens. Its output equals AR mode's for the same key (greedy and sampled) under every decision of
+the draft policy, its calls equal the no-cache verifier's (brute.py), and on a model whose drafts are right it
+needs far fewer calls than AR. (The policy itself: tests/test_draft_policy.py.) (A batched
 row == its prompt decoded alone: tests/test_rows_alone.py; the final cache: tests/test_decoding.py.)"""
 import jax
 import jax.numpy as jnp
@@ -27,42 +28,60 @@ def _ar(params, prompts, **kw):
     return generate(params, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, row_max_new_tokens=CAPS, **kw)
 
 
-def _verify(params, prompts, k, gamma, rule, **kw):
-    return generate(params, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=k, rule=rule, gamma=gamma,
-                    max_new_tokens=MAX_NEW, row_max_new_tokens=CAPS, **kw)
+def _verify(params, prompts, k, **kw):
+    return generate(params, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=k, max_new_tokens=MAX_NEW,
+                    row_max_new_tokens=CAPS, **kw)
 
 
-SAMPLING = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.8, top_k=5),
-            dict(temperature=1.0, top_p=0.7)]
+SAMPLING = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0), "topk": dict(temperature=0.8, top_k=5),
+            "topp": dict(temperature=1.0, top_p=0.7)}
+# the draft policy's decisions (policy.py): forced (every call 2k-wide, every call AR, a coin per call switching
+# mid-row between AR and each draft width) and the adaptive rule at a stated cost of the 2k-wide call
+POLICIES = {"always": dict(draft_policy="always"), "never": dict(draft_policy="never"),
+            "random": dict(draft_policy="random"), "adaptive": dict(wide_cost=1.2)}
+GRID = [(s, p, k) for s in ("greedy", "t1") for p in POLICIES for k in (4, 16)] + [
+    ("greedy", "random", 1), ("topk", "random", 16), ("topp", "random", 16), ("topk", "always", 4)]
 
 
-@pytest.mark.parametrize("how", SAMPLING, ids=["greedy", "t1", "topk", "topp"])
-def test_verify_equals_ar_and_the_no_cache_verifier(params, prompts, eos, how):
+@pytest.mark.parametrize("how,pol,k", GRID, ids=[f"{s}-{p}-k{k}" for s, p, k in GRID])
+def test_verify_equals_ar_and_the_no_cache_verifier(params, prompts, eos, how, pol, k, seen):
+    """Tokens == AR's under every policy decision, greedy and sampled; tokens, NFE, calls, 2w-wide calls, the
+    per-call histogram and the drafts placed / agreed == the no-cache oracle's (brute.py re-implements the rule)."""
     key = jax.random.key(3)
-    ar = outputs(_ar(params, prompts, key=key, eos_ids=(eos,), **how))
+    ar = outputs(_ar(params, prompts, key=key, eos_ids=(eos,), **SAMPLING[how]))
     assert ar["stopped_by_eos"].any() and not ar["stopped_by_eos"].all()
-    events = set()
-    for k in (1, 4, 16):
-        for rule, gamma in (("eb", 0.1), ("eb", 3.0), ("threshold", 1.0), ("eb", 100.0)):
-            v = _verify(params, prompts, k, gamma, rule, key=key, eos_ids=(eos,), **how)
-            got = outputs(v)
-            for f in ("tokens", "lengths", "stopped_by_eos"):
-                np.testing.assert_array_equal(got[f], ar[f], err_msg=f"verify k={k} {rule} {gamma}: {f} != AR's")
-            ref = brute.brute_force_verify(params, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=k,
-                                           rule=rule, gamma=gamma, max_new_tokens=MAX_NEW, row_max_new_tokens=CAPS,
-                                           key=key, eos_ids=(eos,), **how)
-            for f, want in outputs(ref).items():
-                np.testing.assert_array_equal(got[f], want, err_msg=f"verify k={k} {rule} {gamma}: {f} != brute")
-            events |= brute.EVENTS
-            # the histogram: one entry per verified block, drafts that stood
-            assert got["accepted"][:, k:].sum() == 0 and (k == 1 or got["accepted"].sum() > 0)
-    if how["temperature"] == 0.0:  # an EOS as AR's correction of a wrong draft happened in the grid
-        assert "eos_as_correction" in events, events
+    kw = dict(key=key, eos_ids=(eos,), **SAMPLING[how], **POLICIES[pol])
+    v = _verify(params, prompts, k, **kw)
+    got = outputs(v)
+    for f in ("tokens", "lengths", "stopped_by_eos"):
+        np.testing.assert_array_equal(got[f], ar[f], err_msg=f"{f} != AR's")
+    ref = brute.brute_force_verify(params, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=k,
+                                   max_new_tokens=MAX_NEW, row_max_new_tokens=CAPS, **kw)
+    for f in v._fields[:-1]:
+        np.testing.assert_array_equal(np.asarray(getattr(v, f)), np.asarray(getattr(ref, f)),
+                                      err_msg=f"{f} != the oracle's")
+    seen[how] |= brute.EVENTS
+    # every call of a row is counted once with the tokens it added: never 0, and they sum to the output
+    acc = got["accepted"]
+    assert (acc.sum(1) == got["nfe"]).all() and (acc @ np.arange(k + 1) == got["lengths"]).all()
+    assert acc[:, 0].sum() == 0 and (np.asarray(v.agreed) <= np.asarray(v.drafts)).all()
+    if pol == "never":
+        assert int(v.wide_steps) == 0 and (got["nfe"] == ar["nfe"]).all()
+    if pol == "always":
+        assert int(v.wide_steps) == int(v.iterations) - 1
+    if how == "greedy" and (pol, k) == ("adaptive", 16):  # the last greedy case: the grid covered an EOS that
+        assert "eos_as_correction" in seen[how], seen  # was AR's correction of a wrong draft
+
+
+@pytest.fixture(scope="module")
+def seen():
+    """How rows stopped in the grid so far, per sampling (brute.EVENTS)."""
+    return {s: set() for s in SAMPLING}
 
 
 def test_inside_a_user_jit(params, prompts):
     f = jax.jit(lambda p, x, t: generate(p, CFG, x, LENGTHS, mode="sbd", verify=True, block_size=4, gamma=t,
-                                         max_new_tokens=MAX_NEW, eos_ids=()).tokens)
+                                         max_new_tokens=MAX_NEW, eos_ids=()).tokens)  # costs measured while tracing
     want = generate(params, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=()).tokens
     np.testing.assert_array_equal(np.asarray(f(params, prompts, jnp.float32(2.0))), np.asarray(want))
     with pytest.raises(DecodeError, match="verify=True is a mode of SBD decoding"):
@@ -78,12 +97,17 @@ def test_fewer_calls_than_ar_when_drafts_are_right():
     p["lm_head"][0, 17] = 10.0
     prompts = make_prompts()
     ar = generate(p, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=())
-    v = generate(p, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=4, gamma=0.5, max_new_tokens=MAX_NEW,
-                 eos_ids=())
-    np.testing.assert_array_equal(np.asarray(v.tokens), np.asarray(ar.tokens))
-    assert (np.asarray(ar.tokens) == 17).all()
-    assert (np.asarray(v.nfe) <= -(-MAX_NEW // 4) + 1).all() and (np.asarray(ar.nfe) == MAX_NEW).all()
-    assert np.asarray(v.accepted)[:, 3].sum() >= B * (MAX_NEW // 4 - 1)  # whole blocks stood
+    assert (np.asarray(ar.tokens) == 17).all() and (np.asarray(ar.nfe) == MAX_NEW).all()
+    for policy_kw in (dict(draft_policy="always"), dict(wide_cost=2.0)):  # every call 2k-wide; adaptive
+        v = generate(p, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=4, max_new_tokens=MAX_NEW,
+                     eos_ids=(), **policy_kw)
+        np.testing.assert_array_equal(np.asarray(v.tokens), np.asarray(ar.tokens))
+        assert (np.asarray(v.agreed) == np.asarray(v.drafts)).all()  # every draft stood
+        if "draft_policy" in policy_kw:  # the first call drafts 3, then each call adds 4 (3 drafts + AR's next)
+            assert (np.asarray(v.nfe) <= -(-MAX_NEW // 4) + 1).all()
+            assert np.asarray(v.accepted)[:, 4].sum() >= B * (MAX_NEW // 4 - 1)  # whole blocks per call
+        else:
+            assert (np.asarray(v.nfe) <= MAX_NEW // 2).all()
 
 
 def _bigram(rules: dict, std=0.01):
@@ -107,7 +131,7 @@ def test_eos_inside_an_accepted_prefix():
     p = _bigram({last: Y, Y: E, CFG.mask_token_id: E})
     prompts = make_prompts().copy()
     prompts[np.arange(B), LENGTHS - 1] = last
-    kw = dict(block_size=4, gamma=100.0, max_new_tokens=MAX_NEW, eos_ids=(E,))
+    kw = dict(block_size=4, max_new_tokens=MAX_NEW, eos_ids=(E,))
     ar = outputs(generate(p, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=(E,)))
     v = outputs(generate(p, CFG, prompts, LENGTHS, mode="sbd", verify=True, **kw))
     ref = outputs(brute.brute_force_verify(p, CFG, prompts, LENGTHS, mode="sbd", verify=True, **kw))

@@ -33,6 +33,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..models.transformer import KVCache, init_cache
 from ..sharding import mesh_context
+from . import costs
 from .checks import check_fits, check_stream_prompt
 from .loop import run_loop
 from .modes import mode_of
@@ -59,9 +60,9 @@ class Slots(NamedTuple):
     rows: SlotRows
 
 
-def _env(params, cfg, spec, rows: SlotRows, mesh):
+def _env(params, cfg, spec, rows: SlotRows, mesh, call_costs=None):
     return make_env(params, cfg, spec, rows.lengths, rows.max_new, rows.gamma, rows.temp,
-                     jax.random.wrap_key_data(rows.keys), mesh)
+                    jax.random.wrap_key_data(rows.keys), mesh, call_costs)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh", "slots", "width"))
@@ -75,10 +76,11 @@ def empty_slots(params, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None, slots:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"), donate_argnums=(1,))
-def run_slots(params, state: LoopState, rows: SlotRows, stop_at_finish, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None):
+def run_slots(params, state: LoopState, rows: SlotRows, stop_at_finish, call_costs, *, cfg: ModelConfig,
+              spec: DecodeSpec, mesh=None):
     """Decode until every row is done or (`stop_at_finish`) a row that was running finishes."""
     with mesh_context(mesh):
-        return run_loop(state, _env(params, cfg, spec, rows, mesh), mode_of(spec).step, stop_at_finish)
+        return run_loop(state, _env(params, cfg, spec, rows, mesh, call_costs), mode_of(spec).step, stop_at_finish)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"), donate_argnums=(1,))
@@ -185,6 +187,8 @@ class ContinuousDecoder:
         self.calls = 0  # batched model calls of the decode loop so far (admissions' prefills apart)
         self._programs: dict = {}  # name -> the compiled program this decoder uses
         self._layout = tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in jax.tree.leaves(params))
+        self.call_costs = np.asarray(costs.call_costs(params, cfg, spec, slots, prompt_width + spec.max_new_tokens),
+                                     np.float32)
 
     def _program(self, name: str, fn, *args, **static):
         """`fn` compiled ahead of time (its compile time kept apart from decoding time), once per program cache
@@ -224,18 +228,19 @@ class ContinuousDecoder:
 
     def step(self, slots: Slots, more_waiting: bool) -> Slots:
         """Decode until every row is done or, when `more_waiting` (prompts wait for a slot), a row finishes."""
-        args = (self.params, slots.state, slots.rows, np.bool_(more_waiting))
+        args = (self.params, slots.state, slots.rows, np.bool_(more_waiting), self.call_costs)
         return slots._replace(state=self._program("run", run_slots, *args)(*args))
 
     def harvest(self, slots: Slots, owned) -> list[tuple[int, RowResult]]:
         """The results of the finished rows among the slots `owned` (one device-to-host read)."""
         state = slots.state
-        done, n, nfe, eos, accepted, lengths, seq, iters = jax.device_get(
+        done, n, nfe, eos, accepted, lengths, seq, iters, drafts, agreed = jax.device_get(
             (state.done, state.n_generated, state.nfe, state.eos, state.accepted, slots.rows.lengths, state.seq,
-             state.iters))
+             state.iters, state.proposed, state.agreed))
         self.calls = int(iters)
         return [(b, row_result(seq[b, lengths[b]:lengths[b] + n[b]].tolist(), int(nfe[b]), bool(eos[b]),
-                               accepted[b].tolist())) for b in owned if done[b]]
+                               accepted[b].tolist(), (drafts[b], agreed[b]) if self.spec.verify else None))
+                for b in owned if done[b]]
 
     def decode(self, requests: Iterable[Request]) -> Iterator[tuple[int, RowResult]]:
         """Decode a stream of requests; a finished row's slot takes the next request at once."""

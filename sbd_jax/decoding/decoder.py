@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from ..config import ModelConfig
 from ..models.transformer import KVCache
 from ..sharding import mesh_context
-from . import sampling
+from . import costs, sampling
 from .checks import check_request
 from .loop import run_loop
 from .modes import mode_of
@@ -51,8 +51,9 @@ class GenerateOutput(NamedTuple):
     included), nfe [B] model calls, stopped_by_eos [B], iterations (model calls of the batch = loop iterations
     + 1; more than the largest NFE when rows waited for a commit quorum), wide_steps (SBD iterations that used
     the 2k commit window), accepted [B, window + 1]: per row, how many of its model calls decoded 0, 1, ...
-    window tokens of the output (counted when their block ends; verify mode: how many verified blocks had 0, 1,
-    ... drafts stand), cache (KVCache or None)."""
+    window tokens of the output (SBD: counted when their block ends; verify mode: when the call ends), drafts
+    [B] verify mode: drafts placed, agreed [B] of them those that stood (0 in the other modes), cache (KVCache or
+    None)."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -61,6 +62,8 @@ class GenerateOutput(NamedTuple):
     iterations: jax.Array
     wide_steps: jax.Array
     accepted: jax.Array
+    drafts: jax.Array
+    agreed: jax.Array
     cache: KVCache | None = None
 
     @property
@@ -113,17 +116,18 @@ def prepare_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths,
             jnp.broadcast_to(jnp.asarray(gamma, jnp.float32), (B,)),
             jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,)), keys,
             jnp.broadcast_to(jnp.asarray(spec.max_new_tokens if row_max_new_tokens is None else row_max_new_tokens,
-                                         jnp.int32), (B,)))
+                                         jnp.int32), (B,)),
+            jnp.asarray(costs.call_costs(params, cfg, spec, B, prompt_ids.shape[1] + spec.max_new_tokens), jnp.float32))
     return args, {"cfg": cfg, "spec": spec, "mesh": mesh}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"))
-def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, max_new_B, *, cfg: ModelConfig,
-                 spec: DecodeSpec, mesh=None) -> GenerateOutput:
+def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, max_new_B, call_costs=None, *,
+                 cfg: ModelConfig, spec: DecodeSpec, mesh=None) -> GenerateOutput:
     with mesh_context(mesh):  # ambient while tracing: attention_impl="pallas" then runs per shard
         P = prompt_ids.shape[1]
         mode = mode_of(spec)
-        env = make_env(params, cfg, spec, lengths, max_new_B, gamma_B, temp_B, keys_B, mesh)
+        env = make_env(params, cfg, spec, lengths, max_new_B, gamma_B, temp_B, keys_B, mesh, call_costs)
         state = mode.first(new_state(env, prompt_seq(prompt_ids, lengths, spec, env), P), env, prompt_ids)
         state = run_loop(state, env, mode.step)
         cache = mode.finalize(state, env) if spec.finalize_cache else state.cache
@@ -136,6 +140,7 @@ def output(state: LoopState, env: DecodeEnv, cache=None) -> GenerateOutput:
     j = jnp.arange(spec.max_new_tokens, dtype=jnp.int32)[None]
     out = jnp.where(j < state.n_generated[:, None], gather(state.seq, env.lengths[:, None] + j), spec.pad(env.cfg))
     return GenerateOutput(tokens=out, lengths=state.n_generated, nfe=state.nfe, stopped_by_eos=state.eos,
-                          iterations=state.iters, wide_steps=state.wide, accepted=state.accepted, cache=cache)
+                          iterations=state.iters, wide_steps=state.wide, accepted=state.accepted,
+                          drafts=state.proposed, agreed=state.agreed, cache=cache)
 
 

@@ -22,14 +22,20 @@ class RowResult(TypedDict):
     # per model call of the row: how many calls decoded 0, 1, ... tokens (continuous engine; in the batch runner's
     # summary instead of each row)
     accepted: NotRequired[list[int]]
+    drafts: NotRequired[int]  # verify mode: drafts placed
+    agreed: NotRequired[int]  # verify mode: drafts that stood (agreed with AR's token)
     text: NotRequired[str]  # Sampler / decode.py: the tokens as text, when the model has a tokenizer
     ar: NotRequired[RowResult]  # compare_ar: the same prompt decoded by AR
 
 
-def row_result(tokens: list[int], nfe: int, eos: bool, accepted: list[int] | None = None) -> RowResult:
+def row_result(tokens: list[int], nfe: int, eos: bool, accepted: list[int] | None = None,
+               drafts: tuple[int, int] | None = None) -> RowResult:
+    """`drafts`: verify mode's (drafts placed, drafts that stood)."""
     n = len(tokens)
     row = RowResult(tokens=tokens, n_tokens=n, nfe=nfe, tokens_per_forward=n / max(nfe, 1),
                     stop="eos" if eos else "length")
     if accepted is not None:
         row["accepted"] = accepted
+    if drafts is not None:
+        row["drafts"], row["agreed"] = int(drafts[0]), int(drafts[1])
     return row

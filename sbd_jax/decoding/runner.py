@@ -118,7 +118,8 @@ class BatchDecoder:
         out = jax.block_until_ready(self._compiled[sig](*args))
         secs = time.perf_counter() - t
         n = len(batch)
-        res = {f: _host(getattr(out, f))[:n] for f in ("tokens", "lengths", "nfe", "stopped_by_eos", "accepted")}
+        res = {f: _host(getattr(out, f))[:n] for f in ("tokens", "lengths", "nfe", "stopped_by_eos", "accepted",
+                                                        "drafts", "agreed")}
         res["calls"] = int(out.iterations)
         return res, secs
 
@@ -139,7 +140,7 @@ class BatchDecoder:
                 ares, asecs = self.run(batch, "ar")
                 ar.add(ares, asecs)
             for i, p in enumerate(batch):
-                row = _row(res, i)
+                row = _row(res, i, opts.spec.verify)
                 if with_ar:
                     row["ar"] = _row(ares, i)
                     if row["ar"]["tokens"] != row["tokens"]:
@@ -147,7 +148,7 @@ class BatchDecoder:
                 on_row(p, row)
                 if progress is not None:
                     progress.update(1)
-        summary = dict(mode=opts.spec.mode, verify=opts.spec.verify, **main.as_dict(),
+        summary = dict(mode=opts.spec.mode, verify=opts.spec.verify, **main.as_dict(opts.spec),
                        compile_seconds=round(self.compile_s, 3))
         if with_ar:
             _compare(summary, ar, differ)
@@ -189,11 +190,15 @@ class Totals:
     calls: int = 0  # batched model calls of the decode loops (prefill pieces apart)
     seconds: float = 0.0
     accepted: np.ndarray | None = None  # model calls that decoded 0, 1, ... tokens (summed over rows)
+    drafts: int = 0  # verify mode: drafts placed
+    agreed: int = 0  # verify mode: drafts that stood
 
     def add(self, res, secs):
         self.rows += len(res["lengths"])
         self.tokens += int(res["lengths"].sum())
         self.nfe += int(res["nfe"].sum())
+        self.drafts += int(np.sum(res.get("drafts", 0)))
+        self.agreed += int(np.sum(res.get("agreed", 0)))
         self.calls += res.get("calls", 0)
         self.seconds += secs
         hist = res["accepted"].sum(0)
@@ -201,14 +206,22 @@ class Totals:
 
     def add_row(self, row: dict):
         self.add({"lengths": np.asarray([row["n_tokens"]]), "nfe": np.asarray([row["nfe"]]),
-                  "accepted": np.asarray([row["accepted"]])}, 0.0)
+                  "accepted": np.asarray([row["accepted"]]), "drafts": row.get("drafts", 0),
+                  "agreed": row.get("agreed", 0)}, 0.0)
 
-    def as_dict(self):
-        return {"rows": self.rows, "tokens": self.tokens, "nfe": self.nfe, "model_calls": self.calls,
-                "seconds": round(self.seconds, 4),
-                "tokens_per_s": self.tokens / self.seconds if self.seconds else float("nan"),
-                "tokens_per_forward": self.tokens / self.nfe if self.nfe else float("nan"),
-                "accepted_per_forward": [] if self.accepted is None else self.accepted.tolist()}
+    def as_dict(self, spec: DecodeSpec | None = None):
+        """The totals; for verify mode (`spec`) also the drafts and the ceiling: tokens per forward if every
+        draft stood (a block of k per call)."""
+        out = {"rows": self.rows, "tokens": self.tokens, "nfe": self.nfe, "model_calls": self.calls,
+               "seconds": round(self.seconds, 4),
+               "tokens_per_s": self.tokens / self.seconds if self.seconds else float("nan"),
+               "tokens_per_forward": self.tokens / self.nfe if self.nfe else float("nan"),
+               "accepted_per_forward": [] if self.accepted is None else self.accepted.tolist()}
+        if spec is not None and spec.verify:
+            out.update(drafts=self.drafts, drafts_agreed=self.agreed,
+                       draft_acceptance=self.agreed / self.drafts if self.drafts else 0.0,
+                       tokens_per_forward_ceiling=float(spec.block_size))
+        return out
 
 
 def decode_prompts(params, cfg: ModelConfig, prompts: list[Prompt], opts: DecodeOptions, *, mesh=None,
@@ -259,13 +272,14 @@ def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: De
         t.calls = dec.calls
         compile_s += dec.compile_s
     main = totals[modes[0]]
-    summary = dict(mode=opts.spec.mode, verify=opts.spec.verify, **main.as_dict(), compile_seconds=round(compile_s, 3),
+    summary = dict(mode=opts.spec.mode, verify=opts.spec.verify, **main.as_dict(opts.spec), compile_seconds=round(compile_s, 3),
                    continuous=True)
     if len(modes) > 1:
         _compare(summary, totals["ar"], differ)
     return summary
 
 
-def _row(res, i) -> RowResult:
+def _row(res, i, verify: bool = False) -> RowResult:
     n = int(res["lengths"][i])
-    return row_result(res["tokens"][i, :n].tolist(), int(res["nfe"][i]), bool(res["stopped_by_eos"][i]))
+    return row_result(res["tokens"][i, :n].tolist(), int(res["nfe"][i]), bool(res["stopped_by_eos"][i]),
+                      drafts=(res["drafts"][i], res["agreed"][i]) if verify and "drafts" in res else None)

@@ -9,6 +9,8 @@ import numpy as np
 
 MODES = ("sbd", "ar")
 RULES = ("eb", "threshold")
+# verify mode's choice per call between a 1-wide AR call and the 2k-wide call that checks and drafts (policy.py)
+DRAFT_POLICIES = ("adaptive", "always", "never", "random")
 # the defaults of every entry point (generate, DecodeSpec, DecodeOptions, Sampler, decode.py, the demo)
 DEFAULT_GAMMA = 0.35  # acceptance threshold of the rule (the EB rule's middle setting)
 DEFAULT_BLOCK_SIZE = 16  # SBD block size k
@@ -39,6 +41,13 @@ class DecodeSpec:
     # SBD lossless mode (SBD.md "Lossless mode"): every block is checked against AR's tokens by the next call's
     # clean queries; the output equals AR mode's for the same key, drafts only decide how many calls it takes
     verify: bool = False
+    # verify mode: "adaptive" drafts where the rows' recent acceptance pays for the wider call on this device
+    # (policy.py); "always" / "never" force the 2k-wide / the 1-wide AR call, "random" picks by a fixed coin
+    # (tests: any sequence of choices gives AR's tokens). Never changes a row's tokens, only its calls.
+    draft_policy: str = "adaptive"
+    # verify mode: what a 2k-wide call costs in 1-wide calls at this batch (None: measured once on this device,
+    # costs.py); the adaptive policy drafts while the expected tokens per wide call exceed it
+    wide_cost: float | None = None
     top_k: int = 0  # 0 = off; top_k and top_p shape the sampling distribution, not the entropies
     top_p: float = 1.0  # 1 = off
     tempered_entropy: bool = False  # entropies on the tempered distribution for rows with temperature > 0
@@ -57,13 +66,19 @@ class DecodeSpec:
     finalize_cache: bool = False
     return_cache: bool = False
 
-    SPEED_ONLY = ("prefill_chunk", "commit_quorum")  # fields that change how fast rows decode, never a row
+    # fields that change how fast rows decode, never a row
+    SPEED_ONLY = ("prefill_chunk", "commit_quorum", "draft_policy", "wide_cost")
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise DecodeError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.rule not in RULES:
             raise DecodeError(f"rule must be one of {RULES}, got {self.rule!r}")
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise DecodeError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}")
+        if self.wide_cost is not None and not (isinstance(self.wide_cost, (int, float)) and self.wide_cost > 0):
+            raise DecodeError(f"wide_cost must be a positive number (a 2k-wide call's cost in 1-wide calls) or None "
+                              f"(measured), got {self.wide_cost!r}")
         if self.verify and self.mode != "sbd":
             raise DecodeError("verify=True is a mode of SBD decoding (mode='sbd'); AR mode is what it reproduces")
         for name, low in (("max_new_tokens", 1), ("block_size", 1), ("top_k", 0), ("prefill_chunk", 1)):
@@ -95,6 +110,18 @@ class DecodeSpec:
     def window(self) -> int:
         """Tokens decoded per block: block_size for SBD, 1 for AR."""
         return self.block_size if self.mode == "sbd" else 1
+
+    @property
+    def draft_widths(self) -> tuple[int, ...]:
+        """Verify mode: the draft widths (block sizes) its calls may use, widest first: k, k/2, k/4 (at least 2)."""
+        k = self.block_size
+        return tuple(sorted({k} | {w for w in (k // 2, k // 4) if w >= 2}, reverse=True))
+
+    def stated_call_costs(self) -> tuple[float, ...]:
+        """Per draft width, a 2w-wide call's cost in 1-wide calls from `wide_cost` (the 2k-wide call's; narrower
+        ones in proportion to their width; 1.0 without one)."""
+        c = 1.0 if self.wide_cost is None else float(self.wide_cost)
+        return tuple(1.0 + (c - 1.0) * w / self.block_size for w in self.draft_widths)
 
     def stop_ids(self, cfg) -> tuple[int, ...]:
         return cfg.eos_ids if self.eos_ids is None else self.eos_ids

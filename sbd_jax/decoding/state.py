@@ -44,6 +44,13 @@ class LoopState(NamedTuple):
     wide: jax.Array           # scalar: calls with the 2k commit window
     accepted: Row             # [B, window + 1] per row: calls that decoded 0, 1, ... tokens (of the output)
     decoded_at: Row           # [B, K] SBD: the call (counted within the block) that decoded each position; K = not yet
+    # verify mode (modes/verify.py, policy.py): drafts placed and drafts that stood; the drafting policy's
+    # decayed counts of checked drafts and of those that agreed; calls since the batch's last 2k-wide call
+    proposed: Row             # [B]
+    agreed: Row               # [B]
+    trials: Row               # [B] float32
+    hits: Row                 # [B] float32
+    since_wide: jax.Array     # scalar
 
 
 def row_fields(cls=LoopState) -> tuple[str, ...]:
@@ -68,15 +75,20 @@ class DecodeEnv:
     temp: jax.Array           # [B]
     keys: jax.Array           # [B] typed PRNG keys
     eos: jax.Array            # [E] stop ids ([-1] = none)
+    call_costs: jax.Array     # [W] a 2w-wide call's cost in 1-wide calls per draft width (verify's policy.py)
     constrain: Callable       # sharding constraint of per-row arrays and the cache (identity without a mesh)
 
 
 def make_env(params, cfg: ModelConfig, spec: DecodeSpec, lengths, max_new_B, gamma_B, temp_B, keys_B,
-             mesh) -> DecodeEnv:
+             mesh, call_costs=None) -> DecodeEnv:
+    """`call_costs` None: from the spec's `wide_cost` (1.0 when it has none; costs.call_costs measures them)."""
     eos = jnp.asarray(spec.stop_ids(cfg) or (-1,), jnp.int32)  # -1 matches no token
+    if call_costs is None:
+        call_costs = spec.stated_call_costs()
     return DecodeEnv(params=params, cfg=cfg, spec=spec, lengths=lengths,
                      max_new=jnp.minimum(max_new_B, spec.max_new_tokens), gamma=gamma_B, temp=temp_B, keys=keys_B,
-                     eos=eos, constrain=constrainer(cfg, mesh, lengths.shape[0]))
+                     eos=eos, call_costs=jnp.asarray(call_costs, jnp.float32),
+                     constrain=constrainer(cfg, mesh, lengths.shape[0]))
 
 
 def prompt_seq(prompt_ids, lengths, spec: DecodeSpec, env: DecodeEnv):
@@ -106,7 +118,12 @@ def new_state(env: DecodeEnv, seq, P: int, done=None) -> LoopState:
         iters=jnp.int32(0),
         wide=jnp.int32(0),
         accepted=jnp.zeros((B, spec.window + 1), jnp.int32),
-        decoded_at=jnp.full((B, spec.window), spec.window, jnp.int32))
+        decoded_at=jnp.full((B, spec.window), spec.window, jnp.int32),
+        proposed=zeros_B,
+        agreed=zeros_B,
+        trials=jnp.zeros((B,), jnp.float32),
+        hits=jnp.zeros((B,), jnp.float32),
+        since_wide=jnp.int32(0))
 
 
 def constrainer(cfg, mesh, B):

@@ -171,9 +171,6 @@ class WithBase:
     def __call__(self, state: TrainState, batch: PackedBatch):
         return self.jitted(state, batch, self.base)
 
-    def _cache_size(self) -> int:  # programs compiled so far (TrainResult.step_compilations)
-        return self.jitted._cache_size()
-
 
 def local_rows(mesh: Mesh, batch_size: int) -> list[int]:
     """The global batch rows this process's devices hold: the only rows its data iterator needs to pack."""

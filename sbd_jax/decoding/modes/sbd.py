@@ -191,7 +191,7 @@ def next_state(state: LoopState, env: DecodeEnv, placed: Placed, out: Outcome, c
     j = jnp.arange(K, dtype=jnp.int32)[None]
     active = ~state.done
     nxt = state.block_offset + K
-    return LoopState(
+    return state._replace(
         seq=env.constrain(placed.seq),
         cache=cache,
         block_offset=jnp.where(out.advance, nxt, state.block_offset),
@@ -204,7 +204,6 @@ def next_state(state: LoopState, env: DecodeEnv, placed: Placed, out: Outcome, c
         n_generated=out.n_generated,
         nfe=state.nfe + ran.astype(jnp.int32),
         iters=state.iters + 1,
-        wide=state.wide,
         accepted=out.accepted,
         decoded_at=jnp.where(out.advance[:, None], K, placed.decoded_at))
 

@@ -1,110 +1,199 @@
-"""Verify mode, lossless SBD (SBD.md "Lossless mode"): every block SBD drafts is checked against AR's tokens by
-the next call's clean queries, so the output equals AR mode's for the same key; drafts only decide how many calls
-it takes. Reuses SBD's window, draw and place (sbd.py); its own are the check of the drafts (`check`), the first
-token (AR's, from the last prompt token's query) and the block outcome (drafts stop nothing)."""
+"""Verify mode, lossless SBD (SBD.md "Lossless mode"): every draft is checked against AR's token at its position
+before it is kept, so the output equals AR mode's for the same key; drafts and the policy only decide how many
+calls, and of which width, a row takes.
+
+A running row holds the commit window (commit_start cs, commit_len cl): the token at generated index cs is AR's
+(verified; its K/V is written by the next clean query) and cs + 1 .. cs + cl - 1 are drafts; the current block
+starts at block_offset = cs + cl, all masked. Each call is one of these (policy.py chooses per call):
+
+  * wide (2w, w a draft width): [commit CLEAN ; block COPY], w tokens each. The clean queries give AR's tokens
+    at cs + 1 .. cs + w: the drafts' agreeing prefix stands, and AR's next token either corrects the first wrong
+    draft (the row restarts after it with nothing drafted) or, all standing, opens the block as its first token
+    while the copy queries draft its other w - 1 positions at once (one call drafts a whole block: no call only
+    refines drafts). Drafts beyond a narrower call's reach wait for the next call.
+  * AR (1-wide): the clean query at cs gives AR's token at cs + 1: it checks the next draft (agreeing, the window
+    shrinks by one) or replaces it and what follows; a row with no draft left simply takes the token.
+Row stop: a verified EOS (a standing draft or AR's token) or the cap. Tokens are drawn by generated index
+(sampling.py), so a draft and AR's token at a position share their random numbers (coupled drafting).
+"""
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 
-from ...models.transformer import KVCache, lm_head
-from .. import sampling
+from ...attention import clean_meta, concat_meta
+from ...models.transformer import KVCache, forward, lm_head
+from .. import policy, sampling
 from ..prefill import last_prompt_hidden
 from ..state import DecodeEnv, LoopState, gather, tally
-from . import sbd
+from . import ar, sbd
 from .base import Mode, finalize_at, last_token_positions
 
 
 def ar_tokens(env: DecodeEnv, h_clean, gen):
-    """AR's token at generated index gen + 1 from each clean query: what the drafts are checked against."""
+    """AR's token at generated index gen + 1 from each clean query at gen."""
     return sampling.sample(lm_head(env.params, env.cfg, h_clean), env.keys, gen + 1, env.temp,
                            top_k=env.spec.top_k, top_p=env.spec.top_p)
 
 
-def check(state: LoopState, env: DecodeEnv, ar_BK):
-    """Rows whose commit window ran in this call compare the drafts at generated indices cs + 1 .. cs + cl - 1
-    with AR's tokens there (`ar_BK[:, i]`: AR's token at cs + 1 + i, from the clean query at cs + i) and keep the
-    agreeing prefix. All agree: AR's next token ar[cl - 1] becomes the current block's first token. A draft
-    differs at cs + 1 + m: AR's token replaces it, the rest is dropped, the next block starts after it and the
-    correction is committed (1 token) by the next call. A verified EOS or the cap ends the row.
-    -> (state, rows whose drafts were rejected)."""
-    K, max_new = env.spec.block_size, env.max_new
-    j = jnp.arange(K, dtype=jnp.int32)[None]
-    checked = ~state.done & (state.commit_len > 0)
-    cs, cl = state.commit_start, state.commit_len
-    kept = gather(state.seq, (env.lengths + cs)[:, None] + jnp.arange(K + 1, dtype=jnp.int32)[None])
-    kept, drafts = kept[:, :K], kept[:, 1:]  # the commit tokens; the draft at cs + 1 + i, checked by ar[:, i]
-    agree = jnp.cumprod(((drafts == ar_BK) & (j < cl[:, None] - 1)).astype(jnp.int32), axis=1)
-    m = jnp.sum(agree, axis=1)  # drafts that stand
-    rejected = checked & (m < cl - 1)
-    upto = jnp.where(rejected, m, cl - 1)  # commit tokens cs .. cs + upto stand
-    extra = jnp.take_along_axis(ar_BK, upto[:, None], axis=1)[:, 0]  # the correction or the next first token
-    g_extra = cs + upto + 1
-    # the first verified EOS: among the standing commit tokens (cs itself was verified before), then `extra`
-    eos_at = jnp.isin(kept, env.eos) & (j >= 1) & (j <= upto[:, None])
-    in_commit = jnp.any(eos_at, axis=1)
-    extra_eos = ~in_commit & jnp.isin(extra, env.eos) & (g_extra < max_new)
-    length = jnp.where(in_commit, cs + jnp.argmax(eos_at, axis=1).astype(jnp.int32) + 1,
-                       jnp.minimum(g_extra + 1, max_new))
-    finished = checked & (in_commit | extra_eos | (length >= max_new))
-    rows = jnp.arange(state.seq.shape[0])
-    put = checked & (g_extra < max_new)
-    seq = state.seq.at[rows, jnp.where(put, env.lengths + g_extra, state.seq.shape[1])].set(extra, mode="drop")
-    restart = rejected & ~finished  # the next block starts after the correction
-    offset = jnp.where(restart, g_extra + 1, state.block_offset)
-    masked = jnp.where(restart[:, None], (offset[:, None] + j) < max_new[:, None],
-                       state.masked & ~((j == 0) & checked[:, None]))  # accepted: the first token is AR's
-    state = state._replace(
-        seq=env.constrain(seq), block_offset=offset, masked=masked,
-        commit_start=jnp.where(restart, g_extra, jnp.where(checked, 0, cs)),
-        commit_len=jnp.where(restart, 1, jnp.where(checked, 0, cl)),
-        done=state.done | finished, eos=state.eos | (finished & (in_commit | extra_eos)),
-        n_generated=jnp.where(finished, length, state.n_generated),
-        accepted=tally(state.accepted, upto, checked & (cl > 1)))  # per verified block: drafts that stood
-    return state, rejected
+class Checked(NamedTuple):
+    """What a call's check left for the call's own mode of going on."""
+
+    opened: jax.Array  # [B] rows whose drafts all stood and whose next token (AR's) is placed at block_offset
+    restarted: jax.Array  # [B] rows whose first wrong draft was replaced (they restart after it, nothing drafted)
 
 
-def close_block(state: LoopState, env: DecodeEnv, placed: sbd.Placed, rejected) -> sbd.Outcome:
-    """Drafts stop nothing: a complete block (of a row whose drafts stood) is verified by the next call, its
-    commit window."""
-    K = env.spec.block_size
-    advance = placed.complete & ~rejected
-    return sbd.Outcome(
-        advance=advance, done=state.done, eos_hit=jnp.zeros_like(state.done), n_generated=state.n_generated,
-        accepted=state.accepted, commit_start=jnp.where(advance, state.block_offset, state.commit_start),
-        commit_len=jnp.where(advance, jnp.minimum(K, env.max_new - state.block_offset), state.commit_len))
-
-
-def update(state: LoopState, env: DecodeEnv, logits_BKV, cache, ar_BK) -> LoopState:
-    """The check of the committed drafts against AR's tokens `ar_BK`, then SBD's drafting of the current block
-    (tokens drawn by generated index, coupled to AR's draw)."""
-    ran = ~state.done  # rows this call carried a token of
-    state, rejected = check(state, env, ar_BK)
+def block_mask(offset, env: DecodeEnv):
+    """[B, K] the positions of a block starting at generated index `offset` that lie within each row's cap."""
     j = jnp.arange(env.spec.block_size, dtype=jnp.int32)[None]
-    masked, acc, drawn = sbd.draw(state, env, logits_BKV, state.block_offset[:, None] + j)
-    acc = acc & ~rejected[:, None]  # a rejected row's copy half drafted positions that no longer exist
-    placed = sbd.place(state, env, masked, acc, drawn)
-    return sbd.next_state(state, env, placed, close_block(state, env, placed, rejected), cache, ran)
+    return (offset[:, None] + j) < env.max_new[:, None]
+
+
+def restart(state: LoopState, rows, at, env: DecodeEnv) -> LoopState:
+    """Rows `rows` hold only their verified token at `at`; the next block starts after it, nothing drafted."""
+    return state._replace(commit_start=jnp.where(rows, at, state.commit_start),
+                          commit_len=jnp.where(rows, 1, state.commit_len),
+                          block_offset=jnp.where(rows, at + 1, state.block_offset),
+                          masked=jnp.where(rows[:, None], block_mask(at + 1, env), state.masked))
+
+
+def check(state: LoopState, env: DecodeEnv, ar_BC) -> tuple[LoopState, Checked]:
+    """Check the commit window's drafts against AR's tokens `ar_BC[:, i]` (AR's token at cs + 1 + i, from the
+    clean query at cs + i; C queries ran). The agreeing prefix (m drafts) stands; AR's token at cs + 1 + m is
+    placed when it corrects a draft or when every draft was checked and stood (C >= cl); otherwise (C < cl, all
+    checked ones stood) the window moves on by C. A verified EOS or the cap ends the row."""
+    C = ar_BC.shape[1]
+    jc = jnp.arange(C, dtype=jnp.int32)[None]
+    running, cs, cl, max_new = ~state.done, state.commit_start, state.commit_len, env.max_new
+    n_chk = jnp.minimum(C, cl - 1)
+    drafts = gather(state.seq, (env.lengths + cs + 1)[:, None] + jc)
+    m = jnp.sum(jnp.cumprod(((drafts == ar_BC) & (jc < n_chk[:, None])).astype(jnp.int32), axis=1), axis=1)
+    rejected = running & (m < n_chk)
+    put = rejected | (running & (C >= cl))  # AR's token at g = cs + 1 + m joins the output
+    g = cs + 1 + m
+    tok = jnp.take_along_axis(ar_BC, jnp.minimum(m, C - 1)[:, None], axis=1)[:, 0]
+    eos_draft = jnp.isin(drafts, env.eos) & (jc < m[:, None])
+    in_drafts = jnp.any(eos_draft, axis=1)
+    eos_hit = running & (in_drafts | (put & (g < max_new) & jnp.isin(tok, env.eos)))
+    verified = jnp.where(in_drafts, cs + 2 + jnp.argmax(eos_draft, axis=1).astype(jnp.int32),
+                         jnp.minimum(g + put.astype(jnp.int32), max_new))
+    finished = eos_hit | (running & (verified >= max_new))
+    rows = jnp.arange(state.seq.shape[0])
+    seq = state.seq.at[rows, jnp.where(put & (g < max_new), env.lengths + g, state.seq.shape[1])].set(tok, mode="drop")
+    moved = running & ~put & ~finished  # every checked draft stood, C < cl: the window moves on by C
+    state = state._replace(
+        seq=env.constrain(seq), done=state.done | finished, eos=state.eos | eos_hit,
+        n_generated=jnp.where(finished, verified, state.n_generated),
+        commit_start=jnp.where(moved, cs + m, cs), commit_len=jnp.where(moved, cl - m, cl),
+        agreed=state.agreed + jnp.where(running, m, 0),
+        accepted=tally(state.accepted, jnp.minimum(verified - cs - 1, state.accepted.shape[1] - 1), running))
+    state = policy.update_counts(state, running & (n_chk > 0), m, rejected.astype(jnp.int32))
+    restarted = rejected & ~finished
+    return restart(state, restarted, g, env), Checked(opened=put & ~rejected & ~finished, restarted=restarted)
+
+
+def open_block(state: LoopState, env: DecodeEnv, logits_BwV, opened) -> LoopState:
+    """Rows `opened` (their block's first token is AR's, just placed) draft the block's other w - 1 positions from
+    the copy queries' logits at once; the block becomes the commit window the next call checks."""
+    w, b = logits_BwV.shape[1], state.block_offset
+    j = jnp.arange(w, dtype=jnp.int32)[None]
+    drawn = sampling.sample(logits_BwV, env.keys, b[:, None] + j, env.temp, top_k=env.spec.top_k,
+                            top_p=env.spec.top_p, suppress=env.cfg.mask_token_id)
+    put = opened[:, None] & (j >= 1) & ((b[:, None] + j) < env.max_new[:, None])
+    pos = jnp.where(put, (env.lengths + b)[:, None] + j, state.seq.shape[1])
+    seq = state.seq.at[jnp.arange(state.seq.shape[0])[:, None], pos].set(drawn, mode="drop")
+    n = jnp.minimum(w, env.max_new - b)
+    return state._replace(seq=env.constrain(seq), commit_start=jnp.where(opened, b, state.commit_start),
+                          commit_len=jnp.where(opened, n, state.commit_len),
+                          block_offset=jnp.where(opened, b + w, b),
+                          masked=jnp.where(opened[:, None], block_mask(b + w, env), state.masked),
+                          proposed=state.proposed + jnp.where(opened, n - 1, 0))
+
+
+def counted(state: LoopState, ran, cache, wide: bool) -> LoopState:
+    """A call's counters: NFE for the rows it carried, the batch's calls and wide calls."""
+    return state._replace(cache=cache, nfe=state.nfe + ran.astype(jnp.int32), iters=state.iters + 1,
+                          wide=state.wide + int(wide), since_wide=0 if wide else state.since_wide + 1)
+
+
+def wide_step(state: LoopState, env: DecodeEnv, w: int) -> LoopState:
+    """[commit CLEAN ; block COPY], w tokens each: check the waiting drafts (up to w of them), then draft w - 1
+    positions of the next block for rows whose drafts all stood."""
+    j = jnp.arange(w, dtype=jnp.int32)[None]
+    ran = ~state.done
+    gen = state.commit_start[:, None] + j
+    pos = env.lengths[:, None] + gen
+    meta = clean_meta((ran[:, None] & (j < state.commit_len[:, None])).astype(jnp.int32), pos)
+    ctok, cmeta = sbd.copy_window(state, env)
+    cmeta = jax.tree.map(lambda x: x[:, :w], cmeta)
+    h, cache = forward(env.params, env.cfg, jnp.concatenate([gather(state.seq, pos), ctok[:, :w]], axis=1),
+                       concat_meta(meta, cmeta), state.cache, return_hidden=True)
+    state, checked = check(state, env, ar_tokens(env, h[:, :w], gen))
+    state = open_block(state, env, lm_head(env.params, env.cfg, h[:, w:]), checked.opened)
+    return counted(state, ran, env.constrain(cache), wide=True)
+
+
+def ar_step(state: LoopState, env: DecodeEnv) -> LoopState:
+    """One clean query at each row's verified token: AR's next token checks the next draft or is taken."""
+    ran = ~state.done
+    pos = (env.lengths + state.commit_start)[:, None]
+    logits, cache = forward(env.params, env.cfg, gather(state.seq, pos), clean_meta(ran[:, None].astype(jnp.int32),
+                                                                                     pos), state.cache)
+    ar = sampling.sample(logits, env.keys, state.commit_start[:, None] + 1, env.temp, top_k=env.spec.top_k,
+                         top_p=env.spec.top_p)
+    state, checked = check(state, env, ar)
+    state = restart(state, checked.opened, state.block_offset, env)  # no copy queries ran: nothing drafted
+    return counted(state, ran, env.constrain(cache), wide=False)
+
+
+def ar_segment(state: LoopState, env: DecodeEnv) -> LoopState:
+    """No running row holds a draft: AR mode's own step (one clean query, the token drawn by generated index, as
+    here) until the policy's next exploration or until a row finishes (its choice cannot change before either)."""
+    budget = policy.ar_budget(state, env)
+    running = ~state.done
+
+    def more(carry):
+        s, n = carry
+        return (n < budget) & ~jnp.all(s.done) & ~jnp.any(s.done & running)
+
+    state, n = jax.lax.while_loop(more, lambda c: (ar.step(c[0], env), c[1] + 1), (state, jnp.int32(0)))
+    b = state.block_offset
+    return restart(state, running & ~state.done, b - 1, env)._replace(since_wide=state.since_wide + n)
+
+
+def step(state: LoopState, env: DecodeEnv) -> LoopState:
+    """The policy's call: a 1-wide AR call (a run of them while no row holds a draft, policies "adaptive" and
+    "never") or a 2w-wide one for a draft width w."""
+    with jax.named_scope("draft_policy"):
+        kind = policy.choose(state, env)
+    branches = [lambda s: ar_step(s, env)] + [lambda s, w=w: wide_step(s, env, w) for w in env.spec.draft_widths]
+    if env.spec.draft_policy in ("adaptive", "never"):
+        plain = (kind == 0) & jnp.all(state.done | (state.commit_len == 1))
+        kind = jnp.where(plain, len(branches), kind)
+        branches.append(lambda s: ar_segment(s, env))
+    return jax.lax.switch(kind, branches, state)
 
 
 def admit(state: LoopState, env: DecodeEnv) -> LoopState:
-    """The last prompt token rides as a 1-token commit: its query gives AR's first token."""
-    return state._replace(commit_start=jnp.full_like(env.lengths, -1), commit_len=jnp.ones_like(env.lengths))
+    """The last prompt token rides as a 1-token commit window: its query gives AR's first token."""
+    return state._replace(commit_start=jnp.full_like(env.lengths, -1), commit_len=jnp.ones_like(env.lengths),
+                          block_offset=jnp.zeros_like(env.lengths))
 
 
 def first(state: LoopState, env: DecodeEnv, prompt_ids) -> LoopState:
-    """NFE 1: SBD's first call; AR's first token, from the last prompt token's query, is the first block's first
-    token."""
+    """NFE 1: [prompt CLEAN ; first block COPY]; AR's first token (from the last prompt token's query) opens the
+    first block, whose other positions the copy queries draft."""
     P = prompt_ids.shape[1]
+    ran = ~state.done
     state, logits, h, cache, start, h_last = sbd.first_call(state, env, prompt_ids)
     last = last_prompt_hidden(h, env.lengths, start, P, h_last)
     tok = sampling.sample(lm_head(env.params, env.cfg, last), env.keys, jnp.zeros_like(env.lengths)[:, None],
                           env.temp, top_k=env.spec.top_k, top_p=env.spec.top_p)
-    ar = jnp.zeros(state.masked.shape, jnp.int32).at[:, :1].set(tok)
-    return update(admit(state, env), env, logits, cache, ar)
-
-
-def step(state: LoopState, env: DecodeEnv) -> LoopState:
-    return sbd.windowed_step(state, env, update, clean_tokens=ar_tokens)
+    state, checked = check(admit(state, env), env, tok)
+    state = open_block(state, env, logits, checked.opened)
+    return state._replace(cache=cache, nfe=state.nfe + ran.astype(jnp.int32), iters=state.iters + 1)
 
 
 def finalize(state: LoopState, env: DecodeEnv) -> KVCache:

@@ -1,0 +1,77 @@
+"""Verify mode's drafting policy (SBD.md "Lossless mode", step 2): before each call, the batch chooses between a
+1-wide AR call (one token per row; the next waiting draft checked for free) and a 2w-wide call [commit CLEAN ;
+next block COPY] for a draft width w of `spec.draft_widths` (k, k/2, k/4), which checks the waiting drafts and
+drafts the next w - 1 positions. Whatever it chooses, every row's tokens are AR's (modes/verify.py); the choice
+only sets how many calls, and of which width, a row takes.
+
+  * Per row: the decayed counts of checked drafts (`trials`) and of those that agreed (`hits`) give p, the chance
+    that a draft agrees given the drafts before it did (prior 1/2, weight 1).
+  * A row that drafts w - 1 positions per call alternates between calls that check them (1 + E[m] tokens; the
+    chain goes on when all stand, probability q = p^(w-1)) and, after a rejection, one call with nothing to check
+    (1 token): tokens per call tau_w(p) = (2 + E[m] - q) / (2 - q), E[m] = p + p^2 + ... + p^(w-1).
+  * The call that makes the most tokens per unit of time: AR gives 1 per running row at cost 1; width w gives the
+    running rows' mean tau_w at `call_costs[w]` (what a 2w-wide call costs in 1-wide calls at this batch on this
+    device, costs.py). Every (c - 1) / EXPLORE_SHARE calls without drafting (c: the cheapest width's cost), the
+    cheapest width drafts anyway, so rows whose drafts start to agree are noticed at a bounded cost (the AR calls
+    after it check those drafts for nothing).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .state import DecodeEnv, LoopState
+
+DECAY = 0.7  # weight of the earlier counts at each call that checks drafts
+EXPLORE_SHARE = 0.03  # the share of the run's cost spent on drafting calls the estimate did not ask for
+NEVER = 2 ** 30
+
+
+def agree_prob(state: LoopState):
+    """[B] the chance a draft agrees given the drafts before it did (decayed counts, prior 1/2 of weight 1)."""
+    return (state.hits + 0.5) / (state.trials + 1.0)
+
+
+def tokens_per_wide_call(p, w: int):
+    """[B] expected tokens per 2w-wide call of a row that drafts w - 1 positions with agreement chance p."""
+    powers = p[:, None] ** jnp.arange(1, w, dtype=jnp.float32)[None]  # p^1 .. p^(w-1)
+    q = powers[:, -1] if w > 1 else jnp.ones_like(p)
+    return (2.0 + jnp.sum(powers, axis=1) - q) / (2.0 - q)
+
+
+def update_counts(state: LoopState, checked, agreed_B, failed_B):
+    """Fold one call's checks into the decayed counts: rows that checked drafts (`checked`) saw `agreed_B`
+    agree and `failed_B` (0 or 1) not."""
+    decay = jnp.where(checked, DECAY, 1.0)
+    return state._replace(trials=state.trials * decay + jnp.where(checked, agreed_B + failed_B, 0).astype(jnp.float32),
+                          hits=state.hits * decay + jnp.where(checked, agreed_B, 0).astype(jnp.float32))
+
+
+def explore_every(call_costs):
+    """Calls without drafting between two drafting calls the estimate did not ask for."""
+    return jnp.ceil(jnp.maximum(jnp.min(call_costs) - 1.0, 0.0) / EXPLORE_SHARE).astype(jnp.int32)
+
+
+def ar_budget(state: LoopState, env: DecodeEnv):
+    """AR calls the policy makes before its next drafting call if no row finishes and no draft is checked."""
+    if env.spec.draft_policy == "never":
+        return jnp.int32(NEVER)
+    return jnp.maximum(explore_every(env.call_costs) - state.since_wide, 1)
+
+
+def choose(state: LoopState, env: DecodeEnv):
+    """This call's kind (a traced int): 0 = a 1-wide AR call, i >= 1 = the draft width `spec.draft_widths[i - 1]`."""
+    widths = env.spec.draft_widths
+    policy = env.spec.draft_policy
+    if policy in ("always", "never"):
+        return jnp.int32(1 if policy == "always" else 0)
+    if policy == "random":
+        return jax.random.randint(jax.random.fold_in(jax.random.key(0), state.iters), (), 0, len(widths) + 1)
+    running = ~state.done
+    n = jnp.maximum(jnp.sum(running), 1).astype(jnp.float32)
+    p = agree_prob(state)
+    rate = jnp.stack([jnp.float32(1.0)] + [jnp.sum(jnp.where(running, tokens_per_wide_call(p, w), 0.0)) / n / c
+                                           for w, c in zip(widths, env.call_costs)])
+    cheapest = 1 + jnp.argmin(env.call_costs).astype(jnp.int32)
+    best = jnp.argmax(rate).astype(jnp.int32)
+    return jnp.where((best == 0) & (state.since_wide >= explore_every(env.call_costs)), cheapest, best)

@@ -1,0 +1,45 @@
+"""Verify mode's drafting policy (issue 30, sbd_jax/decoding/policy.py): its expected tokens per call, the
+options' checks, and drafts that fail costing about one call per token, like AR. (Every decision giving AR's
+tokens and the no-cache oracle's calls: tests/test_verify.py.)"""
+import numpy as np
+import pytest
+
+from decoding_fixtures import CFG, LENGTHS, MAX_NEW, make_params, make_prompts, pick_eos
+from sbd_jax.decoding import DecodeError, DecodeSpec, generate, policy
+
+CAPS = np.array([18, 7, 13, 1], np.int32)
+
+
+@pytest.fixture(scope="module")
+def model():
+    params, prompts = make_params(), make_prompts()
+    eos = pick_eos(generate(params, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=()).tokens)
+    return params, prompts, eos
+
+
+def test_tokens_per_wide_call():
+    p = np.linspace(0.0, 1.0, 11, dtype=np.float32)
+    for k in (1, 4, 16):
+        tau = np.asarray(policy.tokens_per_wide_call(p, k))
+        np.testing.assert_allclose(tau[[0, -1]], [1.0, k], rtol=1e-6)  # drafts never / always stand
+        assert (np.diff(tau) >= -1e-6).all()
+    with pytest.raises(DecodeError, match="draft_policy"):
+        DecodeSpec(verify=True, draft_policy="sometimes")
+    with pytest.raises(DecodeError, match="wide_cost"):
+        DecodeSpec(verify=True, wide_cost=-1.0)
+
+
+def test_failing_drafts_cost_about_one_call_per_token(model):
+    """The random test model's drafts rarely stand. At a wide call costing 3 one-wide calls the adaptive policy
+    makes AR calls, but for the explorations it owes (one per (cost - 1) / EXPLORE_SHARE calls); at the measured
+    cost the calls are AR's too, and no row needs more calls than AR."""
+    params, prompts, _ = model
+    ar = generate(params, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=())
+    for cost in (3.0, None):
+        v = generate(params, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=16, max_new_tokens=MAX_NEW,
+                     eos_ids=(), wide_cost=cost)
+        np.testing.assert_array_equal(np.asarray(v.tokens), np.asarray(ar.tokens))
+        assert (np.asarray(v.nfe) <= np.asarray(ar.nfe)).all()
+        if cost is not None:
+            every = int(policy.explore_every(np.float32(cost)))
+            assert int(v.wide_steps) <= int(v.iterations) // every + 1, (int(v.wide_steps), int(v.iterations))
