@@ -58,7 +58,8 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys):
     sbd = [r for r in rows if r["mode"] == "sbd" and r["rule"] == "eb" and not r["verify"]]
     assert len(sbd) == len(cfg.gammas)
     lossless = [r for r in rows if r["verify"]]
-    assert len(lossless) == len(cfg.verify_gammas) and rows[1]["same_as_sbd_ar"] == 1.0
+    assert [r["policy"] for r in lossless] == list(cfg.lossless_policies) and rows[1]["same_as_sbd_ar"] == 1.0
+    assert all(r["gamma"] is None and r["rule"] is None for r in lossless)  # no gamma or rule in verify mode
     for r in lossless:  # the SBD model's AR output, up to float near-ties of the two forward shapes
         assert r["same_as_sbd_ar"] >= 0.95 and abs(r["accuracy"] - rows[1]["accuracy"]) <= 0.05, r
         assert sum(r["accepted_per_forward"]) > 0
@@ -119,3 +120,11 @@ def test_first_error_kind_classifies_where_a_solution_goes_wrong():
     assert first_error_kind(wrong_at(5), gold, sol) == "structure"
     assert first_error_kind(gold[:7], gold, sol) == "stopped early"
     assert first_error_kind(gold + [3], gold, sol) == "ran on"
+
+
+def test_lossless_policies_are_checked():
+    assert [d.policy for d in decoders(DemoConfig()) if d.verify] == ["adaptive", "always"]
+    with pytest.raises(ConfigError, match="'sometimes'"):
+        DemoConfig.quick(lossless_policies=("adaptive", "sometimes"))
+    with pytest.raises(ConfigError, match="lossless_policies"):
+        DemoConfig(lossless_policies="adaptive")  # a bare name, not a tuple of them

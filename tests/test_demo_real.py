@@ -61,6 +61,7 @@ def test_every_stage_runs_and_lossless_rows_equal_ar(demo):
             assert r["tokens_per_forward"] == 1.0 and r["same_as_ar"] == 1.0
         if r["verify"]:  # lossless: the SBD fine-tune's own AR tokens, whatever its drafts
             assert r["same_as_ar"] == 1.0, r["label"]
+    assert [r["policy"] for r in rows if r["verify"]] == list(cfg.lossless_policies)
     table = (Path(out) / "table.md").read_text()
     assert all(r["label"] in table for r in rows) and "HumanEval pass@1" in table
 
@@ -82,3 +83,5 @@ def test_quick_config_checks():
         RealDemoConfig(prompt_tokens=700, seq_len=640)
     with pytest.raises(ConfigError, match="remat"):
         RealDemoConfig(remat="some")
+    with pytest.raises(ConfigError, match="'sometimes'"):
+        RealDemoConfig.quick(lossless_policies=("sometimes",))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import ConfigError
-from ..decoding.spec import DEFAULT_BLOCK_SIZE
+from ..decoding.spec import DEFAULT_BLOCK_SIZE, DRAFT_POLICIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +40,9 @@ class DemoConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0)  # EB rule (the paper's): low 0.1, middle 0.35, high 0.6
     threshold_gammas: tuple[float, ...] = (0.1, 0.35, 0.6)  # the threshold rule (SBD.md step 4), for comparison
-    # lossless (verify) rows: the sweep's gammas and a larger one (drafts are only proposals there)
-    verify_gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0, 3.0)
+    # lossless (verify) rows, one per drafting policy (DecodeSpec.draft_policy; gamma and rule play no part):
+    # the default "adaptive", and "always" (every call 2k-wide: the drafts' quality, the ceiling of drafting)
+    lossless_policies: tuple[str, ...] = ("adaptive", "always")
     max_new_tokens: int = 48
     eval_batch: int = 100
     latency_n: int = 100  # problems also decoded one at a time (batch 1) for the latency-bound tokens/s
@@ -50,12 +51,22 @@ class DemoConfig:
     def __post_init__(self):
         if self.timing_rounds < 1:
             raise ConfigError(f"timing_rounds must be >= 1, got {self.timing_rounds}")
+        check_policies(self.lossless_policies)
 
     @classmethod
     def quick(cls, **kw) -> "DemoConfig":
         base = dict(n_pretrain=3000, n_finetune=3000, n_test=64, hidden_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, intermediate_size=192, batch_size=16, pretrain_steps=300,
-                    finetune_steps=250, gammas=(0.35, 3.0), threshold_gammas=(0.35,), verify_gammas=(0.35, 3.0),
-                    eval_batch=64,
-                    latency_n=16, timing_rounds=2, out_dir="results/quick")
+                    finetune_steps=250, gammas=(0.35, 3.0), threshold_gammas=(0.35,),
+                    lossless_policies=("adaptive", "always"), eval_batch=64, latency_n=16, timing_rounds=2,
+                    out_dir="results/quick")
         return cls(**{**base, **kw})
+
+
+def check_policies(policies) -> None:
+    """`lossless_policies` (both demos): a tuple of DRAFT_POLICIES names; a ConfigError names a bad value."""
+    if isinstance(policies, str) or not isinstance(policies, (tuple, list)):
+        raise ConfigError(f"lossless_policies must be a tuple of names of {DRAFT_POLICIES}, got {policies!r}")
+    for p in policies:
+        if p not in DRAFT_POLICIES:
+            raise ConfigError(f"lossless_policies: unknown drafting policy {p!r}; valid: {DRAFT_POLICIES}")

@@ -26,6 +26,12 @@ class Decoder:
     gamma: float | None = None
     rule: str | None = None  # SBD acceptance rule (SBD.md step 4); None for AR
     verify: bool = False  # lossless: drafts checked against AR's tokens (SBD.md "Lossless mode")
+    policy: str | None = None  # lossless rows: the drafting policy (DecodeSpec.draft_policy); None otherwise
+
+
+# the lossless rows' labels by drafting policy (every policy gives the same tokens: AR's)
+POLICY_LABELS = {"adaptive": "adaptive policy", "always": "every call 2k-wide", "never": "never drafting",
+                 "random": "random policy"}
 
 
 def decoders(cfg) -> list[Decoder]:
@@ -35,10 +41,11 @@ def decoders(cfg) -> list[Decoder]:
 
 
 def sbd_decoders(cfg) -> list[Decoder]:
-    """The SBD fine-tune's SBD rows: lossless (verify) at `cfg.verify_gammas`, then the paper's lossy EB rule at
-    `cfg.gammas` and the threshold rule at `cfg.threshold_gammas`."""
-    out = [Decoder(f"SBD fine-tune, SBD lossless (verify) gamma={g:g}", "sbd", "sbd", g, "eb", True)
-           for g in cfg.verify_gammas]
+    """The SBD fine-tune's SBD rows: lossless (verify), one per drafting policy of `cfg.lossless_policies` (no
+    gamma or rule: they play no part there), then the paper's lossy EB rule at `cfg.gammas` and the threshold
+    rule at `cfg.threshold_gammas`."""
+    out = [Decoder(f"SBD fine-tune, lossless (verify, {POLICY_LABELS[p]})", "sbd", "sbd", verify=True, policy=p)
+           for p in cfg.lossless_policies]
     out += [Decoder(f"SBD fine-tune, SBD gamma={g:g} (lossy)", "sbd", "sbd", g, "eb") for g in cfg.gammas]
     out += [Decoder(f"SBD fine-tune, SBD threshold rule gamma={g:g} (lossy)", "sbd", "sbd", g, "threshold")
             for g in cfg.threshold_gammas]
@@ -55,13 +62,22 @@ def suite_width(prompts: list[Prompt]) -> int:
 
 
 def batch_decoder(params, mcfg, *, mode: str, block_size: int, gamma, rule, max_new_tokens: int,
-                  batch_size: int, prompt_width: int, verify: bool = False) -> BatchDecoder:
+                  batch_size: int, prompt_width: int, verify: bool = False,
+                  draft_policy: str | None = None) -> BatchDecoder:
     """Greedy decoding; every batch padded to `prompt_width` (the suite's longest prompt), so one compilation
-    and a cache no longer than the suite needs."""
+    and a cache no longer than the suite needs. `draft_policy`: verify mode's (None: DecodeSpec's default)."""
+    policy = {"draft_policy": draft_policy} if draft_policy is not None else {}
     spec = DecodeSpec(mode=mode, block_size=block_size, rule=rule or "eb", max_new_tokens=max_new_tokens,
-                      verify=verify)
+                      verify=verify, **policy)
     return BatchDecoder(params, mcfg, DecodeOptions(spec=spec, gamma=gamma or 0.0, batch_size=batch_size,
                                                     pad_multiple=prompt_width))
+
+
+def decoder_maker(d: Decoder, params, mcfg, cfg, prompt_width: int):
+    """`batch_decoder` for decoder `d` under a demo config (either demo's); call it with `batch_size=`."""
+    return functools.partial(batch_decoder, params, mcfg, mode=d.mode, block_size=cfg.block_size, gamma=d.gamma,
+                             rule=d.rule, max_new_tokens=cfg.max_new_tokens, verify=d.verify, draft_policy=d.policy,
+                             prompt_width=prompt_width)
 
 
 def decode_all(dec: BatchDecoder, prompts: list[Prompt], desc: str | None = None) -> tuple[list[dict], dict]:
@@ -89,9 +105,7 @@ def run_decoder(d: Decoder, params, mcfg, tok: Tokenizer, problems: list[dict], 
     (seconds, latency seconds), for the interleaved timing rounds of `evaluate`."""
     prompts = problem_prompts(tok, problems)
     n_lat = min(cfg.latency_n, len(problems))
-    make = functools.partial(batch_decoder, params, mcfg, mode=d.mode, block_size=cfg.block_size, gamma=d.gamma,
-                             rule=d.rule, max_new_tokens=cfg.max_new_tokens, verify=d.verify,
-                             prompt_width=suite_width(prompts))
+    make = decoder_maker(d, params, mcfg, cfg, suite_width(prompts))
     batched, single = make(batch_size=cfg.eval_batch), make(batch_size=1)
     rows, s = decode_all(batched, prompts, f"eval {d.label}" if progress else None)
     lat_rows, lat = decode_all(single, prompts[:n_lat], f"batch-1 {d.label}" if progress else None)
@@ -103,7 +117,7 @@ def run_decoder(d: Decoder, params, mcfg, tok: Tokenizer, problems: list[dict], 
     def retime():
         return batched.decode(prompts)["seconds"], single.decode(prompts[:n_lat])["seconds"]
 
-    return {"label": d.label, "model": d.model, "mode": d.mode, "gamma": d.gamma, "rule": d.rule, "verify": d.verify,
+    return {**dataclasses.asdict(d),  # label, model, mode, gamma, rule, verify, policy
             "outputs": [r["tokens"] for r in rows], "accepted_per_forward": s["accepted_per_forward"],
             "accuracy": float(np.mean(correct)), "n": len(problems), "tokens": s["tokens"], "nfe": s["nfe"],
             "tokens_per_forward": s["tokens_per_forward"], "seconds": s["seconds"], "timed_tokens": s["tokens"],

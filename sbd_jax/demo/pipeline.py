@@ -4,9 +4,10 @@
   pretrain  a small Llama-style model trained with NTP on worked solutions
   ft_ntp    fine-tune copy 1: NTP only (the baseline)           } same data, same steps,
   ft_sbd    fine-tune copy 2: SBD dual loss (NTP + MATP)        } same optimizer
-  eval      held-out problems: baseline with AR decoding; SBD model with AR and with SBD at several
-            gammas (block size 16); accuracy, tokens per forward (NFE speedup) and measured tokens/s,
-            all in the same run -> table (markdown + json) and a PNG plot.
+  eval      held-out problems: baseline with AR decoding; SBD model with AR, lossless SBD (one row per
+            drafting policy of `lossless_policies`) and lossy SBD at several gammas (block size 16);
+            accuracy, tokens per forward (NFE speedup) and measured tokens/s, all in the same run
+            -> table (markdown + json) and a PNG plot.
 
 Every stage leaves its result in `out_dir` and is skipped when rerun (training stages resume from
 their last checkpoint when interrupted).

@@ -31,17 +31,16 @@ def plot(rows: list[dict], path: Path, eval_batch: int) -> None:
     for ax, key, xlabel in ((axes[0], "nfe_speedup", "speedup in forward passes (NFE)"),
                             (axes[1], "latency_speedup", "measured wall-clock speedup, batch 1 (CPU)"),
                             (axes[2], "wall_speedup", f"measured wall-clock speedup, batch {eval_batch} (CPU)")):
-        for rule, verify, color, name in ((None, True, "C4", "SBD lossless (verify; gamma sweep)"),
-                                          ("eb", False, "C1", "SBD, EB rule (gamma sweep; lossy)"),
-                                          ("threshold", False, "C3", "SBD, threshold rule (gamma sweep; lossy)")):
-            sbd = [r for r in rows if r["mode"] == "sbd" and r.get("verify", False) == verify
-                   and (verify or r["rule"] == rule)]
+        for rule, color, name in (("eb", "C1", "SBD, EB rule (gamma sweep; lossy)"),
+                                  ("threshold", "C3", "SBD, threshold rule (gamma sweep; lossy)")):
+            sbd = [r for r in rows if r["mode"] == "sbd" and not r.get("verify") and r["rule"] == rule]
             if not sbd:
                 continue
             ax.plot([r[key] for r in sbd], [100 * r["accuracy"] for r in sbd], "o-", color=color, label=name)
             for r in sbd:
                 ax.annotate(f"γ={r['gamma']:g}", (r[key], 100 * r["accuracy"]), textcoords="offset points",
                             xytext=(4, 4), fontsize=8, color=color)
+        lossless_points(ax, [r for r in rows if r.get("verify")], key, "accuracy")
         for r, c, m in ((rows[0], "C0", "s"), (rows[1], "C2", "^")):
             ax.plot([r[key]], [100 * r["accuracy"]], m, color=c, label=r["label"])
         ax.set_xlabel(xlabel)
@@ -52,6 +51,18 @@ def plot(rows: list[dict], path: Path, eval_batch: int) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def lossless_points(ax, rows: list[dict], key: str, metric: str) -> None:
+    """The lossless (verify) rows as unjoined points, each labelled by its drafting policy (they share AR's
+    tokens, so only the speed differs); used by both demos' plots."""
+    if not rows:
+        return
+    ax.plot([r[key] for r in rows], [100 * r[metric] for r in rows], "*", markersize=10, color="C4",
+            label="SBD lossless (verify; one point per drafting policy)")
+    for r in rows:
+        ax.annotate(r["policy"], (r[key], 100 * r[metric]), textcoords="offset points",
+                    xytext=(4, -10), fontsize=8, color="C4")
 
 
 def write_atomic(path: Path, text: str) -> None:

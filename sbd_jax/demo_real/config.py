@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import ConfigError
+from ..demo.config import check_policies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,10 +30,12 @@ class RealDemoConfig:
     warmup_steps: int = 30
     k_max: int = 16
     remat: str = "full"
-    # evaluation (greedy; block size 16; several gammas per rule)
+    # evaluation (greedy; block size 16; several gammas per lossy rule)
     block_size: int = 16
     max_new_tokens: int = 192
-    verify_gammas: tuple[float, ...] = (0.1, 0.35, 1.0, 3.0)
+    # lossless (verify) rows, one per drafting policy (DecodeSpec.draft_policy): the default "adaptive", and
+    # "always" (every call 2k-wide: the drafts' quality, the tokens-per-forward ceiling of drafting)
+    lossless_policies: tuple[str, ...] = ("adaptive", "always")
     gammas: tuple[float, ...] = (0.1, 0.35, 1.0)  # the paper's EB rule (lossy)
     threshold_gammas: tuple[float, ...] = (0.1, 0.35)  # the threshold rule (lossy)
     eval_batch: int = 32  # throughput setting (batch >= 32); tokens/s at batch 1 over the first latency_n
@@ -54,12 +57,13 @@ class RealDemoConfig:
             raise ConfigError(f"k_max must be in [2, seq_len - prompt_tokens], got {self.k_max}")
         if self.remat not in ("full", "save_dots", "none"):
             raise ConfigError(f"remat must be one of full, save_dots, none, got {self.remat!r}")
+        check_policies(self.lossless_policies)
 
     @classmethod
     def quick(cls, **kw) -> RealDemoConfig:
         """Every stage at a size a CPU runs in a few minutes (the numbers mean nothing)."""
         base = dict(out_dir="results/real_quick", prompt_tokens=96, max_body_lines=8, per_module=2, n_heldout=6,
                     n_humaneval=3, seq_len=160, batch_size=2, steps=3, warmup_steps=1, remat="none",
-                    max_new_tokens=24, verify_gammas=(0.35,), gammas=(0.35,), threshold_gammas=(0.35,),
+                    max_new_tokens=24, lossless_policies=("adaptive",), gammas=(0.35,), threshold_gammas=(0.35,),
                     eval_batch=4, latency_n=2, lr=1e-4)
         return cls(**{**base, **kw})

@@ -3,11 +3,12 @@ problems through decode.py's batch runner, timed at `eval_batch` rows and one pr
 cut where the function ends and scored (sbd_jax.demo_real.metrics)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from ..decoding.prompts import Prompt
-from ..demo.evaluation import Decoder, batch_decoder, decode_all, sbd_decoders, suite_width
+from ..demo.evaluation import Decoder, decode_all, decoder_maker, sbd_decoders, suite_width
 from ..io.hf import from_pretrained
 from ..io.tokenizer import Tokenizer
 from . import metrics, tasks
@@ -34,19 +35,16 @@ def run_decoder(d: Decoder, params, mcfg, tok: Tokenizer, held: list[dict], huma
     """Decode every prompt (held-out functions, then HumanEval) at eval_batch rows, the first latency_n held-out
     prompts again one at a time; the metrics of both sets, tokens per forward and tokens/s."""
     prompts = _prompts(held) + _prompts(humaneval, len(held))
-    make = lambda batch: batch_decoder(params, mcfg, mode=d.mode, block_size=cfg.block_size, gamma=d.gamma,
-                                       rule=d.rule, max_new_tokens=cfg.max_new_tokens, verify=d.verify,
-                                       batch_size=batch, prompt_width=suite_width(prompts))
-    rows, s = decode_all(make(cfg.eval_batch), prompts, f"eval {d.label}")
+    make = decoder_maker(d, params, mcfg, cfg, suite_width(prompts))
+    rows, s = decode_all(make(batch_size=cfg.eval_batch), prompts, f"eval {d.label}")
     n_lat = min(cfg.latency_n, len(held))
-    lat = decode_all(make(1), prompts[:n_lat], f"batch-1 {d.label}")[1] if n_lat else None  # no program without rows
+    lat = decode_all(make(batch_size=1), prompts[:n_lat], f"batch-1 {d.label}")[1] if n_lat else None  # no program without rows
     held_rows, he_rows = rows[:len(held)], rows[len(held):]
     scores = metrics.heldout_scores(held, _texts(tok, held_rows))  # cut where each function ends, then scored
     cut = [tasks.cut_completion(None, text, indent=r["indent"]) for r, text in zip(humaneval, _texts(tok, he_rows))]
     passed = metrics.pass_at_1(metrics.humaneval_check(humaneval, cut, timeout=cfg.humaneval_timeout)) \
         if humaneval else float("nan")
-    return {"label": d.label, "model": d.model, "mode": d.mode, "gamma": d.gamma, "rule": d.rule, "verify": d.verify,
-            **scores, "humaneval_pass1": passed,
+    return {**dataclasses.asdict(d), **scores, "humaneval_pass1": passed,
             "n_heldout": len(held), "n_humaneval": len(humaneval), "outputs": [r["tokens"] for r in rows],
             "tokens": s["tokens"], "nfe": s["nfe"], "tokens_per_forward": s["tokens_per_forward"],
             "accepted_per_forward": s["accepted_per_forward"], "tokens_per_s": s["tokens"] / s["seconds"],

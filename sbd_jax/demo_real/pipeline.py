@@ -4,8 +4,9 @@
   data      the interpreter's stdlib split by module: training functions (SFT pairs), held-out functions, HumanEval
   ft_ntp    fine-tune 1: NTP only (the baseline)           } same data, same steps,
   ft_sbd    fine-tune 2: SBD dual loss, k ~ U[2, k_max]    } same optimizer
-  eval      the original model AR; both fine-tunes AR; the SBD fine-tune lossless (verify) and with the lossy
-            EB and threshold rules at several gammas -> table.md, results.json, a plot
+  eval      the original model AR; both fine-tunes AR; the SBD fine-tune lossless (verify, one row per drafting
+            policy of `lossless_policies`) and with the lossy EB and threshold rules at several gammas
+            -> table.md, results.json, a plot
 
 Every stage leaves its result in `out_dir` and is skipped when rerun; training stages resume from their last
 checkpoint; a stage made with other settings is refused, naming the difference.

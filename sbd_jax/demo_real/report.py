@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..demo.report import lossless_points
+
 
 def markdown_table(rows: list[dict], eval_batch: int) -> str:
     head = ("| model, decoding | first-line exact | Δ vs NTP fine-tune | body similarity | parses | HumanEval pass@1 "
@@ -19,20 +21,21 @@ def markdown_table(rows: list[dict], eval_batch: int) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """First-line exact match against tokens per forward, one line per rule (gamma sweep)."""
+    """First-line exact match against tokens per forward: one line per lossy rule (gamma sweep), the lossless
+    rows as points labelled by drafting policy."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for verify, rule, color, name in ((True, "eb", "C4", "SBD lossless (verify)"), (False, "eb", "C1", "SBD, EB rule (lossy)"),
-                                      (False, "threshold", "C3", "SBD, threshold rule (lossy)")):
-        sbd = [r for r in rows if r["mode"] == "sbd" and r["verify"] == verify and r["rule"] == rule]
+    for rule, color, name in (("eb", "C1", "SBD, EB rule (lossy)"), ("threshold", "C3", "SBD, threshold rule (lossy)")):
+        sbd = [r for r in rows if r["mode"] == "sbd" and not r["verify"] and r["rule"] == rule]
         if sbd:
             ax.plot([r["nfe_speedup"] for r in sbd], [100 * r["first_line_exact"] for r in sbd], "o-", color=color,
                     label=name)
             for r in sbd:
                 ax.annotate(f"γ={r['gamma']:g}", (r["nfe_speedup"], 100 * r["first_line_exact"]),
                             textcoords="offset points", xytext=(4, 4), fontsize=8, color=color)
+    lossless_points(ax, [r for r in rows if r["verify"]], "nfe_speedup", "first_line_exact")
     for r, marker in zip([r for r in rows if r["mode"] == "ar"], ("s", "D", "^")):
         ax.plot([r["nfe_speedup"]], [100 * r["first_line_exact"]], marker, label=r["label"])
     ax.set_xlabel("speedup in forward passes (NFE) over the NTP fine-tune")
