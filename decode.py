@@ -23,7 +23,8 @@ from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sbd_jax.decoding.spec import DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
+    from sbd_jax.decoding.spec import (DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE,
+                                       DRAFT_POLICIES)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="local HF-layout model directory")
     ap.add_argument("--adapter", default=None,
@@ -35,7 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gamma", type=float, default=DEFAULT_GAMMA, help="acceptance threshold (SBD)")
     ap.add_argument("--rule", choices=("eb", "threshold"), default="eb")
     ap.add_argument("--verify", action="store_true",
-                    help="lossless SBD: every block checked against AR's tokens (output == --mode ar's, same --seed)")
+                    help="lossless SBD: every draft checked against AR's tokens (output == --mode ar's, same --seed)")
+    ap.add_argument("--draft-policy", choices=DRAFT_POLICIES, default="adaptive",
+                    help="--verify: per call, a 1-wide AR call or a 2w-wide check-and-draft call; 'adaptive' drafts "
+                         "where the rows' acceptance pays for the wider call on this device ('always' / 'never' force "
+                         "it). Speed only: the tokens are AR's whatever it chooses")
+    ap.add_argument("--wide-cost", type=float, default=None,
+                    help="--verify: a 2k-wide call's cost in 1-wide calls (default: measured once on this device)")
     ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="SBD block size k")
     ap.add_argument("--batch-size", type=int, default=8, help="rows decoded at once (continuous slots)")
     ap.add_argument("--static", action="store_true",
@@ -110,6 +117,7 @@ def run(args) -> int:
         raise DecodeError("--resume and --overwrite exclude each other")
     spec = DecodeSpec(mode=args.mode, verify=args.verify, block_size=args.block_size, rule=args.rule,
                       max_new_tokens=args.max_new_tokens, commit_quorum=args.commit_quorum,
+                      draft_policy=args.draft_policy, wide_cost=args.wide_cost,
                       top_k=args.top_k, top_p=args.top_p, tempered_entropy=args.tempered_entropy,
                       eos_ids=() if args.ignore_eos else (tuple(args.eos_id) if args.eos_id else None))
     mesh_cfg = mesh_config(args)

@@ -199,11 +199,12 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
     accepted = np.zeros((B, k + 1), np.int32)
     proposed, agreed = np.zeros(B, np.int32), np.zeros(B, np.int32)
     trials, hits = np.zeros(B, np.float32), np.zeros(B, np.float32)
+    pool = np.zeros(2, np.float32)                               # decayed (trials, hits) over all rows
     calls = wide_calls = since_wide = 0
     costs_w = np.asarray(costs.call_costs(params, cfg, spec, B, prompt_ids.shape[1] + max_new_tokens), np.float32)
     cols = np.broadcast_to(np.arange(W, dtype=np.int32), (B, W))
     while not done.all():
-        w = k if calls == 0 else _width_choice(spec, calls, trials, hits, done, since_wide, costs_w)  # 0: AR
+        w = k if calls == 0 else _width_choice(spec, calls, trials, hits, pool, done, since_wide, costs_w)  # 0: AR
         calls += 1
         if calls > 1:
             wide_calls += w > 0
@@ -220,6 +221,8 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
         drawn = np.asarray(score(logits[:, W:], keys, jnp.asarray(pos_c - lengths[:, None]), temp,
                                  suppress=cfg.mask_token_id)[1])
         C = max(w, 1)                                           # clean queries this call: AR 1, a width w
+        call_n = call_a = 0
+        any_checked = False
         for b in range(B):
             if done[b]:
                 continue
@@ -234,6 +237,9 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
             if checkable:
                 trials[b] = trials[b] * np.float32(0.7) + np.float32(m + (m < checkable))
                 hits[b] = hits[b] * np.float32(0.7) + np.float32(m)
+                call_n += m + (m < checkable)
+                call_a += m
+                any_checked = True
             stood = list(range(first + 1, first + m + 1))       # the drafts that stand (first itself stood before)
             hit = next((i for i in stood if int(seq[b, L + i]) in eos), None)
             if hit is not None:
@@ -267,6 +273,9 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
             seq[b, L + g + 1:L + g + n] = drawn[b, 1:n]
             proposed[b] += n - 1
             todo[b], blk[b] = (g, n), g + w
+        if any_checked:  # the counts over all rows: a new row's prior
+            pool[0] = pool[0] * np.float32(0.9) + np.float32(call_n)
+            pool[1] = pool[1] * np.float32(0.9) + np.float32(call_a)
     out = np.full((B, max_new_tokens), pad, np.int32)
     for b in range(B):
         out[b, :n_gen[b]] = seq[b, lengths[b]:lengths[b] + n_gen[b]]
@@ -275,7 +284,7 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
                           jnp.asarray(agreed), None)
 
 
-def _width_choice(spec: DecodeSpec, calls: int, trials, hits, done, since_wide, costs_w) -> int:
+def _width_choice(spec: DecodeSpec, calls: int, trials, hits, pool, done, since_wide, costs_w) -> int:
     """The draft policy's choice for the batch's call number `calls`: 0 (a 1-wide AR call) or a draft width
     (policy.py's rule, written out; `costs_w`: the costs `generate` used, the spec's or those measured once per
     process)."""
@@ -290,7 +299,8 @@ def _width_choice(spec: DecodeSpec, calls: int, trials, hits, done, since_wide, 
     for w, c in zip(widths, costs_w):
         taus = []
         for b in run:
-            p = np.float32((hits[b] + np.float32(0.5)) / (trials[b] + np.float32(1.0)))
+            pooled = np.float32((pool[1] + np.float32(0.5)) / (pool[0] + np.float32(1.0)))
+            p = np.float32((hits[b] + pooled) / (trials[b] + np.float32(1.0)))
             powers = [np.float32(p ** i) for i in range(1, w)]
             q = powers[-1] if powers else np.float32(1.0)
             taus.append((np.float32(2.0) + np.float32(sum(powers)) - q) / (np.float32(2.0) - q))

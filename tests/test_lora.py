@@ -200,7 +200,7 @@ def test_train_py_lora_export_and_decode_end_to_end(lora_run):
     assert [r["tokens"] for r in rows] == [r["tokens"] for r in merged]
     sampler = sbd_jax.decoding.sampler.Sampler.load(base, adapter=adapter)
     assert sampler.cfg.mask_token_id == 3 and sampler(["the quick brown fox"], max_new_tokens=8,
-                                                      block_size=4)[0].tokens == rows[0]["tokens"]
+                                                      block_size=4)[0]["tokens"] == rows[0]["tokens"]
 
 
 def test_adapter_on_another_base_is_refused(lora_run, tmp_path, capsys):

@@ -117,27 +117,32 @@ def test_text_api(export):
     inputs = [[{"role": "user", "content": "Say bye to friend number 11"}], "Say hi to friend number 5"]
     for mode in ("sbd", "ar"):
         out = sampler(inputs, chat=True, mode=mode, max_new_tokens=64, block_size=16, gamma=0.35)
-        assert [o.text for o in out] == [ANSWERS["bye"], ANSWERS["hi"]], mode
-        assert all(o.stop == "eos" and o.tokens[-1] == IM_END for o in out)
-        assert out[0].prompt_tokens == len(sampler.tokenizer.apply_chat_template(inputs[0]))
-    assert out[0].nfe == len(out[0].tokens)  # AR: one forward per token
+        assert [o["text"] for o in out] == [ANSWERS["bye"], ANSWERS["hi"]], mode
+        assert all(o["stop"] == "eos" and o["tokens"][-1] == IM_END for o in out)
+        assert out[0]["prompt_tokens"] == len(sampler.tokenizer.apply_chat_template(inputs[0]))
+    assert out[0]["nfe"] == len(out[0]["tokens"])  # AR: one forward per token
     with pytest.raises(sbd_jax.decoding.DecodeError, match="input 0: expected a string"):
         sampler([{"role": "user"}])
 
 
 def test_decode_verify_mode_equals_ar_in_fewer_forwards(export, tmp_path, capsys):
     """decode.py --verify --compare-ar on the fine-tuned model, sampled: every row identical to AR's (the summary
-    counts and shows them), in fewer forwards than AR, with the per-block histogram of drafts that stood."""
+    counts and shows them), in fewer forwards than AR (a stated cost of the wide call, so the policy's choices do
+    not hang on this machine's timing), with the drafts placed and agreed."""
     prompts = [{"id": f"{w}{i}", "messages": [{"role": "user", "content": f"Say {w} to friend number {i}"}]}
                for i in (3, 8, 21, 40) for w in ANSWERS]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     assert decode.main(["--model", str(export), "--input", str(tmp_path / "p.jsonl"), "--output",
-                        str(tmp_path / "o.jsonl"), "--verify", "--compare-ar", "--temperature", "0.7", "--gamma", "2",
+                        str(tmp_path / "o.jsonl"), "--verify", "--compare-ar", "--temperature", "0.7", "--wide-cost", "1.5",
                         "--block-size", "8", "--max-new-tokens", "32", "--batch-size", "3",
                         "--summary", str(tmp_path / "s.json"), "--no-progress"]) == 0
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["verify"] and s["n_rows_differing_from_ar"] == 0 and s["same_tokens_as_ar"] == 1.0
     assert s["nfe"] < s["ar"]["nfe"] and sum(s["accepted_per_forward"]) > 0
-    assert "rows identical to AR: 8 of 8 (100.0%)" in capsys.readouterr().out
-    for r in map(json.loads, (tmp_path / "o.jsonl").read_text().splitlines()):
+    assert 0 < s["drafts_agreed"] <= s["drafts"] and s["tokens_per_forward_ceiling"] == 8.0
+    shown = capsys.readouterr().out
+    assert "rows identical to AR: 8 of 8 (100.0%)" in shown and f"drafts: {s['drafts_agreed']} of" in shown
+    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    for r in rows:
         assert r["tokens"] == r["ar"]["tokens"] and r["nfe"] <= r["ar"]["nfe"]
+    assert sum(r["drafts"] for r in rows) == s["drafts"] and sum(r["agreed"] for r in rows) == s["drafts_agreed"]

@@ -5,7 +5,8 @@ drafts the next w - 1 positions. Whatever it chooses, every row's tokens are AR'
 only sets how many calls, and of which width, a row takes.
 
   * Per row: the decayed counts of checked drafts (`trials`) and of those that agreed (`hits`) give p, the chance
-    that a draft agrees given the drafts before it did (prior 1/2, weight 1).
+    that a draft agrees given the drafts before it did, with a prior of weight 1 at the rate over all rows (so a
+    row admitted by continuous batching starts from what the model's drafts did for the others).
   * A row that drafts w - 1 positions per call alternates between calls that check them (1 + E[m] tokens; the
     chain goes on when all stand, probability q = p^(w-1)) and, after a rejection, one call with nothing to check
     (1 token): tokens per call tau_w(p) = (2 + E[m] - q) / (2 - q), E[m] = p + p^2 + ... + p^(w-1).
@@ -22,14 +23,18 @@ import jax.numpy as jnp
 
 from .state import DecodeEnv, LoopState
 
-DECAY = 0.7  # weight of the earlier counts at each call that checks drafts
+DECAY = 0.7  # weight of a row's earlier counts at each call that checks its drafts
+POOL_DECAY = 0.9  # weight of the counts over all rows at each call that checks drafts
 EXPLORE_SHARE = 0.03  # the share of the run's cost spent on drafting calls the estimate did not ask for
 NEVER = 2 ** 30
 
 
 def agree_prob(state: LoopState):
-    """[B] the chance a draft agrees given the drafts before it did (decayed counts, prior 1/2 of weight 1)."""
-    return (state.hits + 0.5) / (state.trials + 1.0)
+    """[B] the chance a draft agrees given the drafts before it did: each row's decayed counts with a prior of
+    weight 1 at the rate over all rows (itself with a prior of 1/2, weight 1), so a new row starts from the
+    batch's experience of this model."""
+    pooled = (state.pool_hits + 0.5) / (state.pool_trials + 1.0)
+    return (state.hits + pooled) / (state.trials + 1.0)
 
 
 def tokens_per_wide_call(p, w: int):
@@ -43,8 +48,11 @@ def update_counts(state: LoopState, checked, agreed_B, failed_B):
     """Fold one call's checks into the decayed counts: rows that checked drafts (`checked`) saw `agreed_B`
     agree and `failed_B` (0 or 1) not."""
     decay = jnp.where(checked, DECAY, 1.0)
-    return state._replace(trials=state.trials * decay + jnp.where(checked, agreed_B + failed_B, 0).astype(jnp.float32),
-                          hits=state.hits * decay + jnp.where(checked, agreed_B, 0).astype(jnp.float32))
+    n = jnp.where(checked, agreed_B + failed_B, 0).astype(jnp.float32)
+    a = jnp.where(checked, agreed_B, 0).astype(jnp.float32)
+    pool = jnp.where(jnp.any(checked), POOL_DECAY, 1.0)
+    return state._replace(trials=state.trials * decay + n, hits=state.hits * decay + a,
+                          pool_trials=state.pool_trials * pool + jnp.sum(n), pool_hits=state.pool_hits * pool + jnp.sum(a))
 
 
 def explore_every(call_costs):

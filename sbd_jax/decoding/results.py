@@ -3,8 +3,8 @@
   * `GenerateOutput` (decoder.py): a batch's arrays, from `generate` / `generate_jit` (device arrays, jittable).
   * `RowResult`: one finished row on the host, from every row-at-a-time entry point: `decode_stream` and
     `ContinuousDecoder.decode` / `harvest`, the batch runner's `on_row` (decode.py writes it as a JSON line, with
-    "id" and "prompt_tokens"), and `Sampler.decode`'s `on_row`. A plain dict with these keys (so it is written to
-    JSON as is); `Sampler.__call__` wraps it with the text as a `Completion`.
+    "id" and "prompt_tokens"), `Sampler.decode`'s `on_row` and `Sampler.__call__` (with "text" and
+    "prompt_tokens"). A plain dict with these keys, so it is written to JSON as is.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ class RowResult(TypedDict):
     drafts: NotRequired[int]  # verify mode: drafts placed
     agreed: NotRequired[int]  # verify mode: drafts that stood (agreed with AR's token)
     text: NotRequired[str]  # Sampler / decode.py: the tokens as text, when the model has a tokenizer
+    prompt_tokens: NotRequired[int]  # Sampler / decode.py: the prompt's length in tokens
     ar: NotRequired[RowResult]  # compare_ar: the same prompt decoded by AR
 
 

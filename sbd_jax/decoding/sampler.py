@@ -11,19 +11,10 @@ from pathlib import Path
 from ..config import ModelConfig
 from ..io.tokenizer import Tokenizer
 from .prompts import Prompt, row_ids
+from .results import RowResult
 from .runner import DecodeOptions, check_prompts, decode_prompts
 from .checks import check_finite_params, check_model
 from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    text: str  # the generated tokens as text (special tokens such as the end-of-turn one left out)
-    tokens: list[int]  # generated ids, the stop token included when the row stopped on one
-    stop: str  # "eos" (a stop id) or "length" (max_new_tokens)
-    prompt_tokens: int
-    nfe: int  # model forwards this row took
-    tokens_per_forward: float
 
 
 def generation_eos(cfg: ModelConfig, model_dir) -> tuple[int, ...]:
@@ -128,13 +119,13 @@ class Sampler:
         return decode_prompts(self.params, self.cfg, prompts, opts, mesh=self.mesh, on_row=with_text,
                               progress=progress, checked=True)
 
-    def __call__(self, inputs: Sequence, *, chat: bool = False, **options) -> list[Completion]:
+    def __call__(self, inputs: Sequence, *, chat: bool = False, **options) -> list[RowResult]:
         """Complete every input (see `prompts`); `options` as in `options` (SBD by default, mode="ar" for the
-        baseline). Returns one `Completion` per input, in order; `self.last_summary` holds the run's summary."""
+        baseline). Returns one `RowResult` per input, in order, with its "text" ("" without a tokenizer) and
+        "prompt_tokens"; `self.last_summary` holds the run's summary."""
         opts = self.options(**options)
         prompts = self.prompts(inputs, chat=chat)
         rows: dict = {}
         self.last_summary = self.decode(prompts, opts, on_row=lambda p, r: rows.__setitem__(p.id, (p, r)))
-        return [Completion(text=r.get("text", ""), tokens=r["tokens"], stop=r["stop"], prompt_tokens=len(p.ids),
-                           nfe=r["nfe"], tokens_per_forward=r["tokens_per_forward"])
+        return [RowResult(**{**r, "text": r.get("text", ""), "prompt_tokens": len(p.ids)})
                 for p, r in (rows[i] for i in range(len(prompts)))]

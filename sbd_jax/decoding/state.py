@@ -45,11 +45,14 @@ class LoopState(NamedTuple):
     accepted: Row             # [B, window + 1] per row: calls that decoded 0, 1, ... tokens (of the output)
     decoded_at: Row           # [B, K] SBD: the call (counted within the block) that decoded each position; K = not yet
     # verify mode (modes/verify.py, policy.py): drafts placed and drafts that stood; the drafting policy's
-    # decayed counts of checked drafts and of those that agreed; calls since the batch's last 2k-wide call
+    # decayed counts of checked drafts and of those that agreed, per row and over all rows; calls since the
+    # batch's last drafting call
     proposed: Row             # [B]
     agreed: Row               # [B]
     trials: Row               # [B] float32
     hits: Row                 # [B] float32
+    pool_trials: jax.Array    # scalar float32: the same counts over every row (a new row's prior)
+    pool_hits: jax.Array      # scalar float32
     since_wide: jax.Array     # scalar
 
 
@@ -123,6 +126,8 @@ def new_state(env: DecodeEnv, seq, P: int, done=None) -> LoopState:
         agreed=zeros_B,
         trials=jnp.zeros((B,), jnp.float32),
         hits=jnp.zeros((B,), jnp.float32),
+        pool_trials=jnp.float32(0.0),
+        pool_hits=jnp.float32(0.0),
         since_wide=jnp.int32(0))
 
 
