@@ -36,14 +36,7 @@ from sbd_jax.sharding import MeshConfig, make_mesh
 from sbd_jax.training.config import OptimConfig
 from sbd_jax.training.data import Documents, PackedIterator
 from sbd_jax.training.optim import make_optimizer
-from sbd_jax.training.step import (
-    StepOptions,
-    create_state,
-    jit_train_step,
-    make_train_step,
-    put_batch,
-    state_shardings,
-)
+from sbd_jax.training.step import StepOptions, create_state, jit_train_step, make_train_step, put_batch, state_shardings
 
 
 def parse(argv=None):
