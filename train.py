@@ -2,7 +2,8 @@
 """SBD fine-tuning: `python train.py --config configs/tiny_sbd.yaml [key=value ...]`.
 
 Overrides use dotted keys, values parsed as YAML: `steps=200 optim.lr=1e-3 sbd.ntp_only=true
-mesh.fsdp=8 data.path=my.jsonl`. Resumes from <out_dir>/checkpoints when a checkpoint is there.
+mesh.fsdp=8 data.path=my.jsonl`; `mesh.context=8` splits each row's sequence ([x ; x_hat], 2L tokens) over 8
+devices (context parallelism, for long rows). Resumes from <out_dir>/checkpoints when a checkpoint is there.
 Multi-host (GPU clusters, TPU pods): start the same command on every host; jax.distributed is
 initialised from the environment (see README)."""
 from __future__ import annotations

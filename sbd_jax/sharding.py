@@ -1,8 +1,9 @@
 """Device meshes and logical-axis sharding rules, shared by training and decoding. Parameters carry logical
 axis names (`ParamSpec.axes` in sbd_jax/models/transformer.py); `DEFAULT_RULES` maps them onto the mesh axes
-("data", "fsdp", "tensor"); the rules live in sharding_rules.py (re-exported here), which the Pallas attention
-wrapper reads too. A dimension whose size the mesh axis does not divide is replicated instead (so e.g. 8 KV heads
-on a tensor axis of 16 still works). `mesh_context` makes a mesh ambient for the Pallas kernels."""
+("data", "fsdp", "tensor", and "context" when > 1: a training row's sequence); the rules live in sharding_rules.py
+(re-exported here), which the Pallas attention wrapper reads too. A dimension whose size the mesh axis does not
+divide is replicated instead (so e.g. 8 KV heads on a tensor axis of 16 still works). `mesh_context` makes a mesh
+ambient for the Pallas kernels."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +16,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import ConfigError, ModelConfig
 from .models.transformer import param_specs
-from .sharding_rules import DEFAULT_RULES, MESH_AXES, logical_to_spec  # noqa: F401 (DEFAULT_RULES: re-exported)
+from .sharding_rules import (CONTEXT_AXIS, DEFAULT_RULES, MESH_AXES, context_size,  # noqa: F401 (re-exported)
+                             logical_to_spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +27,15 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    # context parallelism: each training row's sequence ([x ; x_hat], 2L tokens) split over this many devices
+    # (sbd_jax/attention/context.py). 1: no "context" axis in the mesh at all (the mesh of before)
+    context: int = 1
+
+    def __post_init__(self):
+        for axis in MESH_AXES:
+            n = getattr(self, axis)
+            if not isinstance(n, int) or n == 0 or n < -1:
+                raise ConfigError(f"mesh.{axis} must be >= 1 (or -1 for 'the rest'), got {n!r}")
 
 
 def maybe_initialize_distributed() -> bool:
@@ -50,23 +61,27 @@ def maybe_initialize_distributed() -> bool:
 
 
 def make_mesh(cfg: MeshConfig | None = None, devices=None) -> Mesh:
+    """The device mesh of `cfg`, axes in MESH_AXES order; the "context" axis only when cfg.context > 1 (so a
+    context-1 mesh is exactly the 3-axis mesh of before)."""
     cfg = cfg or MeshConfig()
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
-    shape = [cfg.data, cfg.fsdp, cfg.tensor]
+    shape = [getattr(cfg, a) for a in MESH_AXES]
     if sum(s == -1 for s in shape) > 1:
         raise ConfigError(f"mesh {shape}: at most one axis may be -1")
-    if any(s == 0 or s < -1 for s in shape):
-        raise ConfigError(f"mesh {shape}: axis sizes must be >= 1 (or -1 for 'the rest')")
     known = int(np.prod([s for s in shape if s != -1]))
     if -1 in shape:
         if n % known:
-            raise ConfigError(f"mesh {dict(zip(MESH_AXES, shape))} does not divide the {n} devices")
+            raise ConfigError(f"mesh {_described(shape)} does not divide the {n} devices")
         shape[shape.index(-1)] = n // known
     if int(np.prod(shape)) != n:
-        raise ConfigError(f"mesh {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} devices, "
-                          f"but {n} are available")
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+        raise ConfigError(f"mesh {_described(shape)} needs {int(np.prod(shape))} devices, but {n} are available")
+    names = [a for a, s in zip(MESH_AXES, shape) if a != CONTEXT_AXIS or s > 1]
+    return Mesh(np.asarray(devices).reshape([s for a, s in zip(MESH_AXES, shape) if a in names]), tuple(names))
+
+
+def _described(shape) -> dict:
+    return {a: s for a, s in zip(MESH_AXES, shape) if a != CONTEXT_AXIS or s != 1}
 
 
 def spec_shardings(specs: dict, cfg: ModelConfig, mesh: Mesh, rules=None) -> dict:

@@ -8,12 +8,15 @@ import math
 
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# "context" splits each training row's sequence (context parallelism, sbd_jax/attention/context.py); it sits
+# next to "tensor" so both per-layer collectives stay on the fastest links. A mesh holds it only when > 1.
+MESH_AXES = ("data", "fsdp", "context", "tensor")
+CONTEXT_AXIS = "context"
 
 # logical axis -> mesh axis (or axes, used together); axes not named here are replicated
 DEFAULT_RULES: dict[str, str | tuple[str, ...]] = {
-    "batch": ("data", "fsdp"), "vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
-    "mlp": "tensor"}
+    "batch": ("data", "fsdp"), "seq": CONTEXT_AXIS, "vocab": "tensor", "embed": "fsdp", "heads": "tensor",
+    "kv_heads": "tensor", "mlp": "tensor"}
 
 
 def rule_axes(name, mesh, rules=None, skip=()) -> tuple[str, ...]:
@@ -36,6 +39,14 @@ def logical_to_spec(axes: tuple, shape: tuple, mesh, rules=None, skip=()) -> P:
         used.update(names)
         spec.append(spec_entry(names))
     return P(*spec)
+
+
+def context_size(mesh) -> int:
+    """Devices the context axis splits a row over: its size in `mesh` (a Mesh or an AbstractMesh), 1 when the mesh
+    is None, has no such axis, or the axis is already manual (inside a shard_map)."""
+    if mesh is None or CONTEXT_AXIS in (getattr(mesh, "manual_axes", ()) or ()):
+        return 1
+    return int(dict(mesh.shape).get(CONTEXT_AXIS, 1))
 
 
 def spec_entry(names: tuple[str, ...]):

@@ -182,6 +182,14 @@ class TrainConfig:
         for key, n in (("data.seq_len", self.data.seq_len), ("data.copy_len", self.data.copy_len)):
             require(spec.ntp_only or n is None or n >= largest, f"{key} ({n}) is shorter than {block} ({largest}): "
                     "a block cannot be longer than a row or the copy stream")
+        T = self.row_tokens()
+        require(self.mesh.context < 2 or T % self.mesh.context == 0, f"mesh.context ({self.mesh.context}) must "
+                f"divide the {T} tokens of a training row (data.seq_len {self.data.seq_len} + the copy stream "
+                f"{0 if spec.ntp_only else self.data.copy_len or self.data.seq_len})")
+
+    def row_tokens(self) -> int:
+        """T: the tokens of one training row as the model sees it (L, plus the copy stream unless NTP-only)."""
+        return self.data.seq_len + (0 if self.sbd.ntp_only else self.data.copy_len or self.data.seq_len)
 
     def step_options(self, mask_token_id: int | None = None) -> StepOptions:
         return StepOptions(mask_token_id, **dataclasses.asdict(self.sbd), copy_len=self.data.copy_len,
