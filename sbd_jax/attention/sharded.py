@@ -13,7 +13,8 @@ of size 1 or already manual: the kernels are called directly):
       - else, if H % t == 0 and G % (H/t) == 0 (e.g. 8 KV heads on a tensor axis of 16): q heads
         split, K/V replicated over "tensor", each shard slicing out its query heads' KV head;
       - otherwise heads are replicated (correct, no tensor parallelism).
-  Time and head_dim are never split: the kernels read whole sequences.
+  Time and head_dim are never split here: the kernels read whole sequences (a "context" axis splitting
+  training rows' time is context.py's, which reuses these layouts).
 
 The custom VJP runs inside the shard_map, so gradients are per shard too. `check_vma=False`: the
 kernels' out_shapes carry no varying-axes annotation; shard_map's transpose then sums the cotangent
@@ -101,7 +102,7 @@ def _shapes(q, k, v):
     return B, H, K
 
 
-def _local_kv(layout: HeadLayout, H: int, K: int):
+def local_kv_heads(layout: HeadLayout, H: int, K: int):
     """Inside the shard_map: slice K/V (replicated over the heads axis) to the one KV head of this
     shard's query heads ("q_only" layout); identity otherwise."""
     if layout.heads != "q_only":
@@ -140,7 +141,7 @@ def pallas_attention_parts(q_BTHD, kv_parts, q_meta, **kwargs):
         return kernel(q_BTHD, parts, q_meta, **kwargs)
     q_spec, kv_spec, m_spec = layout.specs()
     meta_spec = TokenMeta(*([m_spec] * len(TokenMeta._fields)))
-    take = _local_kv(layout, H, K)
+    take = local_kv_heads(layout, H, K)
 
     def local(q, parts, qm):
         return kernel(q, [(take(k), take(v), m) for k, v, m in parts], qm, **kwargs)
@@ -150,5 +151,5 @@ def pallas_attention_parts(q_BTHD, kv_parts, q_meta, **kwargs):
                          out_specs=q_spec, check_vma=False)(q_BTHD, parts, _as_meta(q_meta))
 
 
-__all__ = ["HeadLayout", "ShardedAttentionError", "active_mesh", "head_layout", "pallas_attention",
-           "pallas_attention_parts"]
+__all__ = ["HeadLayout", "ShardedAttentionError", "active_mesh", "head_layout", "local_kv_heads",
+           "pallas_attention", "pallas_attention_parts"]

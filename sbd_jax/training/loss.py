@@ -35,22 +35,27 @@ def auto_chunk(vocab_size: int, T: int) -> int:
 
 
 def loss_sums(params, cfg: ModelConfig, ex: Example, *, chunk: int | None = None,
-              clean_prefix: int | None = None) -> LossSums:
+              clean_prefix: int | None = None, shards: int = 1) -> LossSums:
     """Run the model on `ex.tokens` under `ex.meta` and sum the two CE terms (float32). `chunk`: tokens per
     lm_head + CE piece (0: one piece; None: `auto_chunk`). `clean_prefix=L`: the example is the SBD layout
-    `[x ; x_hat]` with an L-token clean half that attends only itself (see `forward(clean_prefix)`)."""
+    `[x ; x_hat]` with an L-token clean half that attends only itself (see `forward(clean_prefix)`).
+    `shards`: the sequence is split into this many contiguous shards (the context axis); each loss piece then
+    takes `chunk` tokens of every shard, so no piece needs another shard's hidden states."""
     h, _ = forward(params, cfg, ex.tokens, ex.meta, return_hidden=True, clean_prefix=clean_prefix)
     B, T = h.shape[:2]
-    chunk = auto_chunk(cfg.vocab_size, T) if chunk is None else chunk
-    if chunk <= 0 or chunk >= T:
+    if T % shards:
+        raise ValueError(f"a row of {T} tokens does not split into {shards} context shards")
+    chunk = auto_chunk(cfg.vocab_size, T // shards) if chunk is None else chunk
+    if chunk <= 0 or chunk >= T // shards:
         ntp, matp = _weighted_ce(params, cfg, h, ex.targets, ex.ntp_weight, ex.matp_weight)
     else:
-        n = -(-T // chunk)
-        pad = n * chunk - T
+        n = -(-(T // shards) // chunk)
+        pad = n * chunk - T // shards
 
-        def split(a):  # [B, T, ...] -> [n, B, chunk, ...], zero weight on padding
-            a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-            return jnp.moveaxis(a.reshape(B, n, chunk, *a.shape[2:]), 1, 0)
+        def split(a):  # [B, T, ...] -> [n, B, shards * chunk, ...] (piece j: chunk j of each shard), weight 0 on padding
+            rest = a.shape[2:]
+            a = jnp.pad(a.reshape(B, shards, T // shards, *rest), [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * len(rest))
+            return jnp.moveaxis(a.reshape(B, shards, n, chunk, *rest), 2, 0).reshape(n, B, shards * chunk, *rest)
 
         @jax.checkpoint
         def body(carry, xs):

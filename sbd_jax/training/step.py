@@ -5,6 +5,10 @@ batch over (data, fsdp), the state donated).
 Gradient accumulation: the whole batch's examples are built first, so each microbatch's loss divides by the
 *global* token counts and the summed gradient is the full batch's (up to summation order). Microbatch j
 takes rows j::A, so a batch sharded in contiguous row blocks splits without moving data.
+
+Context parallelism (mesh.context = n > 1): the batch's rows stay whole on every device of the context axis
+(the data side is unchanged); the step splits the example's sequence ([x ; x_hat], T tokens) into n contiguous
+shards and the attention exchanges K/V over the axis (sbd_jax/attention/context.py).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from ..config import ModelConfig
 from ..models.lora import AdapterLayout, adapter_specs, attach
 from ..models.transformer import param_specs
-from ..sharding import batch_sharding, mesh_context, spec_shardings
+from ..sharding import batch_sharding, context_size, logical_to_spec, mesh_context, spec_shardings
 from .examples import Example, PackedBatch, make_example
 from .loss import LossSums, combine, loss_sums, metrics_from_sums
 from .spec import StepOptions
@@ -67,11 +71,38 @@ def keep_if_bad(bad, new, old):
 
 
 def _micro(x, A: int, mesh: Mesh | None):
-    """[B, ...] -> [A, B/A, ...] with microbatch j = rows j::A, each sharded like the batch when it divides."""
+    """[B, T] -> [A, B/A, T] with microbatch j = rows j::A, each sharded like the batch when it divides (and its
+    sequence over "context" under context parallelism)."""
     y = jnp.swapaxes(x.reshape(x.shape[0] // A, A, *x.shape[1:]), 0, 1)
-    if mesh is not None and (axes := batch_sharding(mesh, 1, y.shape[1]).spec[0]) is not None:
-        y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, axes)))
+    spec = None if mesh is None else example_spec(mesh, *y.shape[1:])
+    if spec is not None and any(s is not None for s in spec):
+        y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, *spec)))
     return y
+
+
+def example_spec(mesh: Mesh, rows: int, T: int) -> P:
+    """The layout of an Example's [rows, T] arrays: rows by the "batch" rule, the sequence by the "seq" rule
+    (the context axis; replicated without one)."""
+    return logical_to_spec(("batch", "seq"), (rows, T), mesh)
+
+
+def context_shards(mesh: Mesh | None, T: int) -> int:
+    """The context axis' size for rows of T tokens (1: no context parallelism); a clear error when it does not
+    divide T."""
+    n = context_size(mesh)
+    if T % n:
+        raise ValueError(f"training rows of T = {T} tokens (data.seq_len + the copy stream) do not split over "
+                         f"mesh.context = {n}: T must be a multiple of it")
+    return n
+
+
+def place_example(ex: Example, mesh: Mesh | None, n: int) -> Example:
+    """Under context parallelism (n > 1): every [B, T] array of the example split over rows and sequence, so the
+    whole forward runs on T/n tokens per device. Unchanged otherwise."""
+    if n == 1:
+        return ex
+    sh = NamedSharding(mesh, example_spec(mesh, *ex.tokens.shape))
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sh), ex)
 
 
 def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.GradientTransformation,
@@ -83,7 +114,11 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
 
     def loss_fn(params, ex: Example, totals, L: int, base):
         tree = params if layout is None else attach(base, params, layout)
-        s = loss_sums(tree, model_cfg, ex, chunk=opts.loss_chunk, clean_prefix=None if opts.ntp_only else L)
+        # under context parallelism one attention over the whole row: the clean_prefix split would reshard the
+        # sequence across the context axis (the Pallas kernel skips the masked clean x copy tiles anyway)
+        n = context_shards(mesh, ex.tokens.shape[-1])
+        prefix = None if opts.ntp_only or n > 1 else L
+        s = loss_sums(tree, model_cfg, ex, chunk=opts.loss_chunk, clean_prefix=prefix, shards=n)
         return combine(s, *totals), s
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)  # L (the clean half's length) is static
@@ -92,6 +127,7 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
         with mesh_context(mesh):  # ambient while tracing: attention_impl="pallas" then runs per shard
             rng, key = jax.random.split(state.rng)
             ex, k = make_example(key, batch, opts)
+            ex = place_example(ex, mesh, context_shards(mesh, ex.tokens.shape[1]))
             L = batch.tokens.shape[1]
             totals = (jnp.sum(ex.ntp_weight), jnp.sum(ex.matp_weight))
             if A == 1:

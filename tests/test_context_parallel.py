@@ -1,0 +1,101 @@
+"""Context parallelism (issue 32): the SBD dual-loss train step with each row's sequence split over a "context"
+mesh axis of 2 and 4 fake CPU devices (alone and with data / fsdp / tensor) equals the same step on one device.
+Runs in a subprocess because XLA_FLAGS must be set before jax is imported.
+Tolerances (float32, as tests/test_training_sharded.py): loss, NTP and MATP losses, grad norm rtol 1e-5; gradients
+(Adam's first moment after the step, (1 - b1) x the gradient) max abs diff <= 1e-5 x the leaf's max abs value."""
+import textwrap
+
+import numpy as np
+import pytest
+from subproc import run_on_8_devices
+
+from sbd_jax.config import ConfigError, load_config
+from sbd_jax.sharding import MeshConfig
+from sbd_jax.training.config import TrainConfig
+
+SCRIPT = textwrap.dedent("""
+    import dataclasses, json
+    import jax, jax.numpy as jnp, numpy as np
+    from subproc import train_setup
+    from sbd_jax.sharding import MeshConfig, make_mesh
+    from sbd_jax.training.examples import PackedBatch
+    from sbd_jax.training.step import (StepOptions, create_state, jit_train_step, make_train_step, put_batch,
+                                       state_shardings)
+
+    cfg, params, text, tx, sched = train_setup()
+    cfg = dataclasses.replace(cfg, remat="full")  # as train.py runs it: the shard_map inside the remat'd layer
+
+    def sft_batch(L=24):
+        # packed SFT rows (prompt + response documents, padding), response tokens <= copy_len C = 16 per row
+        rng = np.random.default_rng(1)
+        seg, pos, lm = (np.zeros((4, L), np.int32) for _ in range(3))
+        seg[0, :11], pos[0, :11], lm[0, 5:11] = 1, np.arange(11), 1
+        seg[0, 11:22], pos[0, 11:22], lm[0, 14:22] = 2, np.arange(11), 1
+        seg[1], pos[1], lm[1, 10:] = 1, np.arange(L), 1
+        seg[2, :20], pos[2, :20], lm[2, 4:20] = 1, np.arange(20), 1
+        seg[3, :7], pos[3, :7], lm[3, 2:7] = 1, np.arange(7), 1
+        seg[3, 7:], pos[3, 7:], lm[3, 12:] = 2, np.arange(L - 7), 1
+        return PackedBatch(*(a.astype(np.int32) for a in (rng.integers(4, 64, (4, L)) * (seg > 0), seg, pos, lm)))
+
+    # SFT with copy_len also runs loss chunks of 5 (each shard's 10 or 20 tokens padded to whole chunks) and 2
+    # microbatches
+    CASES = {"text": (text, StepOptions(3, k_max=8)),
+             "sft_copy_len": (sft_batch(), StepOptions(3, k_max=8, block_align="response", copy_len=16, loss_chunk=5,
+                                                       grad_accum=2))}
+
+    def run(mesh, case):
+        batch, opts = CASES[case]
+        B = batch.tokens.shape[0]
+        sh = state_shardings(cfg, tx, mesh)
+        state = create_state(jax.tree.map(jnp.asarray, params), tx, jax.random.PRNGKey(0), sh)
+        f = jit_train_step(make_train_step(cfg, opts, tx, sched, mesh), mesh, sh, B)
+        b = put_batch(batch, mesh, B)
+        compiled = f.lower(state, b).compile()
+        new, m = compiled(state, b)
+        gathers = compiled.as_text().count("all-gather")
+        return jax.device_get(new.opt_state[1][0].mu), {k: float(v) for k, v in jax.device_get(m).items()}, gathers
+
+    MESHES = {"context2": MeshConfig(data=1, context=2), "context4": MeshConfig(data=1, context=4),
+              "data2_context4": MeshConfig(data=2, context=4), "fsdp2_context2_tensor2": MeshConfig(1, 2, 2, 2)}
+    PLAN = {"text": ["context2", "context4", "data2_context4"],
+            "sft_copy_len": ["context2", "context4", "fsdp2_context2_tensor2"]}
+    out = {}
+    for case, meshes in PLAN.items():
+        mu1, m1, _ = run(make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]), case)
+        out[case] = {"one": m1}
+        for name in meshes:
+            mesh = make_mesh(MESHES[name], jax.devices()[:int(np.prod([*MESHES[name].__dict__.values()]))])
+            mu, m, gathers = run(mesh, case)
+            gdiff = max(float(np.abs(a - b).max() / (np.abs(a).max() + 1e-30))
+                        for a, b in zip(jax.tree.leaves(mu1), jax.tree.leaves(mu)))
+            out[case][name] = dict(metrics=m, grad_rel_diff=gdiff, axes=dict(mesh.shape), gathers=gathers)
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_context_parallel_step_matches_single_device():
+    out = run_on_8_devices(SCRIPT)
+    for case, runs in out.items():
+        one = runs.pop("one")
+        assert one["matp_tokens"] > 0 and one["ntp_tokens"] > 0, case
+        for name, r in runs.items():
+            assert r["axes"]["context"] in (2, 4), r["axes"]
+            assert r["gathers"] > 0, (case, name)  # K/V really exchanged over the axis
+            for key in ("loss", "ntp_loss", "matp_loss", "grad_norm"):
+                np.testing.assert_allclose(r["metrics"][key], one[key], rtol=1e-5, err_msg=f"{case} {name} {key}")
+            for key in ("ntp_tokens", "matp_tokens", "k", "tokens"):
+                assert r["metrics"][key] == one[key], (case, name, key)
+            assert r["grad_rel_diff"] <= 1e-5, (case, name, r["grad_rel_diff"])
+
+
+def test_context_config_errors_name_the_value():
+    yaml = "configs/tiny_sbd.yaml"
+    cfg = load_config(TrainConfig, yaml, ["data.seq_len=24", "mesh.context=4", "sbd.k_max=8"])
+    assert cfg.mesh == MeshConfig(context=4) and cfg.row_tokens() == 48
+    with pytest.raises(ConfigError, match=r"mesh.context \(5\) must divide the 48 tokens"):
+        load_config(TrainConfig, yaml, ["data.seq_len=24", "mesh.context=5", "sbd.k_max=8"])
+    with pytest.raises(ConfigError, match=r"mesh.context \(4\) must divide the 38 tokens .*copy stream 14"):
+        load_config(TrainConfig, yaml, ["data.seq_len=24", "data.copy_len=14", "sbd.block_align=response",
+                                        "mesh.context=4", "sbd.k_max=8"])
+    with pytest.raises(ConfigError, match=r"mesh.context must be >= 1 \(or -1 for 'the rest'\), got 0"):
+        MeshConfig(context=0)
