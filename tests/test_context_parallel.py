@@ -1,5 +1,7 @@
 """Context parallelism (issue 32): the SBD dual-loss train step with each row's sequence split over a "context"
-mesh axis of 2 and 4 fake CPU devices (alone and with data / fsdp / tensor) equals the same step on one device.
+mesh axis of 2 and 4 fake CPU devices (alone and with data / fsdp / tensor; XLA attention per shard, and once the
+Pallas flash kernel in interpret mode) equals the same XLA step on one device: packed text rows, and packed SFT
+rows with a compact copy stream (copy_len), loss chunks and 2 microbatches.
 Runs in a subprocess because XLA_FLAGS must be set before jax is imported.
 Tolerances (float32, as tests/test_training_sharded.py): loss, NTP and MATP losses, grad norm rtol 1e-5; gradients
 (Adam's first moment after the step, (1 - b1) x the gradient) max abs diff <= 1e-5 x the leaf's max abs value."""
@@ -43,12 +45,12 @@ SCRIPT = textwrap.dedent("""
              "sft_copy_len": (sft_batch(), StepOptions(3, k_max=8, block_align="response", copy_len=16, loss_chunk=5,
                                                        grad_accum=2))}
 
-    def run(mesh, case):
+    def run(mesh, case, impl="xla"):
         batch, opts = CASES[case]
-        B = batch.tokens.shape[0]
+        B, cfg_impl = batch.tokens.shape[0], dataclasses.replace(cfg, attention_impl=impl)
         sh = state_shardings(cfg, tx, mesh)
         state = create_state(jax.tree.map(jnp.asarray, params), tx, jax.random.PRNGKey(0), sh)
-        f = jit_train_step(make_train_step(cfg, opts, tx, sched, mesh), mesh, sh, B)
+        f = jit_train_step(make_train_step(cfg_impl, opts, tx, sched, mesh), mesh, sh, B)
         b = put_batch(batch, mesh, B)
         compiled = f.lower(state, b).compile()
         new, m = compiled(state, b)
@@ -57,18 +59,19 @@ SCRIPT = textwrap.dedent("""
 
     MESHES = {"context2": MeshConfig(data=1, context=2), "context4": MeshConfig(data=1, context=4),
               "data2_context4": MeshConfig(data=2, context=4), "fsdp2_context2_tensor2": MeshConfig(1, 2, 2, 2)}
-    PLAN = {"text": ["context2", "context4", "data2_context4"],
-            "sft_copy_len": ["context2", "context4", "fsdp2_context2_tensor2"]}
+    # (mesh, attention impl per shard: "pallas" = the flash kernel in interpret mode) against one device's XLA step
+    PLAN = {"text": [("context4", "xla"), ("data2_context4", "xla"), ("fsdp2_context2_tensor2", "pallas")],
+            "sft_copy_len": [("context2", "xla"), ("context4", "xla"), ("fsdp2_context2_tensor2", "xla")]}
     out = {}
     for case, meshes in PLAN.items():
         mu1, m1, _ = run(make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]), case)
         out[case] = {"one": m1}
-        for name in meshes:
+        for name, impl in meshes:
             mesh = make_mesh(MESHES[name], jax.devices()[:int(np.prod([*MESHES[name].__dict__.values()]))])
-            mu, m, gathers = run(mesh, case)
+            mu, m, gathers = run(mesh, case, impl)
             gdiff = max(float(np.abs(a - b).max() / (np.abs(a).max() + 1e-30))
                         for a, b in zip(jax.tree.leaves(mu1), jax.tree.leaves(mu)))
-            out[case][name] = dict(metrics=m, grad_rel_diff=gdiff, axes=dict(mesh.shape), gathers=gathers)
+            out[case][f"{name}_{impl}"] = dict(metrics=m, grad_rel_diff=gdiff, axes=dict(mesh.shape), gathers=gathers)
     print("RESULT " + json.dumps(out))
 """)
 
