@@ -13,10 +13,11 @@ from jax.sharding import PartitionSpec as P
 MESH_AXES = ("data", "fsdp", "context", "tensor")
 CONTEXT_AXIS = "context"
 
-# logical axis -> mesh axis (or axes, used together); axes not named here are replicated
+# logical axis -> mesh axis (or axes, used together); axes not named here are replicated. Weights ("embed") are
+# split over the context axis too (ZeRO-3 over fsdp x context): its devices hold the same rows, not more weights
 DEFAULT_RULES: dict[str, str | tuple[str, ...]] = {
-    "batch": ("data", "fsdp"), "seq": CONTEXT_AXIS, "vocab": "tensor", "embed": "fsdp", "heads": "tensor",
-    "kv_heads": "tensor", "mlp": "tensor"}
+    "batch": ("data", "fsdp"), "seq": CONTEXT_AXIS, "vocab": "tensor", "embed": ("fsdp", CONTEXT_AXIS),
+    "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"}
 
 
 def rule_axes(name, mesh, rules=None, skip=()) -> tuple[str, ...]:
