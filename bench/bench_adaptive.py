@@ -163,7 +163,7 @@ def main():
     results = random_model(args, print)
     if not args.skip_demo:
         results += demo_model(args, print) + continuous(args, print)
-    measured = {f"k={k[1]} batch={k[2]} cache={k[3]}": round(v, 3) for k, v in costs._MEASURED.items()}
+    measured = {f"widths={k[1]} batch={k[3]} cache={k[4]}": [round(c, 2) for c in v] for k, v in costs.MEASURED.items()}
     print("measured wide_cost (2k-wide call / 1-wide call):", measured)
     Path(args.out + ".json").write_text(json.dumps({"results": results, "wide_cost": measured,
                                                     "device": str(jax.devices()[0]), "seconds": time.time() - t0},

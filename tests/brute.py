@@ -295,7 +295,7 @@ def _width_choice(spec: DecodeSpec, calls: int, trials, hits, pool, done, since_
         i = int(jax.random.randint(jax.random.fold_in(jax.random.key(0), calls), (), 0, len(widths) + 1))
         return 0 if i == 0 else widths[i - 1]
     run = np.flatnonzero(~done)
-    rates = [np.float32(1.0)]
+    rates = [np.float32(1.25)]  # policy.MARGIN
     for w, c in zip(widths, costs_w):
         taus = []
         for b in run:

@@ -1,22 +1,22 @@
-"""What a model call of each width costs on this device, for verify mode's drafting policy (policy.py): the
-2w-wide calls (w clean + w copy tokens per row, w a draft width) against the 1-wide AR call, at the batch's row count and cache
-length. Measured once per process and shape with zero weights of the model's shapes (timing needs no real
-weights, so it also runs while a user's `jax.jit` traces `generate`); a spec's `wide_cost` skips it."""
+"""What each call of verify mode costs on this device, for its drafting policy (policy.py): the loop step of a
+2w-wide call (w clean + w copy tokens per row, w a draft width: the model call, AR's tokens, the check and the
+drafting) against the step of a 1-wide AR call, at the batch's row count and cache length. Measured once per
+process and shape on zero weights of the model's shapes (timing needs no real weights, so it also runs while a
+user's `jax.jit` traces `generate`); a spec's `wide_cost` skips it."""
 from __future__ import annotations
 
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 
-from ..attention import clean_meta
 from ..config import ModelConfig
-from ..models.transformer import forward, init_cache
+from .modes import ar, verify
 from .spec import DecodeSpec
+from .state import make_env, new_state, prompt_seq
 
-REPEATS = 5
-_MEASURED: dict = {}
+ROUNDS, CALLS = 5, 8
+MEASURED: dict = {}  # (shapes) -> costs, one measurement per process and shape
 
 
 def needs_cost(spec: DecodeSpec) -> bool:
@@ -29,34 +29,41 @@ def call_costs(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len
     their width) if set, 1.0 where no policy reads them, else measured (once per process and shape)."""
     if spec.wide_cost is not None or not needs_cost(spec):
         return spec.stated_call_costs()
-    widths = spec.draft_widths
     layout = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params))
-    key = (cfg, widths, batch, cache_len, jax.default_backend(), layout)
-    if key not in _MEASURED:
-        _MEASURED[key] = measure(params, cfg, widths, batch, cache_len)
-    return _MEASURED[key]
+    key = (cfg, spec.draft_widths, spec.max_new_tokens, batch, cache_len, jax.default_backend(), layout)
+    if key not in MEASURED:
+        MEASURED[key] = measure(params, cfg, spec, batch, cache_len)
+    return MEASURED[key]
 
 
-def measure(params, cfg: ModelConfig, widths, batch: int, cache_len: int) -> tuple[float, ...]:
-    """Median time of a 2w-wide clean call over a 1-wide one, for each w (zero weights of `params`' shapes)."""
+def measure(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: int) -> tuple[float, ...]:
+    """Median time of each width's loop step over the AR step's (zero weights of `params`' shapes, greedy, every
+    row mid-way through its cache)."""
     with jax.ensure_compile_time_eval():
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), params)
-        cache = init_cache(cfg, batch, cache_len)
-        one = call_seconds(zeros, cfg, cache, 1)
-        return tuple(call_seconds(zeros, cfg, cache, 2 * w) / one for w in widths)
+        P = max(cache_len - spec.max_new_tokens, 1)
+        lengths = jnp.full((batch,), max(P // 2, 1), jnp.int32)
+        env = make_env(zeros, cfg, spec, lengths, jnp.full((batch,), spec.max_new_tokens, jnp.int32),
+                       jnp.zeros((batch,)), jnp.zeros((batch,)), jax.random.split(jax.random.key(0), batch), None)
+        state = verify.admit(new_state(env, prompt_seq(jnp.zeros((batch, P), jnp.int32), lengths, spec, env), P), env)
+        wide = [lambda s, w=w: verify.wide_step(s, env, w) for w in spec.draft_widths]
+        # as the loop runs them: AR calls back to back (verify's AR runs), each wide call behind a switch
+        runs = [lambda s, i: ar.step(s, env)] + [lambda s, i: jax.lax.switch(i, wide, s)] * len(wide)
+        seconds = loop_seconds(runs, state)
+        return tuple(t / seconds[0] for t in seconds[1:])
 
 
-def call_seconds(params, cfg: ModelConfig, cache, width: int) -> float:
-    """Median seconds of one compiled `width`-wide call at the middle of the cache."""
-    batch, start = cache.lengths.shape[0], max(cache.k.shape[2] // 2 - width, 0)
-    pos = jnp.broadcast_to(start + jnp.arange(width, dtype=jnp.int32)[None], (batch, width))
-    tokens = jnp.zeros((batch, width), jnp.int32)
-    call = jax.jit(lambda p, t, c: forward(p, cfg, t, clean_meta(jnp.ones_like(t), pos), c)[0]).lower(
-        params, tokens, cache).compile()
-    jax.block_until_ready(call(params, tokens, cache))
-    times = []
-    for _ in range(REPEATS):
-        t = time.perf_counter()
-        jax.block_until_ready(call(params, tokens, cache))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def loop_seconds(runs, state) -> list[float]:
+    """Seconds per step of `runs[i](state, i - 1)` run CALLS times in one compiled loop: the fastest of ROUNDS
+    rounds, the runs interleaved (a busy spell of a shared machine then hits them alike)."""
+    progs = [jax.jit(lambda s, i, r=r: jax.lax.fori_loop(0, CALLS, lambda _, x: r(x, i), s)).lower(
+        state, jnp.int32(0)).compile() for r in runs]
+    for n, prog in enumerate(progs):
+        jax.block_until_ready(prog(state, jnp.int32(max(n - 1, 0))))
+    best = [float("inf")] * len(progs)
+    for _ in range(ROUNDS):
+        for n, prog in enumerate(progs):
+            t = time.perf_counter()
+            jax.block_until_ready(prog(state, jnp.int32(max(n - 1, 0))))
+            best[n] = min(best[n], (time.perf_counter() - t) / CALLS)
+    return best

@@ -10,9 +10,10 @@ only sets how many calls, and of which width, a row takes.
   * A row that drafts w - 1 positions per call alternates between calls that check them (1 + E[m] tokens; the
     chain goes on when all stand, probability q = p^(w-1)) and, after a rejection, one call with nothing to check
     (1 token): tokens per call tau_w(p) = (2 + E[m] - q) / (2 - q), E[m] = p + p^2 + ... + p^(w-1).
-  * The call that makes the most tokens per unit of time: AR gives 1 per running row at cost 1; width w gives the
-    running rows' mean tau_w at `call_costs[w]` (what a 2w-wide call costs in 1-wide calls at this batch on this
-    device, costs.py). Every (c - 1) / EXPLORE_SHARE calls without drafting (c: the cheapest width's cost), the
+  * The call that makes the most tokens per unit of time: AR gives 1 per running row at cost 1 (counted as
+    MARGIN = 1.25: drafting must promise a clear gain); width w gives the running rows' mean tau_w at
+    `call_costs[w]` (what a 2w-wide call's loop step costs in AR steps at this batch on this device, costs.py).
+    Every (c - 1) / EXPLORE_SHARE calls without drafting (c: the cheapest width's cost), the
     cheapest width drafts anyway, so rows whose drafts start to agree are noticed at a bounded cost (the AR calls
     after it check those drafts for nothing).
 """
@@ -27,6 +28,9 @@ DECAY = 0.7  # weight of a row's earlier counts at each call that checks its dra
 POOL_DECAY = 0.9  # weight of the counts over all rows at each call that checks drafts
 EXPLORE_SHARE = 0.03  # the share of the run's cost spent on drafting calls the estimate did not ask for
 NEVER = 2 ** 30
+# a drafting call must promise this many times AR's tokens per unit of time: the estimate knows nothing of how
+# many tokens a row has left (a short answer caps a block), and a wrong choice costs more than a missed one
+MARGIN = 1.25
 
 
 def agree_prob(state: LoopState):
@@ -78,7 +82,7 @@ def choose(state: LoopState, env: DecodeEnv):
     running = ~state.done
     n = jnp.maximum(jnp.sum(running), 1).astype(jnp.float32)
     p = agree_prob(state)
-    rate = jnp.stack([jnp.float32(1.0)] + [jnp.sum(jnp.where(running, tokens_per_wide_call(p, w), 0.0)) / n / c
+    rate = jnp.stack([jnp.float32(MARGIN)] + [jnp.sum(jnp.where(running, tokens_per_wide_call(p, w), 0.0)) / n / c
                                            for w, c in zip(widths, env.call_costs)])
     cheapest = 1 + jnp.argmin(env.call_costs).astype(jnp.int32)
     best = jnp.argmax(rate).astype(jnp.int32)
