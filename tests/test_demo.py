@@ -48,7 +48,8 @@ def test_tokenizer_trained_on_training_text_round_trips_and_keeps_numbers_whole(
 
 def test_quick_pipeline_end_to_end(tmp_path, capsys):
     # the --quick pipeline with fewer steps and problems: every stage and table column, in half the time
-    cfg = DemoConfig.quick(out_dir=str(tmp_path / "demo"), pretrain_steps=150, finetune_steps=120, n_test=32)
+    cfg = DemoConfig.quick(out_dir=str(tmp_path / "demo"), pretrain_steps=150, finetune_steps=120, n_test=32,
+                           wide_cost=4.0)  # a stated cost: no per-shape measurement in the suite
     rows = run(cfg, log=lambda *a: None)
     assert [r["label"] for r in rows] == [s.label for s in decoders(cfg)]
     base = rows[0]

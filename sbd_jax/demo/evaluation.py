@@ -63,12 +63,13 @@ def suite_width(prompts: list[Prompt]) -> int:
 
 def batch_decoder(params, mcfg, *, mode: str, block_size: int, gamma, rule, max_new_tokens: int,
                   batch_size: int, prompt_width: int, verify: bool = False,
-                  draft_policy: str | None = None) -> BatchDecoder:
+                  draft_policy: str | None = None, wide_cost: float | None = None) -> BatchDecoder:
     """Greedy decoding; every batch padded to `prompt_width` (the suite's longest prompt), so one compilation
-    and a cache no longer than the suite needs. `draft_policy`: verify mode's (None: DecodeSpec's default)."""
+    and a cache no longer than the suite needs. `draft_policy`, `wide_cost`: verify mode's (None: DecodeSpec's
+    default)."""
     policy = {"draft_policy": draft_policy} if draft_policy is not None else {}
     spec = DecodeSpec(mode=mode, block_size=block_size, rule=rule or "eb", max_new_tokens=max_new_tokens,
-                      verify=verify, **policy)
+                      verify=verify, wide_cost=wide_cost, **policy)
     return BatchDecoder(params, mcfg, DecodeOptions(spec=spec, gamma=gamma or 0.0, batch_size=batch_size,
                                                     pad_multiple=prompt_width))
 
@@ -77,7 +78,7 @@ def decoder_maker(d: Decoder, params, mcfg, cfg, prompt_width: int):
     """`batch_decoder` for decoder `d` under a demo config (either demo's); call it with `batch_size=`."""
     return functools.partial(batch_decoder, params, mcfg, mode=d.mode, block_size=cfg.block_size, gamma=d.gamma,
                              rule=d.rule, max_new_tokens=cfg.max_new_tokens, verify=d.verify, draft_policy=d.policy,
-                             prompt_width=prompt_width)
+                             wide_cost=cfg.wide_cost, prompt_width=prompt_width)
 
 
 def decode_all(dec: BatchDecoder, prompts: list[Prompt], desc: str | None = None) -> tuple[list[dict], dict]:
