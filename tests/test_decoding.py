@@ -97,8 +97,9 @@ def _causal_cache(params, seq, total):
 
 @pytest.mark.parametrize("mode", ["sbd", "ar", "verify"])
 def test_final_cache_equals_one_causal_forward(params, prompts, mode):
-    """verify: rejected drafts wrote K/V past the output during decoding; the final cache holds none."""
-    kw = dict(mode="sbd", verify=True) if mode == "verify" else dict(mode=mode)
+    """verify (every call drafting, so drafts are rejected): rejected drafts wrote K/V past the output during
+    decoding; the final cache holds none."""
+    kw = dict(mode="sbd", verify=True, draft_policy="always") if mode == "verify" else dict(mode=mode)
     eos_id = pick_eos(generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(), **kw, **BASE).tokens)
     out = generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(eos_id,), **kw, **BASE)
     o = outputs(out)
