@@ -1,7 +1,7 @@
 """Context parallelism (issue 32): the SBD dual-loss train step with each row's sequence split over a "context"
-mesh axis of 2 and 4 fake CPU devices (alone and with data / fsdp / tensor; XLA attention per shard, and once the
-Pallas flash kernel in interpret mode) equals the same XLA step on one device: packed text rows, and packed SFT
-rows with a compact copy stream (copy_len), loss chunks and 2 microbatches.
+mesh axis of 2, 4 and 8 fake CPU devices (alone and with data / fsdp / tensor; XLA attention per shard, and once the
+Pallas flash kernel in interpret mode; the balanced and the contiguous token order) equals the same XLA step on one
+device: packed text rows, and packed SFT rows with a compact copy stream (copy_len), loss chunks and 2 microbatches.
 Runs in a subprocess because XLA_FLAGS must be set before jax is imported.
 Tolerances (float32, as tests/test_training_sharded.py): loss, NTP and MATP losses, grad norm rtol 1e-5; gradients
 (Adam's first moment after the step, (1 - b1) x the gradient) max abs diff <= 1e-5 x the leaf's max abs value."""
@@ -14,6 +14,7 @@ from subproc import run_on_8_devices
 from sbd_jax.config import ConfigError, load_config
 from sbd_jax.sharding import MeshConfig
 from sbd_jax.training.config import TrainConfig
+from sbd_jax.training.context import balanced_order
 
 SCRIPT = textwrap.dedent("""
     import dataclasses, json
@@ -45,12 +46,12 @@ SCRIPT = textwrap.dedent("""
              "sft_copy_len": (sft_batch(), StepOptions(3, k_max=8, block_align="response", copy_len=16, loss_chunk=5,
                                                        grad_accum=2))}
 
-    def run(mesh, case, impl="xla"):
+    def run(mesh, case, impl="xla", order="balanced"):
         batch, opts = CASES[case]
         B, cfg_impl = batch.tokens.shape[0], dataclasses.replace(cfg, attention_impl=impl)
         sh = state_shardings(cfg, tx, mesh)
         state = create_state(jax.tree.map(jnp.asarray, params), tx, jax.random.PRNGKey(0), sh)
-        f = jit_train_step(make_train_step(cfg_impl, opts, tx, sched, mesh), mesh, sh, B)
+        f = jit_train_step(make_train_step(cfg_impl, opts, tx, sched, mesh, context_layout=order), mesh, sh, B)
         b = put_batch(batch, mesh, B)
         compiled = f.lower(state, b).compile()
         new, m = compiled(state, b)
@@ -58,20 +59,24 @@ SCRIPT = textwrap.dedent("""
         return jax.device_get(new.opt_state[1][0].mu), {k: float(v) for k, v in jax.device_get(m).items()}, gathers
 
     MESHES = {"context2": MeshConfig(data=1, context=2), "context4": MeshConfig(data=1, context=4),
+              "context8": MeshConfig(data=1, context=8),
               "data2_context4": MeshConfig(data=2, context=4), "fsdp2_context2_tensor2": MeshConfig(1, 2, 2, 2)}
-    # (mesh, attention impl per shard: "pallas" = the flash kernel in interpret mode) against one device's XLA step
-    PLAN = {"text": [("context4", "xla"), ("data2_context4", "xla"), ("fsdp2_context2_tensor2", "pallas")],
-            "sft_copy_len": [("context2", "xla"), ("context4", "xla"), ("fsdp2_context2_tensor2", "xla")]}
+    # (mesh, attention per shard: "pallas" = the flash kernel in interpret mode, token order) against one device's
+    # XLA step; "balanced" cuts both halves of every row (24 + 24, 24 + 16 tokens) into 2 x context chunks (at
+    # context 8, 24 does not cut into 16: the contiguous order instead)
+    PLAN = {"text": [("context4", "xla", "balanced"), ("context8", "xla", "balanced"),
+                     ("data2_context4", "xla", "contiguous"), ("fsdp2_context2_tensor2", "pallas", "balanced")],
+            "sft_copy_len": [("context2", "xla", "balanced"), ("fsdp2_context2_tensor2", "xla", "contiguous")]}
     out = {}
     for case, meshes in PLAN.items():
         mu1, m1, _ = run(make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]), case)
         out[case] = {"one": m1}
-        for name, impl in meshes:
+        for name, impl, order in meshes:
             mesh = make_mesh(MESHES[name], jax.devices()[:int(np.prod([*MESHES[name].__dict__.values()]))])
-            mu, m, gathers = run(mesh, case, impl)
+            mu, m, gathers = run(mesh, case, impl, order)
             gdiff = max(float(np.abs(a - b).max() / (np.abs(a).max() + 1e-30))
                         for a, b in zip(jax.tree.leaves(mu1), jax.tree.leaves(mu)))
-            out[case][f"{name}_{impl}"] = dict(metrics=m, grad_rel_diff=gdiff, axes=dict(mesh.shape), gathers=gathers)
+            out[case][f"{name}_{impl}_{order}"] = dict(metrics=m, grad_rel_diff=gdiff, axes=dict(mesh.shape), gathers=gathers)
     print("RESULT " + json.dumps(out))
 """)
 
@@ -82,13 +87,27 @@ def test_context_parallel_step_matches_single_device():
         one = runs.pop("one")
         assert one["matp_tokens"] > 0 and one["ntp_tokens"] > 0, case
         for name, r in runs.items():
-            assert r["axes"]["context"] in (2, 4), r["axes"]
+            assert r["axes"]["context"] in (2, 4, 8), r["axes"]
             assert r["gathers"] > 0, (case, name)  # K/V really exchanged over the axis
             for key in ("loss", "ntp_loss", "matp_loss", "grad_norm"):
                 np.testing.assert_allclose(r["metrics"][key], one[key], rtol=1e-5, err_msg=f"{case} {name} {key}")
             for key in ("ntp_tokens", "matp_tokens", "k", "tokens"):
                 assert r["metrics"][key] == one[key], (case, name, key)
             assert r["grad_rel_diff"] <= 1e-5, (case, name, r["grad_rel_diff"])
+
+
+def test_balanced_order():
+    """Each half cut into 2n chunks, device i holding chunks i and 2n-1-i of both: a permutation whose shards hold
+    equal shares of each half and equal sums of positions (the causal work); None when a half does not cut."""
+    L, C, n = 24, 16, 4
+    order = balanced_order(L, L + C, n)
+    assert sorted(order) == list(range(L + C))
+    shards = order.reshape(n, -1)
+    assert ((shards < L).sum(1) == L // n).all()
+    assert len({int(s[s < L].sum()) for s in shards}) == 1 and len({int(s[s >= L].sum()) for s in shards}) == 1
+    assert list(shards[0]) == [0, 1, 2, 21, 22, 23, 24, 25, 38, 39]
+    assert balanced_order(L, 2 * L, 1) is None and balanced_order(L, L + 12, 4) is None  # 12 does not cut into 8
+    assert balanced_order(L, L, 2) is not None  # NTP-only: one half
 
 
 def test_context_config_errors_name_the_value():

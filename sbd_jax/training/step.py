@@ -7,8 +7,8 @@ Gradient accumulation: the whole batch's examples are built first, so each micro
 takes rows j::A, so a batch sharded in contiguous row blocks splits without moving data.
 
 Context parallelism (mesh.context = n > 1): the batch's rows stay whole on every device of the context axis
-(the data side is unchanged); the step splits the example's sequence ([x ; x_hat], T tokens) into n contiguous
-shards and the attention exchanges K/V over the axis (sbd_jax/attention/context.py).
+(the data side is unchanged); the step splits the example's sequence ([x ; x_hat], T tokens) into n shards in a
+balanced order (training/context.py) and the attention exchanges K/V over the axis (sbd_jax/attention/context.py).
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 from ..config import ModelConfig
 from ..models.lora import AdapterLayout, adapter_specs, attach
 from ..models.transformer import param_specs
-from ..sharding import batch_sharding, context_size, logical_to_spec, mesh_context, spec_shardings
+from ..sharding import batch_sharding, mesh_context, spec_shardings
+from .context import CONTEXT_LAYOUTS, context_shards, example_spec, place_example, whole_table
 from .examples import Example, PackedBatch, make_example
 from .loss import LossSums, combine, loss_sums, metrics_from_sums
 from .spec import StepOptions
@@ -80,43 +81,25 @@ def _micro(x, A: int, mesh: Mesh | None):
     return y
 
 
-def example_spec(mesh: Mesh, rows: int, T: int) -> P:
-    """The layout of an Example's [rows, T] arrays: rows by the "batch" rule, the sequence by the "seq" rule
-    (the context axis; replicated without one)."""
-    return logical_to_spec(("batch", "seq"), (rows, T), mesh)
-
-
-def context_shards(mesh: Mesh | None, T: int) -> int:
-    """The context axis' size for rows of T tokens (1: no context parallelism); a clear error when it does not
-    divide T."""
-    n = context_size(mesh)
-    if T % n:
-        raise ValueError(f"training rows of T = {T} tokens (data.seq_len + the copy stream) do not split over "
-                         f"mesh.context = {n}: T must be a multiple of it")
-    return n
-
-
-def place_example(ex: Example, mesh: Mesh | None, n: int) -> Example:
-    """Under context parallelism (n > 1): every [B, T] array of the example split over rows and sequence, so the
-    whole forward runs on T/n tokens per device. Unchanged otherwise."""
-    if n == 1:
-        return ex
-    sh = NamedSharding(mesh, example_spec(mesh, *ex.tokens.shape))
-    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sh), ex)
-
-
 def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.GradientTransformation,
-                    schedule=None, mesh: Mesh | None = None, layout: AdapterLayout | None = None):
+                    schedule=None, mesh: Mesh | None = None, layout: AdapterLayout | None = None,
+                    context_layout: str = "balanced"):
     """-> step(state, batch: PackedBatch) -> (state, metrics). Pure; jit it with `jit_train_step`. With a LoRA
     `layout`: step(state, batch, base), where state.params is the adapter (all that is differentiated and has
-    optimizer state) and `base` the frozen weights it is attached to (sbd_jax/models/lora.py)."""
+    optimizer state) and `base` the frozen weights it is attached to (sbd_jax/models/lora.py). `context_layout`:
+    the token order under context parallelism (training/context.py: "balanced" or "contiguous")."""
     A = opts.grad_accum
+    if context_layout not in CONTEXT_LAYOUTS:
+        raise ValueError(f"context_layout must be one of {CONTEXT_LAYOUTS}, got {context_layout!r}")
 
     def loss_fn(params, ex: Example, totals, L: int, base):
-        tree = params if layout is None else attach(base, params, layout)
+        n = context_shards(mesh, ex.tokens.shape[-1])
+        if layout is None:
+            tree = whole_table(params, mesh, n, model_cfg.dtype)
+        else:
+            tree = attach(whole_table(base, mesh, n, model_cfg.dtype), params, layout)
         # under context parallelism one attention over the whole row: the clean_prefix split would reshard the
         # sequence across the context axis (the Pallas kernel skips the masked clean x copy tiles anyway)
-        n = context_shards(mesh, ex.tokens.shape[-1])
         prefix = None if opts.ntp_only or n > 1 else L
         s = loss_sums(tree, model_cfg, ex, chunk=opts.loss_chunk, clean_prefix=prefix, shards=n)
         return combine(s, *totals), s
@@ -127,8 +110,8 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
         with mesh_context(mesh):  # ambient while tracing: attention_impl="pallas" then runs per shard
             rng, key = jax.random.split(state.rng)
             ex, k = make_example(key, batch, opts)
-            ex = place_example(ex, mesh, context_shards(mesh, ex.tokens.shape[1]))
             L = batch.tokens.shape[1]
+            ex = place_example(ex, mesh, L, context_layout)
             totals = (jnp.sum(ex.ntp_weight), jnp.sum(ex.matp_weight))
             if A == 1:
                 (loss, sums), grads = grad_fn(state.params, ex, totals, L, base)
