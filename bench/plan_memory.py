@@ -7,6 +7,7 @@ outputs).
     .venv/bin/python bench/plan_memory.py decode                            # the decoding table (generate)
     .venv/bin/python bench/plan_memory.py continuous                        # decode.py's continuous decoder
     .venv/bin/python bench/plan_memory.py lora                              # a LoRA step on one device
+    .venv/bin/python bench/plan_memory.py --models llama3-8b --seq-len 131072 --losses sbd --context 8  # long rows
 
 The fake devices are CPU devices, so the numbers are XLA:CPU's buffer assignment of the same program a
 GPU/TPU runs (same shapes, shardings, remat and loss chunking); attention "pallas" is the flash kernel in
@@ -63,6 +64,16 @@ def train_step_memory(cfg: ModelConfig, *, seq_len: int, rows_per_device: int, m
     ma = compiled.memory_analysis()
     return {"args": ma.argument_size_in_bytes, "temp": ma.temp_size_in_bytes, "out": ma.output_size_in_bytes,
             "alias": ma.alias_size_in_bytes, "compile_s": time.perf_counter() - t0}
+
+
+def context_comm_bytes(cfg: ModelConfig, T: int, context: int, tensor: int, rows: int, remat: bool) -> float:
+    """Bytes one device sends per optimizer step for context parallelism (sbd_jax/attention/context.py): per layer
+    and row, the all-gather of its K/V shard ((N-1)/N of the row's K and V, its KV heads of the tensor axis) in
+    the forward pass, again when remat recomputes the layer, and the reduce-scatter of dK/dV in the backward."""
+    if context == 1:
+        return 0.0
+    kv = 2 * T * max(cfg.num_key_value_heads // tensor, 1) * cfg.head_dim * 2  # K and V, bf16
+    return (3 if remat else 2) * cfg.num_hidden_layers * rows * kv * (context - 1) / context
 
 
 def lora_step_memory(cfg: ModelConfig, *, seq_len: int, layout: AdapterLayout, base_dtype: str, devices,
@@ -236,6 +247,7 @@ def main(argv=None) -> int:
     ap.add_argument("--losses", default="sbd,ntp", help="sbd (dual loss) and/or ntp (the baseline step)")
     ap.add_argument("--fsdp", type=int, default=8)
     ap.add_argument("--tensor", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1, help="context-parallel degree: each row's 2L tokens split over it")
     ap.add_argument("--rows-per-device", type=int, default=1, help="rows per device in each microbatch")
     ap.add_argument("--grad-accum", type=int, default=1, help="microbatches per step (optim.grad_accum)")
     ap.add_argument("--attention", default="pallas", choices=("pallas", "xla"))
@@ -243,15 +255,16 @@ def main(argv=None) -> int:
                     help="ModelConfig.remat (default: what train.py uses)")
     ap.add_argument("--dtype", default="bfloat16", help="compute dtype (master weights stay float32)")
     args = ap.parse_args(argv)
-    n = args.fsdp * args.tensor
+    n = args.fsdp * args.tensor * args.context
     if n > jax.device_count():
         ap.error(f"the mesh needs {n} devices, {jax.device_count()} fake ones exist (set PLAN_DEVICES)")
-    mesh_cfg = MeshConfig(data=1, fsdp=args.fsdp, tensor=args.tensor)
-    print(f"mesh data=1 fsdp={args.fsdp} tensor={args.tensor}, {args.rows_per_device} row(s) per device x "
-          f"{args.grad_accum} microbatch(es), "
-          f"attention {args.attention}, compute {args.dtype}, f32 master weights + AdamW; GiB per device")
-    print("| model | mesh | L | loss | remat | args | temp | args+temp | out | compile s |")
-    print("|---|---|---:|---|---|---:|---:|---:|---:|---:|")
+    mesh_cfg = MeshConfig(data=1, fsdp=args.fsdp, tensor=args.tensor, context=args.context)
+    print(f"mesh data=1 fsdp={args.fsdp} context={args.context} tensor={args.tensor}, {args.rows_per_device} row(s) "
+          f"per data x fsdp device x {args.grad_accum} microbatch(es), "
+          f"attention {args.attention}, compute {args.dtype}, f32 master weights + AdamW; GiB per device; context "
+          "comm: the K/V all-gather + dK/dV reduce-scatter bytes per step and device (analytic)")
+    print("| model | mesh | L | loss | remat | args | temp | args+temp | out | context comm GiB | compile s |")
+    print("|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|")
     for name in args.models.split(","):
         cfg = dataclasses.replace(SHAPES[name], dtype=args.dtype, param_dtype="float32", attention_impl=args.attention,
                                   remat=args.remat)
@@ -259,9 +272,11 @@ def main(argv=None) -> int:
             for loss in args.losses.split(","):
                 m = train_step_memory(cfg, seq_len=L, rows_per_device=args.rows_per_device, mesh_cfg=mesh_cfg,
                                       ntp_only=loss == "ntp", devices=jax.devices()[:n], grad_accum=args.grad_accum)
-                print(f"| {name} | fsdp {args.fsdp} tensor {args.tensor} | {L} | {loss} | {cfg.remat} | {m['args'] / GiB:.1f} | "
-                      f"{m['temp'] / GiB:.1f} | {(m['args'] + m['temp']) / GiB:.1f} | {m['out'] / GiB:.1f} | "
-                      f"{m['compile_s']:.0f} |", flush=True)
+                comm = context_comm_bytes(cfg, L if loss == "ntp" else 2 * L, args.context, args.tensor,
+                                          args.rows_per_device * args.grad_accum, cfg.remat != "none")
+                print(f"| {name} | fsdp {args.fsdp} context {args.context} tensor {args.tensor} | {L} | {loss} | "
+                      f"{cfg.remat} | {m['args'] / GiB:.1f} | {m['temp'] / GiB:.1f} | {(m['args'] + m['temp']) / GiB:.1f} | "
+                      f"{m['out'] / GiB:.1f} | {comm / GiB:.1f} | {m['compile_s']:.0f} |", flush=True)
     return 0
 
 
