@@ -202,6 +202,9 @@ def mesh_config(args):
     if bad:
         raise ConfigError(f"unknown argument(s) {bad}: only mesh.data=/mesh.fsdp=/mesh.tensor= overrides are accepted")
     d = apply_overrides({}, args.overrides).get("mesh", {})
+    if d.get("context", 1) != 1:  # a training axis: decoding would repeat the same work on those devices
+        raise ConfigError(f"mesh.context={d['context']}: context parallelism is for training (train.py); decode.py "
+                          "splits rows over mesh.data / mesh.fsdp and heads over mesh.tensor")
     for axis in ("data", "fsdp", "tensor"):
         if getattr(args, f"mesh_{axis}") is not None:
             d[axis] = getattr(args, f"mesh_{axis}")
