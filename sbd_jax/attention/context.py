@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from ..sharding_rules import CONTEXT_AXIS, context_size
 from .mask import TokenMeta
 from .reference import reference_attention
-from .sharded import ShardedAttentionError, active_mesh, head_layout, local_kv_heads
+from .sharded import ShardedAttentionError, active_mesh, head_layout, local_kv_heads, qkv_dims
 
 
 class ContextParallelError(ShardedAttentionError):
@@ -43,18 +43,12 @@ def local_kernel(impl: str):
 
 def check_split(q_BTHD, k_BSKD, v_BSKD, n: int) -> tuple[int, int, int]:
     """(B, H, K) of a q/k/v triple whose query and key lengths `n` context shards divide."""
-    for name, x in (("q", q_BTHD), ("k", k_BSKD), ("v", v_BSKD)):
-        if getattr(x, "ndim", None) != 4:
-            raise ContextParallelError(f"{name} must be 4-D [batch, time, heads, head_dim], "
-                                       f"got shape {getattr(x, 'shape', None)}")
+    dims = qkv_dims(q_BTHD, k_BSKD, v_BSKD, ContextParallelError)
     for name, T in (("query", q_BTHD.shape[1]), ("key", k_BSKD.shape[1])):
         if T % n:
             raise ContextParallelError(f"a row of {T} {name} tokens does not split over mesh.context={n}: the "
                                        f"row length (data.seq_len + the copy stream) must be a multiple of {n}")
-    B, H, K = q_BTHD.shape[0], q_BTHD.shape[2], k_BSKD.shape[2]
-    if K == 0 or H % K:
-        raise ContextParallelError(f"query heads {H} must be a multiple of kv heads {K}")
-    return B, H, K
+    return dims
 
 
 def with_time(spec: P) -> P:

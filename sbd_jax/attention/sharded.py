@@ -91,14 +91,14 @@ def head_layout(mesh, B: int, H: int, K: int, rules=None) -> HeadLayout:
     return HeadLayout(q_spec[0], heads, t, axis)
 
 
-def _shapes(q, k, v):
+def qkv_dims(q, k, v, error=ShardedAttentionError) -> tuple[int, int, int]:
+    """(batch, query heads, kv heads) of a q/k/v triple [B, T, heads, head_dim]; `error` names a bad one."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
-            raise ShardedAttentionError(f"{name} must be 4-D [batch, time, heads, head_dim], "
-                                        f"got shape {getattr(x, 'shape', None)}")
+            raise error(f"{name} must be 4-D [batch, time, heads, head_dim], got shape {getattr(x, 'shape', None)}")
     B, H, K = q.shape[0], q.shape[2], k.shape[2]
     if K == 0 or H % K:
-        raise ShardedAttentionError(f"query heads {H} must be a multiple of kv heads {K}")
+        raise error(f"query heads {H} must be a multiple of kv heads {K}")
     return B, H, K
 
 
@@ -132,7 +132,7 @@ def pallas_attention_parts(q_BTHD, kv_parts, q_meta, **kwargs):
     kv_parts = tuple(tuple(p) for p in kv_parts)
     if not kv_parts:
         raise ShardedAttentionError("kv_parts must be a non-empty sequence of (k, v, kv_meta)")
-    dims = [_shapes(q_BTHD, k, v) for k, v, _ in kv_parts]
+    dims = [qkv_dims(q_BTHD, k, v) for k, v, _ in kv_parts]
     if len(set(dims)) != 1:
         raise ShardedAttentionError(f"kv_parts disagree on (batch, heads, kv heads): {dims}")
     (B, H, K), parts = dims[0], tuple((k, v, _as_meta(m)) for k, v, m in kv_parts)
