@@ -43,6 +43,18 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 XLA_OPTIMIZED_FILES = {"test_demo.py", "test_demo_real.py", "test_gguf.py", "test_user_path.py"}
 
 
+# The longest files first: `make test` runs files whole on 2 workers (--dist loadfile), so a long file started last
+# leaves the other worker idle at the end.
+SLOW_FILES = ("test_user_path.py", "test_demo.py", "test_demo_real.py", "test_lora.py", "test_multiprocess.py",
+              "test_verify.py", "test_rows_alone.py", "test_reliability.py", "test_gguf.py", "test_context_parallel.py",
+              "test_training_loop.py", "test_pallas_sharded.py", "test_decoding.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(SLOW_FILES)))  # stable: file order kept
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _xla_optimization(request):
     """XLA's optimizations on for the files of XLA_OPTIMIZED_FILES (and off again after them)."""

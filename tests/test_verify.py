@@ -39,7 +39,7 @@ SAMPLING = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0), "topk"
 # mid-row between AR and each draft width) and the adaptive rule at a stated cost of the 2k-wide call
 POLICIES = {"always": dict(draft_policy="always"), "never": dict(draft_policy="never"),
             "random": dict(draft_policy="random"), "adaptive": dict(wide_cost=1.2)}
-GRID = [(s, p, k) for s in ("greedy", "t1") for p in POLICIES for k in (4, 16) if (p, k) != ("never", 16)] + [
+GRID = [(s, p, k) for s in ("greedy", "t1") for p in POLICIES for k in (4, 16) if p in ("random", "adaptive") or k == 4] + [
     ("greedy", "random", 1), ("topk", "random", 16), ("topp", "random", 16), ("topk", "always", 4)]
 
 
