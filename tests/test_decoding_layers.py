@@ -1,4 +1,4 @@
-"""The decoding package's structure (issue #29): continuous batching's per-row reset covers every per-row field of
+"""The decoding package's structure: continuous batching's per-row reset covers every per-row field of
 the loop state (derived from its type). (Private imports and size limits: tests/test_structure.py, for all of sbd_jax.)"""
 import jax
 import jax.numpy as jnp

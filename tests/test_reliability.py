@@ -1,4 +1,4 @@
-"""Issue #31, training side: nothing bad is kept or silently used. A table of cases on a tiny random model:
+"""Training side: nothing bad is kept or silently used. A table of cases on a tiny random model:
 non-finite steps are never applied or saved (full and LoRA), a damaged latest checkpoint falls back to the
 previous one, the mask id may not occur in the data, and train.py's bad inputs are `error:` lines."""
 import importlib.util

@@ -1,4 +1,4 @@
-"""The package's structure (issue #29), read from the source with `ast` (nothing is imported): no module uses another
+"""The package's structure, read from the source with `ast` (nothing is imported): no module uses another
 module's private names, the modules of sbd_jax/ import each other without cycles (imports inside functions count,
 and so do `if TYPE_CHECKING:` ones), no function is longer than 60 lines and no module longer than 400."""
 import ast

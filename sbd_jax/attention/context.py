@@ -13,8 +13,8 @@ onto the shard that owns those keys. Per layer and device this moves (N-1)/N of 
 the same again backward (plus the forward gather again when remat recomputes the layer).
 
 The token order over the shards (balanced, so no device idles on a mostly-masked shard) is the train step's
-(sbd_jax/training/context.py): the mask is a function of the metadata, so any order is exact here. Not yet here
-(issue 32): a ring (K/V passed around, overlapped with compute, instead of gathered whole).
+(sbd_jax/training/context.py): the mask is a function of the metadata, so any order is exact here. Not yet here:
+a ring (K/V passed around, overlapped with compute, instead of gathered whole).
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ and a block whose positions are all decoded is committed by a later call.
     which rows waiting for a commit sit out (their tokens and NFE do not change). A copy token carries its token
     once accepted, the mask token while masked; SBD never samples `<m>`.
   * A call's update is four jobs: `draw` (entropies, acceptance, sampling), `place` (write the accepted tokens),
-    the mode's block outcome (here `close_block`: EOS / cap stop, the accepted histogram, the next commit), and
-    `next_state`. Verify mode (verify.py) reuses all but the outcome.
+    the block outcome (`close_block`: EOS / cap stop, the accepted histogram, the next commit), and `next_state`.
+    Verify mode (verify.py) reuses the copy window and the first call.
 """
 from __future__ import annotations
 
@@ -59,41 +59,25 @@ def quorum(state: LoopState, env: DecodeEnv):
     return need, wide, need & ~wide
 
 
-def window_call(state: LoopState, env: DecodeEnv, need, wide, clean_tokens=None):
-    """The model call of a step: [commit CLEAN ; block COPY] when `wide`, else [block COPY]. `clean_tokens(h, gen)`
-    (verify mode) turns the clean queries' hidden states into AR's tokens at generated indices gen + 1.
-    -> (the copy block's logits, those tokens (zeros without `clean_tokens`), cache)."""
+def window_call(state: LoopState, env: DecodeEnv, need, wide):
+    """The model call of a step: [commit CLEAN ; block COPY] when `wide`, else [block COPY]. -> (the copy block's
+    logits, cache)."""
     K = env.spec.block_size
     ctok, cmeta = copy_window(state, env)
     j = jnp.arange(K, dtype=jnp.int32)[None]
-    no_ar = jnp.zeros(state.masked.shape, jnp.int32)
 
     def with_commit(cache):
-        gen = state.commit_start[:, None] + j
-        pos = env.lengths[:, None] + gen
+        pos = env.lengths[:, None] + state.commit_start[:, None] + j
         meta = clean_meta((need[:, None] & (j < state.commit_len[:, None])).astype(jnp.int32), pos)
         tokens = jnp.concatenate([gather(state.seq, pos), ctok], axis=1)
         h, cache = forward(env.params, env.cfg, tokens, concat_meta(meta, cmeta), cache, return_hidden=True)
-        ar = no_ar if clean_tokens is None else clean_tokens(env, h[:, :K], gen)
-        return lm_head(env.params, env.cfg, h[:, K:]), ar, cache
+        return lm_head(env.params, env.cfg, h[:, K:]), cache
 
     def copy_only(cache):
-        logits, cache = forward(env.params, env.cfg, ctok, cmeta, cache)
-        return logits, no_ar, cache
+        return forward(env.params, env.cfg, ctok, cmeta, cache)
 
-    logits, ar, cache = jax.lax.cond(wide, with_commit, copy_only, state.cache)
-    return logits, ar, env.constrain(cache)
-
-
-def windowed_step(state: LoopState, env: DecodeEnv, update, clean_tokens=None) -> LoopState:
-    """One loop iteration: pick the window, run it, `update(state, env, logits, cache, ar)`; held rows (waiting
-    for a commit quorum) get no token and no NFE, their state unchanged."""
-    need, wide, held = quorum(state, env)
-    state = state._replace(done=state.done | held)
-    logits, ar, cache = window_call(state, env, need, wide, clean_tokens)
-    state = state._replace(wide=state.wide + wide.astype(jnp.int32))
-    state = update(state, env, logits, cache, ar)
-    return state._replace(done=state.done & ~held)
+    logits, cache = jax.lax.cond(wide, with_commit, copy_only, state.cache)
+    return logits, env.constrain(cache)
 
 
 def draw(state: LoopState, env: DecodeEnv, logits_BKV, index):
@@ -175,7 +159,7 @@ def close_block(state: LoopState, env: DecodeEnv, placed: Placed) -> Outcome:
     cap_hit = complete & (state.block_offset + K >= max_new)
     advance = complete & ~cap_hit
     keep = valid & (placed.decoded_at < K) & (~eos_hit[:, None] | (j <= first[:, None]))
-    # rows that sat this call out (done or held, see `windowed_step`) keep a commit they are waiting for
+    # rows that sat this call out (done or held, see `step`) keep a commit they are waiting for
     return Outcome(
         advance=advance, done=state.done | eos_hit | cap_hit, eos_hit=eos_hit,
         n_generated=jnp.where(eos_hit, state.block_offset + first + 1, jnp.where(cap_hit, max_new, state.n_generated)),
@@ -208,7 +192,7 @@ def next_state(state: LoopState, env: DecodeEnv, placed: Placed, out: Outcome, c
         decoded_at=jnp.where(out.advance[:, None], K, placed.decoded_at))
 
 
-def update(state: LoopState, env: DecodeEnv, logits_BKV, cache, ar_BK=None) -> LoopState:
+def update(state: LoopState, env: DecodeEnv, logits_BKV, cache) -> LoopState:
     """Acceptance + sampling + block bookkeeping after one model call on the current block."""
     masked, acc, drawn = draw(state, env, logits_BKV, state.nfe)
     placed = place(state, env, masked, acc, drawn)
@@ -221,7 +205,13 @@ def first(state: LoopState, env: DecodeEnv, prompt_ids) -> LoopState:
 
 
 def step(state: LoopState, env: DecodeEnv) -> LoopState:
-    return windowed_step(state, env, update)
+    """One loop iteration: pick the window, run it, update; held rows (waiting for a commit quorum) get no token
+    and no NFE, their state unchanged."""
+    need, wide, held = quorum(state, env)
+    state = state._replace(done=state.done | held)
+    logits, cache = window_call(state, env, need, wide)
+    state = update(state._replace(wide=state.wide + wide.astype(jnp.int32)), env, logits, cache)
+    return state._replace(done=state.done & ~held)
 
 
 def finalize(state: LoopState, env: DecodeEnv):

@@ -18,7 +18,6 @@ Row stop: a verified EOS (a standing draft or AR's token) or the cap. Tokens are
 """
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +37,6 @@ def ar_tokens(env: DecodeEnv, h_clean, gen):
                            top_k=env.spec.top_k, top_p=env.spec.top_p)
 
 
-class Checked(NamedTuple):
-    """What a call's check left for the call's own mode of going on."""
-
-    opened: jax.Array  # [B] rows whose drafts all stood and whose next token (AR's) is placed at block_offset
-    restarted: jax.Array  # [B] rows whose first wrong draft was replaced (they restart after it, nothing drafted)
-
-
 def block_mask(offset, env: DecodeEnv):
     """[B, K] the positions of a block starting at generated index `offset` that lie within each row's cap."""
     j = jnp.arange(env.spec.block_size, dtype=jnp.int32)[None]
@@ -59,11 +51,12 @@ def restart(state: LoopState, rows, at, env: DecodeEnv) -> LoopState:
                           masked=jnp.where(rows[:, None], block_mask(at + 1, env), state.masked))
 
 
-def check(state: LoopState, env: DecodeEnv, ar_BC) -> tuple[LoopState, Checked]:
+def check(state: LoopState, env: DecodeEnv, ar_BC) -> tuple[LoopState, jax.Array]:
     """Check the commit window's drafts against AR's tokens `ar_BC[:, i]` (AR's token at cs + 1 + i, from the
     clean query at cs + i; C queries ran). The agreeing prefix (m drafts) stands; AR's token at cs + 1 + m is
     placed when it corrects a draft or when every draft was checked and stood (C >= cl); otherwise (C < cl, all
-    checked ones stood) the window moves on by C. A verified EOS or the cap ends the row."""
+    checked ones stood) the window moves on by C. A verified EOS or the cap ends the row. -> (state, the rows
+    whose drafts all stood and whose next token, AR's, now sits at block_offset: they open the next block)."""
     C = ar_BC.shape[1]
     jc = jnp.arange(C, dtype=jnp.int32)[None]
     running, cs, cl, max_new = ~state.done, state.commit_start, state.commit_len, env.max_new
@@ -90,8 +83,7 @@ def check(state: LoopState, env: DecodeEnv, ar_BC) -> tuple[LoopState, Checked]:
         agreed=state.agreed + jnp.where(running, m, 0),
         accepted=tally(state.accepted, jnp.minimum(verified - cs - 1, state.accepted.shape[1] - 1), running))
     state = policy.update_counts(state, running & (n_chk > 0), m, rejected.astype(jnp.int32))
-    restarted = rejected & ~finished
-    return restart(state, restarted, g, env), Checked(opened=put & ~rejected & ~finished, restarted=restarted)
+    return restart(state, rejected & ~finished, g, env), put & ~rejected & ~finished
 
 
 def open_block(state: LoopState, env: DecodeEnv, logits_BwV, opened) -> LoopState:
@@ -130,8 +122,8 @@ def wide_step(state: LoopState, env: DecodeEnv, w: int) -> LoopState:
     cmeta = jax.tree.map(lambda x: x[:, :w], cmeta)
     h, cache = forward(env.params, env.cfg, jnp.concatenate([gather(state.seq, pos), ctok[:, :w]], axis=1),
                        concat_meta(meta, cmeta), state.cache, return_hidden=True)
-    state, checked = check(state, env, ar_tokens(env, h[:, :w], gen))
-    state = open_block(state, env, lm_head(env.params, env.cfg, h[:, w:]), checked.opened)
+    state, opened = check(state, env, ar_tokens(env, h[:, :w], gen))
+    state = open_block(state, env, lm_head(env.params, env.cfg, h[:, w:]), opened)
     return counted(state, ran, env.constrain(cache), wide=True)
 
 
@@ -143,8 +135,8 @@ def ar_step(state: LoopState, env: DecodeEnv) -> LoopState:
                                                                                      pos), state.cache)
     ar = sampling.sample(logits, env.keys, state.commit_start[:, None] + 1, env.temp, top_k=env.spec.top_k,
                          top_p=env.spec.top_p)
-    state, checked = check(state, env, ar)
-    state = restart(state, checked.opened, state.block_offset, env)  # no copy queries ran: nothing drafted
+    state, opened = check(state, env, ar)
+    state = restart(state, opened, state.block_offset, env)  # no copy queries ran: nothing drafted
     return counted(state, ran, env.constrain(cache), wide=False)
 
 
@@ -191,8 +183,8 @@ def first(state: LoopState, env: DecodeEnv, prompt_ids) -> LoopState:
     last = last_prompt_hidden(h, env.lengths, start, P, h_last)
     tok = sampling.sample(lm_head(env.params, env.cfg, last), env.keys, jnp.zeros_like(env.lengths)[:, None],
                           env.temp, top_k=env.spec.top_k, top_p=env.spec.top_p)
-    state, checked = check(admit(state, env), env, tok)
-    state = open_block(state, env, logits, checked.opened)
+    state, opened = check(admit(state, env), env, tok)
+    state = open_block(state, env, logits, opened)
     return state._replace(cache=cache, nfe=state.nfe + ran.astype(jnp.int32), iters=state.iters + 1)
 
 
