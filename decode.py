@@ -18,8 +18,19 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
+
+# Set by Ctrl-C. The handler raises KeyboardInterrupt as Python's own does; a native library that swallows that
+# exception (it can arrive inside one) cannot lose the interrupt: the next written row raises it again.
+INTERRUPTED = threading.Event()
+
+
+def on_sigint(signum, frame):
+    INTERRUPTED.set()
+    raise KeyboardInterrupt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,15 +103,23 @@ def main(argv=None) -> int:
     from sbd_jax.config import ConfigError
     from sbd_jax.decoding import DecodeError
     from sbd_jax.io.hf import CheckpointError
+    INTERRUPTED.clear()
+    before = signal.getsignal(signal.SIGINT)
+    if before is signal.default_int_handler:  # an ignored SIGINT (a background job) stays ignored
+        signal.signal(signal.SIGINT, on_sigint)
     try:
         return run(args)
     except (DecodeError, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the message short
         print(f"interrupted: every row in {args.output} is complete; rerun with --resume to continue",
               file=sys.stderr)
         return 130
+    finally:
+        if signal.getsignal(signal.SIGINT) in (on_sigint, signal.SIG_IGN):
+            signal.signal(signal.SIGINT, before)
 
 
 def run(args) -> int:
@@ -154,6 +173,8 @@ def run(args) -> int:
     def on_row(p, r):
         if out is not None:
             write_row(out, {"id": p.id, "prompt_tokens": len(p.ids), **r})
+        if INTERRUPTED.is_set():
+            raise KeyboardInterrupt
 
     from tqdm import tqdm
     with tqdm(total=len(pending), unit="prompt", desc=f"decode ({args.mode})", file=sys.stderr,
