@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -94,12 +95,94 @@ def hf_python() -> str:
     return py
 
 
+class _HFServer:
+    """This process's `hf_ref.py serve` (one per test worker, started on first use): torch and transformers are
+    imported once per worker instead of once per reference call (2-5 s each). Its stderr goes to an unlinked
+    temporary file, read back from where a request began when that request fails. The server exits when its stdin
+    closes: at this process's exit (atexit), or when the process dies and the kernel closes the pipe."""
+
+    proc = None
+    err_fd = None  # the server's stderr (shared by the servers restarted after it); read with pread, never written
+    started_at = 0  # where the running server's stderr begins in it
+
+    @classmethod
+    def start(cls):
+        if cls.proc is not None:
+            if cls.proc.poll() is None:
+                return
+            cls._forget()
+        if cls.err_fd is None:
+            cls.err_fd, path = tempfile.mkstemp(prefix="sbd_hf_ref_", suffix=".stderr")
+            os.unlink(path)
+            atexit.register(cls.stop)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
+        env.pop("XLA_FLAGS", None)
+        cls.started_at = os.fstat(cls.err_fd).st_size
+        cls.proc = subprocess.Popen([hf_python(), str(HF_REF_SCRIPT), "serve"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=cls.err_fd, env=env, text=True, bufsize=1)
+
+    @classmethod
+    def _forget(cls, kill=False):
+        """Drops the server (killed first if `kill`) and closes this side of its pipes."""
+        proc, cls.proc = cls.proc, None
+        if kill:
+            proc.kill()
+        proc.wait()
+        for f in (proc.stdin, proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        return proc.returncode
+
+    @classmethod
+    def stop(cls):
+        if cls.proc is not None:
+            try:
+                cls.proc.stdin.close()  # the server's loop ends
+                cls.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            cls._forget(kill=cls.proc.poll() is None)
+
+    @classmethod
+    def err_tail(cls, start: int) -> str:
+        end = os.fstat(cls.err_fd).st_size
+        start = max(start, end - 16000)
+        return os.pread(cls.err_fd, end - start, start).decode(errors="replace")[-4000:]
+
+    @classmethod
+    def call(cls, args) -> None:
+        cmd = str(args[0])
+        request = json.dumps({"cmd": cmd, "args": [str(a) for a in args[1:]], "cwd": os.getcwd()}) + "\n"
+        for attempt in range(2):  # a dead server is started again once
+            cls.start()
+            start = os.fstat(cls.err_fd).st_size
+            try:
+                cls.proc.stdin.write(request)
+                cls.proc.stdin.flush()
+                line = cls.proc.stdout.readline()
+            except OSError:  # BrokenPipeError: it died before reading the request
+                line = ""
+            except BaseException:  # interrupted (Ctrl-C, a test timeout) mid-request: its answer would be read as
+                cls._forget(kill=True)  # the next request's, so this server goes
+                raise
+            if line:
+                answer = json.loads(line)
+                if not answer["ok"]:
+                    raise RuntimeError(f"hf_ref.py {cmd} failed:\n{cls.err_tail(start) or answer['error'][-4000:]}")
+                return
+            rc = cls._forget()
+            died = f"hf_ref.py serve died (exit code {rc}) during `{cmd}`; its stderr:\n{cls.err_tail(cls.started_at)}"
+            if attempt:
+                raise RuntimeError(f"hf_ref.py {cmd} failed:\n{died[-4000:]}")
+            warnings.warn(f"{died[-4000:]}\n(starting it again)", stacklevel=3)
+
+
 def run_hf(*args) -> None:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([hf_python(), str(HF_REF_SCRIPT), *map(str, args)], capture_output=True, text=True, env=env)
-    if proc.returncode:
-        raise RuntimeError(f"hf_ref.py {args[0]} failed:\n{proc.stderr[-4000:]}")
+    """Runs `hf_ref.py CMD ARGS...` (see its docstring) in this worker's reference server; raises RuntimeError with
+    the command's stderr when it fails."""
+    _HFServer.call(args)
 
 
 class HFRef:
@@ -108,6 +191,7 @@ class HFRef:
     def __init__(self, tmp: Path):
         self.tmp = tmp
         self.n = 0
+        _HFServer.start()  # the server's start (torch's import) overlaps the test's own work until its first call
 
     def _p(self, name):
         self.n += 1

@@ -9,9 +9,16 @@ transformers). Invoked as a subprocess by tests (see conftest.py `hf_ref`), neve
                             GGUF files on given token rows (one torch start for every GGUF reference of a test file)
   python hf_ref.py peft     MODEL_DIR ADAPTER_DIR TOKENS.npy OUT.npy [VOCAB]   float32 logits of the base with
                             `PeftModel.from_pretrained(base, ADAPTER_DIR)` (embeddings resized to VOCAB first if given)
+  python hf_ref.py serve    the same commands as a server (one per test worker: conftest.py `run_hf`, torch and
+                            transformers imported once): reads one JSON request a line on stdin, {"cmd": "make",
+                            "args": [...], "cwd": DIR}, and answers each with one JSON line, {"ok": true} or
+                            {"ok": false, "error": TRACEBACK}; exits when stdin closes
 """
+import gc
 import json
+import os
 import sys
+import traceback
 
 import numpy as np
 import torch
@@ -121,6 +128,38 @@ def peft(model_dir, adapter_dir, tokens_path, out_path, vocab=None):
         np.save(out_path, model(input_ids=toks, attention_mask=torch.ones_like(toks)).logits.float().numpy())
 
 
+COMMANDS = {"make": make, "logits": logits, "generate": generate, "gguf": gguf, "peft": peft}
+
+
+def serve():
+    """The request loop of `hf_ref.py serve`. The answers go to a private copy of the original stdout; fd 1 itself
+    (Python's prints and any library's C-level writes) goes to stderr, so nothing a command prints can corrupt the
+    protocol. Each request runs as in a fresh interpreter as far as the commands can tell: `make` seeds torch
+    itself, the others use no randomness, tokenizers and models are loaded anew each call, and torch's process-wide
+    switches (default dtype, grad mode) are put back after every request."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
+    for n, line in enumerate(sys.stdin):
+        try:
+            req = json.loads(line)
+            print(f"--- hf_ref.py serve request {n}:", req["cmd"], *req["args"], file=sys.stderr, flush=True)
+            if req.get("cwd"):
+                os.chdir(req["cwd"])
+            COMMANDS[req["cmd"]](*req["args"])
+            answer = {"ok": True}
+        except Exception:
+            answer = {"ok": False, "error": traceback.format_exc()}
+            traceback.print_exc()  # also in the server's stderr, with the library warnings that led to it
+        finally:
+            torch.set_default_dtype(dtype)
+            torch.set_grad_enabled(grad)
+            gc.collect()
+        sys.stderr.flush()
+        answers.write(json.dumps(answer) + "\n")
+
+
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
-    {"make": make, "logits": logits, "generate": generate, "gguf": gguf, "peft": peft}[cmd](*args)
+    serve() if cmd == "serve" else COMMANDS[cmd](*args)
