@@ -48,6 +48,12 @@ MID = BlockSizes(block_q=32, block_k=32, block_q_dkv=32, block_k_dkv=32, decode_
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 
 
+def blocks_for(backend):
+    """BLOCKS for the Triton family; MID on TPU, where each interpreted grid step is slow (the inputs are
+    sized so that 32-token tiles still cross several tiles and leave a partial last one)."""
+    return MID if backend == "tpu" else BLOCKS
+
+
 def rel(got, want):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
@@ -88,14 +94,16 @@ def check_parity(backend, q, k, v, w, q_meta, kv_meta, kernel, tol, grads=True, 
 # training kernels
 
 
-@pytest.mark.parametrize("H,K,D", [(4, 2, 16), (4, 1, 16), (4, 1, 128)], ids=["gqa-d16", "mqa-d16", "mqa-d128"])
+# GQA (head_dim 16) and MQA (head_dim 128): both head mappings and, on TPU, both activation layouts (the query ->
+# KV head index is the same function in either layout: tpu_common.HeadsLayout.spec only places (b, n, t))
+@pytest.mark.parametrize("H,K,D", [(4, 2, 16), (2, 1, 128)], ids=["gqa-d16", "mqa-d128"])
 def test_train_kernel_f32_outputs_and_grads(backend, H, K, D):
     # L = 23: 2L = 46 is not a multiple of the 16/32 tiles, 23 not a multiple of k = 4; row 0 packs
     # two documents + padding, row 1 one document. On TPU, D = 128 takes the in-place
     # [B, T, N * D] layout, D = 16 the transposed one.
     meta = training_meta([[10, 9], [23]], 23, k=4)
     q, k, v, w = random_qkv(jax.random.PRNGKey(0), 2, 46, 46, H, K, D, jnp.float32)
-    o = check_parity(backend, q, k, v, w, meta, meta, "train", TOL[jnp.float32])[0]
+    o = check_parity(backend, q, k, v, w, meta, meta, "train", TOL[jnp.float32], blocks=blocks_for(backend))[0]
     # padding tokens (row 0, positions 19..22 of each half) attend nothing -> zeros
     assert np.all(np.asarray(o)[0, 19:23] == 0) and np.all(np.asarray(o)[0, 42:46] == 0)
 
@@ -103,8 +111,7 @@ def test_train_kernel_f32_outputs_and_grads(backend, H, K, D):
 def test_train_kernel_bf16_outputs_and_grads(backend):
     meta = training_meta([[7, 12, 5], [20]], 27, k=3)
     q, k, v, w = random_qkv(jax.random.PRNGKey(1), 2, 54, 54, 4, 2, 32, jnp.bfloat16)
-    check_parity(backend, q, k, v, w, meta, meta, "train", TOL[jnp.bfloat16],
-                 blocks=MID if backend == "tpu" else BLOCKS)
+    check_parity(backend, q, k, v, w, meta, meta, "train", TOL[jnp.bfloat16], blocks=blocks_for(backend))
 
 
 def test_tpu_legal_tiles():
@@ -123,16 +130,15 @@ def test_decode_kernel_on_training_layout(backend):
     """Both kernels take any metadata: the decode kernel on the doubled training sequence."""
     meta = training_meta([[10, 9], [23]], 23, k=4)
     q, k, v, w = random_qkv(jax.random.PRNGKey(2), 2, 46, 46, 4, 2, 16, jnp.float32)
-    check_parity(backend, q, k, v, w, meta, meta, "decode", 1e-4, grads=False)
+    check_parity(backend, q, k, v, w, meta, meta, "decode", 1e-4, grads=False, blocks=blocks_for(backend))
 
 
 # ----------------------------------------------------------------------------------------------
 # decode kernel
 
 
-@pytest.mark.parametrize("H,K,dtype,grads", [(4, 2, jnp.float32, True), (4, 1, jnp.float32, False),
-                                             (4, 2, jnp.bfloat16, False)],
-                         ids=["gqa-f32", "mqa-f32", "gqa-bf16"])
+@pytest.mark.parametrize("H,K,dtype,grads", [(4, 2, jnp.float32, True), (4, 1, jnp.bfloat16, False)],
+                         ids=["gqa-f32", "mqa-bf16"])
 def test_decode_kernel_ragged_cache(backend, H, K, dtype, grads):
     # k = 5 (2k = 10 queries), cache S = 50 (+10 window keys = 60, not a multiple of the 16 tile:
     # on TPU the last block overhangs the array, read as NaN, masked and zeroed); ragged lengths,
@@ -141,8 +147,10 @@ def test_decode_kernel_ragged_cache(backend, H, K, dtype, grads):
     q_meta, kv_meta = decode_case([37, 12, 20], S, kb, done=[2])
     q, k, v, w = random_qkv(jax.random.PRNGKey(3), 3, 2 * kb, S + 2 * kb, H, K, 16, dtype)
     assert choose_kernel(2 * kb, S + 2 * kb, PallasOptions()) == "decode"
-    # gradients (gqa-f32) flow through the decode forward + the flash backward kernels
-    o = check_parity(backend, q, k, v, w, q_meta, kv_meta, "decode", TOL[dtype], grads=grads)[0]
+    # gradients (gqa-f32) flow through the decode forward + the flash backward kernels (on TPU with 32-key tiles
+    # in the backward: 60 keys still end in an overhanging tile, and half the interpreted grid steps)
+    blocks = dataclasses.replace(BLOCKS, block_k=32) if backend == "tpu" else BLOCKS
+    o = check_parity(backend, q, k, v, w, q_meta, kv_meta, "decode", TOL[dtype], grads=grads, blocks=blocks)[0]
     assert np.all(np.asarray(o, np.float32)[2] == 0)
 
 
@@ -161,13 +169,16 @@ def test_decode_splits_do_not_change_result(backend, num_splits):
     check_parity(backend, q, k, v, w, q_meta, kv_meta, "decode", 1e-4, grads=False, blocks=blocks)
 
 
-@pytest.mark.parametrize("lengths,done,D", [([37, 12, 20], [2], 16), ([45, 12], [], 128)],
-                         ids=["ragged-d16", "full-d128"])
+# the Triton family has no head_dim-dependent layout: one case with a full, a ragged and a finished row
+@pytest.mark.parametrize("backend,lengths,done,D", [("triton", [45, 12, 20], [2], 128), ("tpu", [37, 12, 20], [2], 16),
+                                                    ("tpu", [45, 12], [], 128)],
+                         ids=["triton-full-ragged-d128", "tpu-ragged-d16", "tpu-full-d128"])
 def test_parts_match_concatenated_reference(backend, lengths, done, D):
     """`pallas_attention_parts` on [(cache, 50 slots), (window, 10 keys)], with gradients, equals
-    the reference over the concatenation. Ragged rows; in "full-d128", row 0 fills the cache
+    the reference over the concatenation. Ragged rows; in the "full" cases row 0 fills the cache
     (45 + 5 = 50 slots): on TPU the cache is read in place through the [B, S, K * D] view and its
-    overhanging last tile is visible, so its NaN tail must be zeroed."""
+    overhanging last tile is visible, so its NaN tail must be zeroed (50 slots: a multiple of neither the 16 nor
+    the 32 tiles)."""
     S, kb = 50, 5
     q_meta, cache_meta, win_meta = decode_meta(lengths, S, kb, done)
     kv_meta = concat_meta(cache_meta, win_meta)
@@ -177,7 +188,7 @@ def test_parts_match_concatenated_reference(backend, lengths, done, D):
     def parts_out_and_grads(q, k, v, w):
         def fn(q, k, v):
             parts = [(k[:, :S], v[:, :S], cache_meta), (k[:, S:], v[:, S:], win_meta)]
-            return pallas_attention_parts(q, parts, q_meta, blocks=BLOCKS, **BACKENDS[backend])
+            return pallas_attention_parts(q, parts, q_meta, blocks=blocks_for(backend), **BACKENDS[backend])
         o, vjp = jax.vjp(fn, q, k, v)
         return (o, *vjp(w))
 
@@ -222,7 +233,7 @@ def test_train_never_reads_padding_tiles(backend):
     want = run(q, k, v, w, meta, meta, "xla")
     bad = jnp.asarray(pos >= 32)[:, :, None, None]
     q, k, v = (jnp.where(bad, jnp.nan, x) for x in (q, k, v))
-    got = run(q, k, v, w, meta, meta, backend, "train", MID if backend == "tpu" else BLOCKS)
+    got = run(q, k, v, w, meta, meta, backend, "train", blocks_for(backend))
     for g, r in zip(got, want):
         g = np.asarray(g)
         assert np.isfinite(g).all()
