@@ -1,5 +1,5 @@
 """Context parallelism: the SBD dual-loss train step with each row's sequence split over a "context"
-mesh axis of 2 and 4 fake CPU devices (alone and with data / fsdp / tensor; XLA attention per shard, and once the
+mesh axis of 2 and 4 fake CPU devices (with data, fsdp and fsdp x tensor; XLA attention per shard, and once the
 Pallas flash kernel in interpret mode; the balanced and the contiguous token order) equals the same XLA step on one
 device: packed text rows, packed SFT rows with a compact copy stream (copy_len), loss chunks and 2 microbatches,
 and a LoRA step that trains the mask token's embedding row.
@@ -64,12 +64,11 @@ SCRIPT = textwrap.dedent("""
         gathers = context_gathers(compiled.as_text())
         return jax.device_get(new.opt_state[1][0].mu), {k: float(v) for k, v in jax.device_get(m).items()}, gathers
 
-    MESHES = {"context2": MeshConfig(data=1, context=2), "data2_context4": MeshConfig(data=2, context=4),
-              "fsdp2_context2_tensor2": MeshConfig(1, 2, 2, 2)}
+    MESHES = {"data2_context4": MeshConfig(data=2, context=4), "fsdp2_context2_tensor2": MeshConfig(1, 2, 2, 2)}
     # (mesh, attention per shard: "pallas" = the flash kernel in interpret mode, token order) against one device's
     # XLA step; "balanced" cuts both halves of every row (24 + 24, 24 + 16 tokens) into 2 x context chunks
-    PLAN = {"text": [("data2_context4", "xla", "balanced"), ("fsdp2_context2_tensor2", "pallas", "balanced")],
-            "sft_copy_len": [("context2", "xla", "balanced"), ("fsdp2_context2_tensor2", "xla", "contiguous")]}
+    PLAN = {"text": [("data2_context4", "xla", "contiguous"), ("fsdp2_context2_tensor2", "pallas", "balanced")],
+            "sft_copy_len": [("fsdp2_context2_tensor2", "xla", "balanced")]}
     out = {}
     for case, meshes in PLAN.items():
         mu1, m1, _ = run(make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]), case)

@@ -127,19 +127,20 @@ def test_tpu_legal_tiles():
 
 
 def test_decode_kernel_on_training_layout(backend):
-    """Both kernels take any metadata: the decode kernel on the doubled training sequence."""
+    """Both kernels take any metadata: the decode kernel on the doubled training sequence; in one split (the
+    partial results are not merged)."""
     meta = training_meta([[10, 9], [23]], 23, k=4)
     q, k, v, w = random_qkv(jax.random.PRNGKey(2), 2, 46, 46, 4, 2, 16, jnp.float32)
-    check_parity(backend, q, k, v, w, meta, meta, "decode", 1e-4, grads=False, blocks=blocks_for(backend))
+    blocks = dataclasses.replace(blocks_for(backend), num_splits=1)
+    check_parity(backend, q, k, v, w, meta, meta, "decode", 1e-4, grads=False, blocks=blocks)
 
 
 # ----------------------------------------------------------------------------------------------
 # decode kernel
 
 
-@pytest.mark.parametrize("H,K,dtype,grads", [(4, 2, jnp.float32, True), (4, 1, jnp.bfloat16, False)],
-                         ids=["gqa-f32", "mqa-bf16"])
-def test_decode_kernel_ragged_cache(backend, H, K, dtype, grads):
+@pytest.mark.parametrize("H,K,dtype", [(4, 2, jnp.float32), (4, 1, jnp.bfloat16)], ids=["gqa-f32", "mqa-bf16"])
+def test_decode_kernel_ragged_cache(backend, H, K, dtype):
     # k = 5 (2k = 10 queries), cache S = 50 (+10 window keys = 60, not a multiple of the 16 tile:
     # on TPU the last block overhangs the array, read as NaN, masked and zeroed); ragged lengths,
     # one finished row (window = padding), 3 splits.
@@ -147,10 +148,9 @@ def test_decode_kernel_ragged_cache(backend, H, K, dtype, grads):
     q_meta, kv_meta = decode_case([37, 12, 20], S, kb, done=[2])
     q, k, v, w = random_qkv(jax.random.PRNGKey(3), 3, 2 * kb, S + 2 * kb, H, K, 16, dtype)
     assert choose_kernel(2 * kb, S + 2 * kb, PallasOptions()) == "decode"
-    # gradients (gqa-f32) flow through the decode forward + the flash backward kernels (on TPU with 32-key tiles
-    # in the backward: 60 keys still end in an overhanging tile, and half the interpreted grid steps)
-    blocks = dataclasses.replace(BLOCKS, block_k=32) if backend == "tpu" else BLOCKS
-    o = check_parity(backend, q, k, v, w, q_meta, kv_meta, "decode", TOL[dtype], grads=grads, blocks=blocks)[0]
+    # gradients through the decode forward + the flash backward kernels on this layout (same rows, heads, cache and
+    # window): test_parts_match_concatenated_reference, whose backward is this kernel's (the parts concatenated)
+    o = check_parity(backend, q, k, v, w, q_meta, kv_meta, "decode", TOL[dtype], grads=False)[0]
     assert np.all(np.asarray(o, np.float32)[2] == 0)
 
 
@@ -160,9 +160,9 @@ def test_train_kernel_on_decode_layout_mha(backend):
     check_parity(backend, q, k, v, w, q_meta, kv_meta, "train", 1e-4, grads=False)
 
 
-@pytest.mark.parametrize("num_splits", [1, 8])
-def test_decode_splits_do_not_change_result(backend, num_splits):
-    """One split (no merge) and more splits than visible tiles (empty splits) agree."""
+def test_decode_splits_do_not_change_result(backend, num_splits=8):
+    """More splits than visible tiles (empty splits) agree with the reference (one split, no merge:
+    test_decode_kernel_on_training_layout)."""
     q_meta, kv_meta = decode_case([70, 3], 80, 4)
     q, k, v, w = random_qkv(jax.random.PRNGKey(5), 2, 8, 88, 8, 2, 16, jnp.float32)
     blocks = BlockSizes(16, 16, 16, 16, 16, decode_block_rows=64, num_splits=num_splits)
@@ -170,15 +170,18 @@ def test_decode_splits_do_not_change_result(backend, num_splits):
 
 
 # the Triton family has no head_dim-dependent layout: one case with a full, a ragged and a finished row
-@pytest.mark.parametrize("backend,lengths,done,D", [("triton", [45, 12, 20], [2], 128), ("tpu", [37, 12, 20], [2], 16),
-                                                    ("tpu", [45, 12], [], 128)],
+@pytest.mark.parametrize("backend,lengths,done,D,grads", [("triton", [45, 12, 20], [2], 128, True),
+                                                          ("tpu", [37, 12, 20], [2], 16, True),
+                                                          ("tpu", [45, 12], [], 128, False)],
                          ids=["triton-full-ragged-d128", "tpu-ragged-d16", "tpu-full-d128"])
-def test_parts_match_concatenated_reference(backend, lengths, done, D):
+def test_parts_match_concatenated_reference(backend, lengths, done, D, grads):
     """`pallas_attention_parts` on [(cache, 50 slots), (window, 10 keys)], with gradients, equals
     the reference over the concatenation. Ragged rows; in the "full" cases row 0 fills the cache
     (45 + 5 = 50 slots): on TPU the cache is read in place through the [B, S, K * D] view and its
     overhanging last tile is visible, so its NaN tail must be zeroed (50 slots: a multiple of neither the 16 nor
-    the 32 tiles)."""
+    the 32 tiles). That is the decode forward's: the backward (the flash kernels over the concatenated parts,
+    split back per part) is the same for every layout of the parts and is checked in "tpu-ragged-d16"; its
+    head_dim-128 (in-place) layout by test_train_kernel_f32_outputs_and_grads[tpu-mqa-d128] and test_tpu_legal_tiles."""
     S, kb = 50, 5
     q_meta, cache_meta, win_meta = decode_meta(lengths, S, kb, done)
     kv_meta = concat_meta(cache_meta, win_meta)
@@ -189,11 +192,14 @@ def test_parts_match_concatenated_reference(backend, lengths, done, D):
         def fn(q, k, v):
             parts = [(k[:, :S], v[:, :S], cache_meta), (k[:, S:], v[:, S:], win_meta)]
             return pallas_attention_parts(q, parts, q_meta, blocks=blocks_for(backend), **BACKENDS[backend])
+        if not grads:
+            return (fn(q, k, v),)
         o, vjp = jax.vjp(fn, q, k, v)
         return (o, *vjp(w))
 
     got = parts_out_and_grads(q, k, v, w)
-    want = run(q, k, v, w, q_meta, kv_meta, "xla")
+    want = run(q, k, v, w, q_meta, kv_meta, "xla", grads=grads)
+    assert len(got) == len(want) == (4 if grads else 1)
     for name, g, r in zip(("o", "dq", "dk", "dv"), got, want):
         assert rel(g, r) <= 1e-4, (name, rel(g, r))
 
