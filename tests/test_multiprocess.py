@@ -18,8 +18,8 @@ TRAIN = ["train.py", "--config", None, f"steps={STEPS}", "checkpoint.every=2", "
          "mesh.data=2", "mesh.fsdp=4", "progress=false"]
 
 
-def _train(cfg_path, out, processes, *, kill_after=None):
-    argv = [str(cfg_path) if a is None else a for a in TRAIN] + [f"out_dir={out}"]
+def _train(cfg_path, out, processes, *, kill_after=None, mesh=()):
+    argv = [str(cfg_path) if a is None else a for a in TRAIN] + [*mesh, f"out_dir={out}"]
     procs = start_processes(argv, processes=processes, devices_each=8 // processes, port=free_port())
     if kill_after is None:
         return finish(procs)
@@ -68,6 +68,20 @@ def test_two_processes_train_resume_and_export_like_one(runs):
     # below one step's update
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+
+
+def test_context_axis_spanning_both_processes_trains_like_one(runs):
+    """mesh context 4 x tensor 2 over 2 processes of 4 devices (axes in the order data, fsdp, context, tensor):
+    each row's sequence is split over devices of both processes, and every process reads the whole batch (the
+    rows its devices hold). Its losses equal the one-process data 2 x fsdp 4 run's, step for step."""
+    out = runs / "context"
+    _train(runs / "cfg.yaml", out, 2, mesh=("mesh.data=1", "mesh.fsdp=1", "mesh.context=4", "mesh.tensor=2"))
+    one, ctx = _metrics(runs / "one"), _metrics(out)
+    assert [m["step"] for m in ctx] == list(range(1, STEPS + 1))
+    assert json.loads((out / "train_config.json").read_text())["train"]["mesh"]["context"] == 4
+    for a, b in zip(one, ctx):
+        assert (a["k"], a["ntp_tokens"], a["matp_tokens"]) == (b["k"], b["ntp_tokens"], b["matp_tokens"])
+        np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5)
 
 
 def test_two_processes_decode_like_one(runs, tmp_path):
