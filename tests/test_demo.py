@@ -1,13 +1,16 @@
 """The demo: task-suite properties, and the --quick pipeline end to end (table shape and sanity)."""
+import contextlib
 import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 
 from sbd_jax.config import ConfigError
 from sbd_jax.demo import tasks
 from sbd_jax.demo.evaluation import decoders
+from sbd_jax.demo import pipeline
 from sbd_jax.demo.pipeline import DemoConfig, run
 from sbd_jax.demo.tokenizer import build_tokenizer
 
@@ -46,10 +49,34 @@ def test_tokenizer_trained_on_training_text_round_trips_and_keeps_numbers_whole(
     assert build_tokenizer((p.text for p in train), vocab_size=512).to_str() == tok.to_str()  # deterministic
 
 
-def test_quick_pipeline_end_to_end(tmp_path, capsys):
-    # the --quick pipeline with fewer steps and problems: every stage and table column, in half the time
-    cfg = DemoConfig.quick(out_dir=str(tmp_path / "demo"), pretrain_steps=150, finetune_steps=120, n_test=32,
+@contextlib.contextmanager
+def unoptimized():
+    """XLA's optimizations off (as in the other test files): the evaluation's programs - 4 specs x 2 slot layouts,
+    then the diagnostics' - run for a fraction of a second each, so compiling them optimized only costs time (about
+    a third of the CPU time of their compilation); the training steps above them stay optimized (conftest.py)."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+
+
+def test_quick_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
+    # the --quick pipeline with fewer steps and problems: every stage and table column, in a fraction of the time.
+    # Smaller batches at a higher learning rate: the SBD fine-tune's MATP stream still learns enough that gamma=3
+    # makes ~1.7-1.9 tokens per forward (seeds 0 and 1; the mean of the two gammas' must pass 1). The batch pass
+    # runs 8 slots over the 32 problems (slots refilled, as in decode.py). One lossless row: "always" (half the
+    # compile time of "adaptive", which tests/test_verify.py, test_draft_policy.py and test_user_path.py cover).
+    cfg = DemoConfig.quick(out_dir=str(tmp_path / "demo"), pretrain_steps=100, finetune_steps=80, batch_size=8,
+                           pretrain_lr=4e-3, finetune_lr=4e-3, n_test=32, eval_batch=8, lossless_policies=("always",),
                            wide_cost=4.0)  # a stated cost: no per-shape measurement in the suite
+    evaluate = pipeline.evaluate
+
+    def evaluate_unoptimized(*a, **kw):
+        with unoptimized():
+            return evaluate(*a, **kw)
+    monkeypatch.setattr(pipeline, "evaluate", evaluate_unoptimized)
     rows = run(cfg, log=lambda *a: None)
     assert [r["label"] for r in rows] == [s.label for s in decoders(cfg)]
     base = rows[0]
@@ -87,8 +114,8 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys):
     rows2 = run(cfg, log=lambda *a: None)
     assert [r["accuracy"] for r in rows2] == [r["accuracy"] for r in rows]
     # a rerun with other training settings refuses to reuse the stale stage, naming the difference
-    with pytest.raises(ConfigError, match=r"ft_ntp was made with other settings \(.*steps: 120 there, 121 now"):
-        run(dataclasses.replace(cfg, finetune_steps=121), log=lambda *a: None)
+    with pytest.raises(ConfigError, match=r"ft_ntp was made with other settings \(.*steps: 80 there, 81 now"):
+        run(dataclasses.replace(cfg, finetune_steps=81), log=lambda *a: None)
     with pytest.raises(ConfigError, match=r"data was made with other settings \(n_test: 32 there, 33 now"):
         run(dataclasses.replace(cfg, n_test=33), log=lambda *a: None)
     with pytest.raises(ConfigError, match="timing_rounds must be >= 1"):
@@ -96,7 +123,8 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys):
     # the diagnostics script runs on the finished run's output
     from sbd_jax.demo import diagnose
     capsys.readouterr()
-    diagnose.main([str(out), "--n", "8", "ar:1:0:eb", "sbd:4:0.35:threshold"])
+    with unoptimized():
+        diagnose.main([str(out), "--n", "8", "ar:1:0:eb", "sbd:4:0.35:threshold"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4
     for head, errs in zip(lines[0::2], lines[1::2]):

@@ -52,9 +52,9 @@ def export(tmp_path_factory):
     rows = [{"prompt": f"Say {w} to friend number {i}", "response": ANSWERS[w]} for i in range(32) for w in ANSWERS]
     (d / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     argv = ["train.py", "--config", "configs/tiny_sbd.yaml", "model.config=null", f"model.init_from={base}",
-            f"model.mask_token_id={MASK}", f"data.path={d / 'sft.jsonl'}", f"data.tokenizer={base}", "data.seq_len=48",
-            "sbd.block_align=response", "batch_size=4", "steps=120", "optim.lr=1e-2", "optim.warmup_steps=5",
-            f"out_dir={d / 'run'}"]
+            f"model.mask_token_id={MASK}", f"data.path={d / 'sft.jsonl'}", f"data.tokenizer={base}", "data.seq_len=36",
+            "sbd.block_align=response", "data.copy_len=16", "batch_size=4", "steps=120", "optim.lr=1e-2",
+            "optim.warmup_steps=5", "checkpoint.every=1000", f"out_dir={d / 'run'}"]
     env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "PATH": "", **compilation_cache_env()}
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
