@@ -1,5 +1,5 @@
 """Context parallelism: the SBD dual-loss train step with each row's sequence split over a "context"
-mesh axis of 2 and 4 fake CPU devices (with data, fsdp and fsdp x tensor; XLA attention per shard, and once the
+mesh axis of 2, 4 and 8 fake CPU devices (alone, with data, fsdp and fsdp x tensor; XLA attention per shard, and once the
 Pallas flash kernel in interpret mode; the balanced and the contiguous token order) equals the same XLA step on one
 device: packed text rows, packed SFT rows with a compact copy stream (copy_len), loss chunks and 2 microbatches,
 and a LoRA step that trains the mask token's embedding row.
@@ -64,10 +64,12 @@ SCRIPT = textwrap.dedent("""
         gathers = context_gathers(compiled.as_text())
         return jax.device_get(new.opt_state[1][0].mu), {k: float(v) for k, v in jax.device_get(m).items()}, gathers
 
-    MESHES = {"data2_context4": MeshConfig(data=2, context=4), "fsdp2_context2_tensor2": MeshConfig(1, 2, 2, 2)}
+    MESHES = {"data2_context4": MeshConfig(data=2, context=4), "fsdp2_context2_tensor2": MeshConfig(1, 2, 2, 2),
+              "context8": MeshConfig(data=1, context=8)}
     # (mesh, attention per shard: "pallas" = the flash kernel in interpret mode, token order) against one device's
     # XLA step; "balanced" cuts both halves of every row (24 + 24, 24 + 16 tokens) into 2 x context chunks
-    PLAN = {"text": [("data2_context4", "xla", "contiguous"), ("fsdp2_context2_tensor2", "pallas", "balanced")],
+    PLAN = {"text": [("data2_context4", "xla", "contiguous"), ("fsdp2_context2_tensor2", "pallas", "balanced"),
+                     ("context8", "xla", "contiguous")],
             "sft_copy_len": [("fsdp2_context2_tensor2", "xla", "balanced")]}
     out = {}
     for case, meshes in PLAN.items():
@@ -115,7 +117,7 @@ def test_context_parallel_step_matches_single_device():
         one = runs.pop("one")
         assert one["matp_tokens"] > 0 and one["ntp_tokens"] > 0, case
         for name, r in runs.items():
-            assert r["axes"]["context"] in (2, 4), r["axes"]
+            assert r["axes"]["context"] in (2, 4, 8), r["axes"]
             assert r["gathers"] >= 2, (case, name)  # K and V really all-gathered over the context axis
             for key in ("loss", "ntp_loss", "matp_loss", "grad_norm"):
                 np.testing.assert_allclose(r["metrics"][key], one[key], rtol=1e-5, err_msg=f"{case} {name} {key}")
