@@ -199,8 +199,9 @@ def test_train_py_lora_export_and_decode_end_to_end(lora_run):
     assert rc == rc2 == 0 and len(rows) == 3
     assert [r["tokens"] for r in rows] == [r["tokens"] for r in merged]
     sampler = sbd_jax.decoding.sampler.Sampler.load(base, adapter=adapter)
-    assert sampler.cfg.mask_token_id == 3 and sampler(["the quick brown fox"], max_new_tokens=8,
-                                                      block_size=4)[0]["tokens"] == rows[0]["tokens"]
+    texts = [json.loads(ln)["prompt"] for ln in prompts.read_text().splitlines()]  # all three: decode.py's programs
+    assert sampler.cfg.mask_token_id == 3 and [r["tokens"] for r in sampler(texts, max_new_tokens=8, block_size=4)] \
+        == [r["tokens"] for r in rows]
 
 
 def test_adapter_on_another_base_is_refused(lora_run, tmp_path, capsys):
