@@ -1,11 +1,10 @@
 """The demo: task-suite properties, and the --quick pipeline end to end (table shape and sanity)."""
-import contextlib
 import dataclasses
 import json
 
-import jax
 import numpy as np
 import pytest
+from conftest import xla_optimized
 
 from sbd_jax.config import ConfigError
 from sbd_jax.demo import tasks
@@ -49,19 +48,6 @@ def test_tokenizer_trained_on_training_text_round_trips_and_keeps_numbers_whole(
     assert build_tokenizer((p.text for p in train), vocab_size=512).to_str() == tok.to_str()  # deterministic
 
 
-@contextlib.contextmanager
-def unoptimized():
-    """XLA's optimizations off (as in the other test files): the evaluation's programs - 4 specs x 2 slot layouts,
-    then the diagnostics' - run for a fraction of a second each, so compiling them optimized only costs time (about
-    a third of the CPU time of their compilation); the training steps above them stay optimized (conftest.py)."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", before)
-
-
 def test_quick_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     # the --quick pipeline with fewer steps and problems: every stage and table column, in a fraction of the time.
     # Smaller batches at a higher learning rate: the SBD fine-tune's MATP stream still learns enough that gamma=3
@@ -74,7 +60,7 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     evaluate = pipeline.evaluate
 
     def evaluate_unoptimized(*a, **kw):
-        with unoptimized():
+        with xla_optimized(False):  # its programs run for a fraction of a second each
             return evaluate(*a, **kw)
     monkeypatch.setattr(pipeline, "evaluate", evaluate_unoptimized)
     rows = run(cfg, log=lambda *a: None)
@@ -123,7 +109,7 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     # the diagnostics script runs on the finished run's output
     from sbd_jax.demo import diagnose
     capsys.readouterr()
-    with unoptimized():
+    with xla_optimized(False):
         diagnose.main([str(out), "--n", "8", "ar:1:0:eb", "sbd:4:0.35:threshold"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4

@@ -5,7 +5,6 @@ the lossless rows must equal AR's tokens, and a rerun reuses every stage or name
 import json
 from pathlib import Path
 
-import jax
 import pytest
 from gguf_fixtures import make_tiny_gguf
 
@@ -40,14 +39,7 @@ def demo(tmp_path_factory):
                                steps=2, n_heldout=3, per_module=4, n_humaneval=2, threshold_gammas=(), latency_n=0,
                                wide_cost=4.0, eval_batch=8)
     logs = []
-    # Every program here runs for 2 steps or a few dozen tokens: compiling dominates, so XLA's optimizations stay
-    # off for the pipeline (the conftest turns them on for this file). Both changes: 44 s -> 34 s on 2 cores
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
-        rows = run(cfg, log=logs.append)
-    finally:
-        jax.config.update("jax_disable_most_optimizations", before)
+    rows = run(cfg, log=logs.append)  # 2 steps, a few dozen tokens: compiled unoptimized (conftest.py)
     return cfg, rows, logs
 
 

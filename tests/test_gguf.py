@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_hf
+from conftest import run_hf, xla_optimized
 from gguf_fixtures import llama3_rope_freqs, make_tiny_gguf, tiny_spec, tiny_weights
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer as HFTokenizer
@@ -294,16 +294,10 @@ def test_real_decode_answers_a_chat_prompt(real_dir, tmp_path):
     import decode
     (tmp_path / "p.jsonl").write_text(json.dumps(
         {"id": "q", "messages": [{"role": "user", "content": "What is the capital of France?"}]}) + "\n")
-    # its three programs compile in 2/3 of the time without XLA's optimizations (on for this file: the logits
-    # tests); the answer's 8 tokens are the same either way
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
+    with xla_optimized(False):  # its three programs compile in 2/3 of the time; the answer's 8 tokens are the same
         assert decode.main(["--model", str(real_dir), "--input", str(tmp_path / "p.jsonl"), "--output",
                             str(tmp_path / "o.jsonl"), "--chat", "--mode", "ar", "--max-new-tokens", "32",
                             "--batch-size", "1", "--no-progress"]) == 0
-    finally:
-        jax.config.update("jax_disable_most_optimizations", before)
     (row,) = map(json.loads, (tmp_path / "o.jsonl").read_text().splitlines())
     assert row["stop"] == "eos" and row["tokens"][-1] == 2 and "Paris" in row["text"], row
 
