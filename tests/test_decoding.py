@@ -36,8 +36,9 @@ def test_cached_equals_brute_force(params, prompts, eos_id):
     for rule, gammas in (("eb", (0.5, 2.0, 4.0)), ("threshold", (1.5, 2.5))):
         for gamma in gammas:
             cases.append({"rule": rule, "gamma": gamma, "temperature": 0.0, "seed": 0, "eos_ids": (eos_id,)})
-            for seed in (0, 1):
-                cases.append({"rule": rule, "gamma": gamma, "temperature": 1.0, "seed": seed, "eos_ids": ()})
+            for seed in (0, 1):  # without EOS: the EB rule's (the eos_id fixture's decoder); threshold: with it
+                cases.append({"rule": rule, "gamma": gamma, "temperature": 1.0, "seed": seed,
+                              "eos_ids": () if rule == "eb" else (eos_id,)})
     cases.append({"rule": "eb", "gamma": np.array([0.0, 1.0, 2.5, 6.0], np.float32), "temperature": 0.7,
                   "seed": 3, "eos_ids": (eos_id,)})  # per-row gamma
     for quorum in (0.0, 1.0):  # commit whenever a row needs one / only when every running row does
@@ -100,7 +101,9 @@ def test_final_cache_equals_one_causal_forward(params, prompts, mode):
     """verify (every call drafting, so drafts are rejected): rejected drafts wrote K/V past the output during
     decoding; the final cache holds none."""
     kw = dict(mode="sbd", verify=True, draft_policy="always") if mode == "verify" else dict(mode=mode)
-    eos_id = pick_eos(generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(), **kw, **BASE).tokens)
+    # verify's greedy tokens are AR's (tests/test_verify.py): its EOS is picked from AR's
+    pick_kw = dict(mode="ar") if mode == "verify" else kw
+    eos_id = pick_eos(generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(), **pick_kw, **BASE).tokens)
     out = generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(eos_id,), **kw, **BASE)
     o = outputs(out)
     total = LENGTHS + o["lengths"]
@@ -126,7 +129,7 @@ def test_prompt_prefilled_in_pieces_equals_one_call(params, prompts, eos_id, mod
     rows whose last prompt token lies in a piece (lengths 3 and 5) included. Same tokens, NFE and EOS as the
     brute-force decoder, and the final cache equals one causal forward."""
     for kw in ({"gamma": 2.0, "temperature": 0.0, "eos_ids": (eos_id,)}, {"gamma": 0.5, "temperature": 1.0,
-                                                                          "eos_ids": ()}):
+                                                                          "eos_ids": (eos_id,)}):  # one decoder
         key = jax.random.key(1)
         ours = generate(params, CFG, prompts, LENGTHS, key=key, mode=mode, prefill_chunk=3, **kw, **BASE)
         ref = brute_force_generate(params, CFG, prompts, LENGTHS, key=key, max_new_tokens=MAX_NEW, block_size=K,

@@ -7,8 +7,8 @@ its neighbours, its padding (width and content), its slot and when it was admitt
     each row alone has its cap as the spec's `max_new_tokens` (so a row cap decodes as a spec cap) and its prompt
     padded to the batch's width with other garbage (the last row: unpadded), greedy and sampled.
   * engine "continuous" (sbd_jax/decoding/continuous.py): 13 requests of 1-8 tokens with their own keys and caps
-    through 3 slots, plain, with `prefill_chunk`, with admissions of at most 2 rows, and with an EOS; each row
-    alone is its prompt right-padded to the decoder's prompt width with its cap as `row_max_new_tokens`. A stream
+    and an EOS the rows emit, through 3 slots: plain, with `prefill_chunk` and with admissions of at most 2 rows;
+    each row alone is its prompt right-padded to the decoder's prompt width with its cap as `row_max_new_tokens`. A stream
     longer than the slots runs on the same compiled programs, and a second decoder compiles nothing.
 
 Modes: "sbd" (lossy SBD, entropy-bounded rule), "ar" and "verify" (lossless SBD: drafts verified by AR)."""
@@ -48,9 +48,10 @@ def _alone(params, ids, length, key, cap, spec=None, cap_as_spec=False, **kw) ->
 @pytest.fixture(scope="module")
 def eos_of(params, prompts):
     """Per mode: an EOS id the model emits in the ragged batch (tests/test_decoding.py's choice, so these decoders
-    are the ones compiled there)."""
-    return {m: pick_eos(generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(), **kw, **BASE).tokens)
-            for m, kw in MODES.items()}
+    are the ones compiled there; verify's greedy tokens are AR's, so verify takes AR's)."""
+    eos = {m: pick_eos(generate(params, CFG, prompts, LENGTHS, gamma=2.0, eos_ids=(), **MODES[m], **BASE).tokens)
+           for m in ("sbd", "ar")}
+    return {**eos, "verify": eos["ar"]}
 
 
 def _generate_rows(params, prompts, eos_of, mode, temperature):
@@ -79,24 +80,23 @@ def _requests(n, seed=0):
                     int(rng.integers(1, 19))) for i in range(n)]
 
 
-def _continuous_rows(params, mode, temperature):
-    """-> (each row of four continuous-batching runs, that row's prompt decoded alone), and the checks of the
-    runs' programs and stops."""
+def _continuous_rows(params, eos, mode, temperature):
+    """-> (each row of three continuous-batching runs, that row's prompt decoded alone), and the checks of the
+    runs' programs and stops. `eos`: the mode's EOS of the ragged batch (the rows stop by it and by their caps)."""
     reqs = _requests(13)
     kw = dict(gamma=0.5, temperature=temperature)
-    plain = DecodeSpec(**MODES[mode], max_new_tokens=18, block_size=4, eos_ids=())
-    alone_of = lambda spec: [_alone(params, list(r.ids) + [0] * (8 - len(r.ids)), len(r.ids), r.key,  # noqa: E731
-                                    r.max_new_tokens, spec, **kw) for r in reqs]
-    alone = alone_of(plain)
-    # an EOS id the rows really emit, so that some stop early
-    eos = max(set(range(62)), key=lambda t: sum(t in a["tokens"][1:] for a in alone))
+    spec = DecodeSpec(**MODES[mode], max_new_tokens=18, block_size=4, eos_ids=(eos,))
+    # alone: `generate` on the spec with the cache options of BASE (they change no token, NFE or stop), so the
+    # batch-1 decoder is the one the generate engine's rows alone compiled
+    alone_spec = DecodeSpec.make(spec, finalize_cache=True, return_cache=True, pad_id=0)
+    want = [_alone(params, list(r.ids) + [0] * (8 - len(r.ids)), len(r.ids), r.key, r.max_new_tokens, alone_spec,
+                   **kw) for r in reqs]
+    assert any(w["stop"] == "eos" for w in want) and any(w["stop"] == "length" for w in want)
     got_all, want_all = [], []
     # prefill_chunk 3: admissions write 1-8 token prompts in as many 3-column pieces as the longest needs
     # admit_rows 2: the first three prompts are admitted by two calls (2 + 1 rows)
-    for spec, admit in ((plain, 16), (DecodeSpec.make(plain, prefill_chunk=3), 16), (plain, 2),
-                        (DecodeSpec.make(plain, eos_ids=(eos,)), 16)):
-        want = alone if not spec.eos_ids else alone_of(spec)
-        dec = ContinuousDecoder(params, CFG, spec, slots=3, prompt_width=8, admit_rows=admit, **kw)
+    for spec_i, admit in ((spec, 16), (DecodeSpec.make(spec, prefill_chunk=3), 16), (spec, 2)):
+        dec = ContinuousDecoder(params, CFG, spec_i, slots=3, prompt_width=8, admit_rows=admit, **kw)
         got = dict(dec.decode(reqs))
         assert sorted(got) == list(range(len(reqs)))
         assert sum(r["n_tokens"] for r in got.values()) == sum(len(w["tokens"]) for w in want)
@@ -106,9 +106,10 @@ def _continuous_rows(params, mode, temperature):
         allowed = {"empty", "run"} | {f"admit{r}" for r in (1, 2, 4) if r <= admit}
         assert "run" in dec._programs and set(dec._programs) <= allowed, (admit, set(dec._programs))
         assert admit > 2 or "admit2" in dec._programs
-    assert any(w["stop"] == "eos" for w in want) and any(w["stop"] == "length" for w in want)
+        if spec_i == spec:
+            first = got
     again = ContinuousDecoder(params, CFG, spec, slots=3, prompt_width=8, **kw)  # a later call: no recompilation
-    assert dict(again.decode(reqs)) == got and again.compile_s == 0.0
+    assert dict(again.decode(reqs)) == first and again.compile_s == 0.0
     return got_all, want_all
 
 
@@ -117,7 +118,7 @@ def test_each_row_equals_its_prompt_decoded_alone(params, prompts, eos_of, engin
     if engine == "generate":
         got, alone = _generate_rows(params, prompts, eos_of, mode, TEMPERATURE[sampling])
     else:
-        got, alone = _continuous_rows(params, mode, TEMPERATURE[sampling])
+        got, alone = _continuous_rows(params, eos_of[mode], mode, TEMPERATURE[sampling])
     assert len(got) == len(alone)
     for i, (g, a) in enumerate(zip(got, alone)):
         assert g == a, f"{engine} {mode} {sampling}: row {i} differs from its prompt decoded alone"

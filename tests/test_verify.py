@@ -10,7 +10,7 @@ import pytest
 
 import brute
 from decoding_fixtures import CFG, LENGTHS, MAX_NEW, make_params, make_prompts, outputs
-from sbd_jax.decoding import DecodeError, generate
+from sbd_jax.decoding import DecodeError, DecodeSpec, costs, generate
 
 B = len(LENGTHS)
 CAPS = np.array([18, 7, 13, 1], np.int32)  # per-row max_new_tokens, not multiples of k (and a 1-token row)
@@ -79,31 +79,39 @@ def seen():
     return {s: set() for s in SAMPLING}
 
 
-def test_inside_a_user_jit(params, prompts):
-    f = jax.jit(lambda p, x, t: generate(p, CFG, x, LENGTHS, mode="sbd", verify=True, block_size=4, gamma=t,
-                                         max_new_tokens=MAX_NEW, eos_ids=()).tokens)  # costs measured while tracing
-    want = generate(params, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=()).tokens
-    np.testing.assert_array_equal(np.asarray(f(params, prompts, jnp.float32(2.0))), np.asarray(want))
+def test_inside_a_user_jit(params, prompts, eos):
+    """The adaptive policy with no stated `wide_cost` inside a user's jit: its costs are measured (costs.py) while
+    the user's function traces, and the tokens are AR's. (The suite's other verify tests state `wide_cost`.)"""
+    spec = DecodeSpec(mode="sbd", verify=True, block_size=4, max_new_tokens=MAX_NEW, eos_ids=(eos,))
+    for key in [k for k in costs.MEASURED if k[0] == CFG and k[1] == spec.draft_widths]:
+        del costs.MEASURED[key]  # measured here, not by an earlier test of this process
+    f = jax.jit(lambda p, x, t: generate(p, CFG, x, LENGTHS, spec, gamma=t).tokens)  # costs measured while tracing
+    got = f(params, prompts, jnp.float32(2.0))
+    assert any(k[0] == CFG and k[1] == spec.draft_widths for k in costs.MEASURED), "no costs were measured"
+    want = generate(params, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=(eos,)).tokens
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(DecodeError, match="verify=True is a mode of SBD decoding"):
         generate(params, CFG, prompts, LENGTHS, mode="ar", verify=True)
 
 
-def test_fewer_calls_than_ar_when_drafts_are_right():
+def test_fewer_calls_than_ar_when_drafts_are_right(eos):
     """A model whose every position predicts the same token (layers zeroed, one lm_head column aligned with every
     embedding): its drafts are all right, so a block of k costs ~1 call and verify mode needs ~max_new / k + 1
-    calls where AR needs max_new, for the same tokens."""
+    calls where AR needs max_new, for the same tokens. (The grid's EOS, which this model never emits, and its
+    policies: the grid's compiled programs.)"""
     p = _bigram({})
     p["embed"][:, 0] = 5.0  # a component every embedding shares, which lm_head reads as token 17
     p["lm_head"][0, 17] = 10.0
     prompts = make_prompts()
-    ar = generate(p, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=())
+    assert eos != 17
+    ar = generate(p, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=(eos,))
     assert (np.asarray(ar.tokens) == 17).all() and (np.asarray(ar.nfe) == MAX_NEW).all()
-    for policy_kw in (dict(draft_policy="always"), dict(wide_cost=2.0)):  # every call 2k-wide; adaptive
+    for pol in ("always", "adaptive"):  # every call 2k-wide; adaptive
         v = generate(p, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=4, max_new_tokens=MAX_NEW,
-                     eos_ids=(), **policy_kw)
+                     eos_ids=(eos,), **POLICIES[pol])
         np.testing.assert_array_equal(np.asarray(v.tokens), np.asarray(ar.tokens))
         assert (np.asarray(v.agreed) == np.asarray(v.drafts)).all()  # every draft stood
-        if "draft_policy" in policy_kw:  # the first call drafts 3, then each call adds 4 (3 drafts + AR's next)
+        if pol == "always":  # the first call drafts 3, then each call adds 4 (3 drafts + AR's next)
             assert (np.asarray(v.nfe) <= -(-MAX_NEW // 4) + 1).all()
             assert np.asarray(v.accepted)[:, 4].sum() >= B * (MAX_NEW // 4 - 1)  # whole blocks per call
         else:
@@ -124,14 +132,16 @@ def _bigram(rules: dict, std=0.01):
     return {**p, "embed": emb, "lm_head": head}
 
 
-def test_eos_inside_an_accepted_prefix():
+def test_eos_inside_an_accepted_prefix(eos):
     """Drafts E E E after AR's first token Y, and AR's token after Y is E = EOS: the EOS stands inside the
-    verified prefix and ends the row there (2 tokens, 2 calls, as AR), like the no-cache verifier."""
-    Y, E, last = 9, 11, 5
+    verified prefix and ends the row there (2 tokens, 2 calls, as AR), like the no-cache verifier. (E: the grid's
+    EOS, the adaptive policy at the grid's stated cost: the grid's compiled programs.)"""
+    E = eos
+    Y, last = [t for t in (9, 5, 7) if t != E][:2]
     p = _bigram({last: Y, Y: E, CFG.mask_token_id: E})
     prompts = make_prompts().copy()
     prompts[np.arange(B), LENGTHS - 1] = last
-    kw = dict(block_size=4, max_new_tokens=MAX_NEW, eos_ids=(E,))
+    kw = dict(block_size=4, max_new_tokens=MAX_NEW, eos_ids=(E,), **POLICIES["adaptive"])
     ar = outputs(generate(p, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=(E,)))
     v = outputs(generate(p, CFG, prompts, LENGTHS, mode="sbd", verify=True, **kw))
     ref = outputs(brute.brute_force_verify(p, CFG, prompts, LENGTHS, mode="sbd", verify=True, **kw))
