@@ -17,10 +17,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-# tokenized training stores (sbd_jax/training/store.py) of this test session, not the user's cache
-if "SBD_DATA_STORE" not in os.environ:
-    os.environ["SBD_DATA_STORE"] = tempfile.mkdtemp(prefix="sbd_test_stores_")
-    atexit.register(shutil.rmtree, os.environ["SBD_DATA_STORE"], ignore_errors=True)
+# tokenized training stores (sbd_jax/training/store.py) and converted GGUF models (sbd_jax/io/gguf.py) of this test
+# session, not the user's caches (a warm one would also hide a conversion's cost from the suite's time)
+for _var, _prefix in (("SBD_DATA_STORE", "sbd_test_stores_"), ("SBD_MODEL_CACHE", "sbd_test_models_")):
+    if _var not in os.environ:
+        os.environ[_var] = tempfile.mkdtemp(prefix=_prefix)
+        atexit.register(shutil.rmtree, os.environ[_var], ignore_errors=True)
 # One on-disk XLA compilation cache per test run, shared by the pytest workers (they inherit the controller's
 # environment) and by the scripts the tests start (train.py, decode.py, the 8-device scripts; a script given an
 # environment of its own gets subproc.compilation_cache_env()): a program compiled once - in another file, worker
@@ -60,9 +62,10 @@ def xla_optimized(on: bool):
 
 # The longest files first: `make test` runs files whole on 2 workers (--dist loadfile), so a long file started last
 # leaves the other worker idle at the end.
-SLOW_FILES = ("test_user_path.py", "test_demo.py", "test_demo_real.py", "test_lora.py", "test_multiprocess.py",
-              "test_verify.py", "test_rows_alone.py", "test_reliability.py", "test_gguf.py", "test_context_parallel.py",
-              "test_training_loop.py", "test_pallas_sharded.py", "test_decoding.py")
+SLOW_FILES = ("test_user_path.py", "test_lora.py", "test_multiprocess.py", "test_verify.py", "test_demo.py",
+              "test_pallas_attention.py", "test_pallas_sharded.py", "test_rows_alone.py", "test_gguf.py",
+              "test_reliability.py", "test_decoding.py", "test_demo_real.py", "test_training_loop.py",
+              "test_context_parallel.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
