@@ -104,8 +104,8 @@ def main(argv=None) -> int:
     from sbd_jax.decoding import DecodeError
     from sbd_jax.io.hf import CheckpointError
     INTERRUPTED.clear()
-    before = signal.getsignal(signal.SIGINT)
-    if before is signal.default_int_handler:  # an ignored SIGINT (a background job) stays ignored
+    own = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # an ignored SIGINT (a background job)
+    if own:                                                               # stays ignored
         signal.signal(signal.SIGINT, on_sigint)
     try:
         return run(args)
@@ -118,8 +118,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 130
     finally:
-        if signal.getsignal(signal.SIGINT) in (on_sigint, signal.SIG_IGN):
-            signal.signal(signal.SIGINT, before)
+        if own:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def run(args) -> int:

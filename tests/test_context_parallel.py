@@ -152,3 +152,6 @@ def test_context_config_errors_name_the_value():
                                         "mesh.context=4", "sbd.k_max=8"])
     with pytest.raises(ConfigError, match=r"mesh.context must be >= 1 \(or -1 for 'the rest'\), got 0"):
         MeshConfig(context=0)
+    from sbd_jax.training.step import StepOptions, make_train_step
+    with pytest.raises(ValueError, match=r"context layout must be one of \('balanced', 'contiguous'\), got 'zigzag'"):
+        make_train_step(cfg.model.config, StepOptions(3), None, context_layout="zigzag")

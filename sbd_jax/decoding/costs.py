@@ -37,8 +37,8 @@ def call_costs(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len
 
 
 def measure(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: int) -> tuple[float, ...]:
-    """Median time of each width's loop step over the AR step's (zero weights of `params`' shapes, greedy, every
-    row mid-way through its cache)."""
+    """Each width's loop-step time over the AR step's, fastest of ROUNDS (`loop_seconds`; zero weights of
+    `params`' shapes, greedy, every row mid-way through its cache)."""
     with jax.ensure_compile_time_eval():
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), params)
         P = max(cache_len - spec.max_new_tokens, 1)

@@ -26,6 +26,12 @@ from .examples import Example
 CONTEXT_LAYOUTS = ("balanced", "contiguous")
 
 
+def check_layout(layout: str) -> str:
+    if layout not in CONTEXT_LAYOUTS:
+        raise ValueError(f"context layout must be one of {CONTEXT_LAYOUTS}, got {layout!r}")
+    return layout
+
+
 def example_spec(mesh: Mesh, rows: int, T: int) -> P:
     """The layout of an Example's [rows, T] arrays: rows by the "batch" rule, the sequence by the "seq" rule
     (the context axis; replicated without one)."""
@@ -62,13 +68,11 @@ def place_example(ex: Example, mesh: Mesh | None, L: int, layout: str = "balance
     """Under context parallelism: the example's tokens in the `layout` order ("balanced" when the halves cut
     evenly, else "contiguous") and every [B, T] array split over rows and sequence, so each device runs the
     forward on T/n tokens. Unchanged without a context axis."""
-    if layout not in CONTEXT_LAYOUTS:
-        raise ValueError(f"context layout must be one of {CONTEXT_LAYOUTS}, got {layout!r}")
     B, T = ex.tokens.shape
     n = context_shards(mesh, T)
     if n == 1:
         return ex
-    order = balanced_order(L, T, n) if layout == "balanced" else None
+    order = balanced_order(L, T, n) if check_layout(layout) == "balanced" else None
     if order is not None:
         ex = jax.tree.map(lambda a: jnp.take(a, order, axis=1), ex)
     sh = NamedSharding(mesh, example_spec(mesh, B, T))
@@ -86,4 +90,5 @@ def whole_table(tree: dict, mesh: Mesh | None, n: int, dtype) -> dict:
     return {**tree, "embed": jax.lax.with_sharding_constraint(table, NamedSharding(mesh, P()))}
 
 
-__all__ = ["CONTEXT_LAYOUTS", "balanced_order", "context_shards", "example_spec", "place_example", "whole_table"]
+__all__ = ["CONTEXT_LAYOUTS", "balanced_order", "check_layout", "context_shards", "example_spec", "place_example",
+           "whole_table"]

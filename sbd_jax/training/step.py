@@ -25,7 +25,7 @@ from ..config import ModelConfig
 from ..models.lora import AdapterLayout, adapter_specs, attach
 from ..models.transformer import param_specs
 from ..sharding import batch_sharding, mesh_context, spec_shardings
-from .context import CONTEXT_LAYOUTS, context_shards, example_spec, place_example, whole_table
+from .context import check_layout, context_shards, example_spec, place_example, whole_table
 from .examples import Example, PackedBatch, make_example
 from .loss import LossSums, combine, loss_sums, metrics_from_sums
 from .spec import StepOptions
@@ -89,8 +89,7 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
     optimizer state) and `base` the frozen weights it is attached to (sbd_jax/models/lora.py). `context_layout`:
     the token order under context parallelism (training/context.py: "balanced" or "contiguous")."""
     A = opts.grad_accum
-    if context_layout not in CONTEXT_LAYOUTS:
-        raise ValueError(f"context_layout must be one of {CONTEXT_LAYOUTS}, got {context_layout!r}")
+    check_layout(context_layout)  # here, before any trace
 
     def loss_fn(params, ex: Example, totals, L: int, base):
         n = context_shards(mesh, ex.tokens.shape[-1])
