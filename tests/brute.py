@@ -180,13 +180,15 @@ EVENTS: set[str] = set()  # how rows of the last brute_force_verify call stopped
 
 
 def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None,
-                       *, gamma=0.35, temperature=0.0, key=None, row_max_new_tokens=None, **options) -> GenerateOutput:
+                       *, gamma=0.35, temperature=0.0, key=None, row_max_new_tokens=None, acceptance=None,
+                       **options) -> GenerateOutput:
     """The verify-mode oracle (SBD.md "Lossless mode"), no cache: every call recomputes [the known text as CLEAN
     tokens (the prompt, the verified tokens and the drafts waiting to be checked) ; the current block as COPY
-    tokens]. AR's token at generated index g comes from the clean query at g - 1. A wide call checks every
-    waiting draft (the agreeing prefix stays, AR's token corrects the first wrong one or opens the next block,
-    whose other positions the copy queries draft at once); an AR call checks the next waiting draft only (or
-    takes AR's token when none waits). Wide or AR per call: the spec's draft policy, re-implemented here."""
+    tokens]. AR's token at generated index g comes from the clean query at g - 1. A w-wide call keeps the first
+    w - 1 waiting drafts (drops the others) and checks them all (the agreeing prefix stays, AR's token corrects
+    the first wrong one or opens the next block, whose other positions the copy queries draft at once); an AR call
+    checks the next waiting draft only (or takes AR's token when none waits). Wide or AR per call: the spec's draft
+    policy, re-implemented here."""
     spec, lengths, cap, eos, pad, keys, gam, temp, score, seq = _setup(
         cfg, prompt_ids, prompt_lengths, spec, options, gamma, temperature, key, row_max_new_tokens)
     B, W = seq.shape
@@ -200,15 +202,24 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
     proposed, agreed = np.zeros(B, np.int32), np.zeros(B, np.int32)
     trials, hits = np.zeros(B, np.float32), np.zeros(B, np.float32)
     pool = np.zeros(2, np.float32)                               # decayed (trials, hits) over all rows
+    start = np.zeros(4, np.float32) if acceptance is None else np.asarray(acceptance, np.float32)
+    pool[:] = start[[1, 0]]
     calls = wide_calls = since_wide = 0
     costs_w = np.asarray(costs.call_costs(params, cfg, spec, B, prompt_ids.shape[1] + max_new_tokens), np.float32)
     cols = np.broadcast_to(np.arange(W, dtype=np.int32), (B, W))
     while not done.all():
-        w = k if calls == 0 else _width_choice(spec, calls, trials, hits, pool, done, since_wide, costs_w)  # 0: AR
+        verified = np.array([n_gen[b] if done[b] else todo[b][0] + 1 for b in range(B)], np.float32)
+        stops = np.float32(start[2] + np.sum(stopped_eos & done)) / np.float32(max(start[3] + verified.sum(), 1.0))
+        w = k if calls == 0 else _width_choice(spec, calls, trials, hits, pool, done, since_wide, costs_w,
+                                               stops, np.maximum(cap - verified, 1))  # 0: AR
         calls += 1
         if calls > 1:
             wide_calls += w > 0
             since_wide = 0 if w else since_wide + 1
+            for b in np.flatnonzero(~done):
+                if w and todo[b][1] > w:                        # keep the drafts this call checks
+                    proposed[b] -= todo[b][1] - w
+                    todo[b], blk[b] = (todo[b][0], w), todo[b][0] + w
         known = np.array([lengths[b] + todo[b][0] + todo[b][1] for b in range(B)])
         pos_c = (lengths + blk)[:, None] + np.arange(k, dtype=np.int32)[None]
         cseg = ((blk[:, None] + np.arange(k)[None]) < np.minimum(cap, blk + max(w, 1))[:, None]).astype(np.int32)
@@ -235,8 +246,9 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
                 m += 1
             agreed[b] += m
             if checkable:
-                trials[b] = trials[b] * np.float32(0.7) + np.float32(m + (m < checkable))
-                hits[b] = hits[b] * np.float32(0.7) + np.float32(m)
+                decay = np.float32(0.95) ** np.float32(m + (m < checkable))  # per draft checked
+                trials[b] = trials[b] * decay + np.float32(m + (m < checkable))
+                hits[b] = hits[b] * decay + np.float32(m)
                 call_n += m + (m < checkable)
                 call_a += m
                 any_checked = True
@@ -281,13 +293,14 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
         out[b, :n_gen[b]] = seq[b, lengths[b]:lengths[b] + n_gen[b]]
     return GenerateOutput(jnp.asarray(out), jnp.asarray(n_gen), jnp.asarray(nfe), jnp.asarray(stopped_eos),
                           jnp.int32(calls), jnp.int32(wide_calls), jnp.asarray(accepted), jnp.asarray(proposed),
-                          jnp.asarray(agreed), None)
+                          jnp.asarray(agreed), jnp.asarray([pool[1], pool[0], start[2] + np.sum(stopped_eos),
+                                                            start[3] + np.sum(n_gen)], jnp.float32), None)
 
 
-def _width_choice(spec: DecodeSpec, calls: int, trials, hits, pool, done, since_wide, costs_w) -> int:
+def _width_choice(spec: DecodeSpec, calls: int, trials, hits, pool, done, since_wide, costs_w, stops, left) -> int:
     """The draft policy's choice for the batch's call number `calls`: 0 (a 1-wide AR call) or a draft width
     (policy.py's rule, written out; `costs_w`: the costs `generate` used, the spec's or those measured once per
-    process)."""
+    process; `stops`: the chance a verified token is an EOS; `left`: each row's tokens before its cap)."""
     widths = spec.draft_widths
     if spec.draft_policy in ("always", "never"):
         return widths[0] if spec.draft_policy == "always" else 0
@@ -295,15 +308,16 @@ def _width_choice(spec: DecodeSpec, calls: int, trials, hits, pool, done, since_
         i = int(jax.random.randint(jax.random.fold_in(jax.random.key(0), calls), (), 0, len(widths) + 1))
         return 0 if i == 0 else widths[i - 1]
     run = np.flatnonzero(~done)
-    rates = [np.float32(1.25)]  # policy.MARGIN
+    rates = [np.float32(1.05)]  # policy.MARGIN
     for w, c in zip(widths, costs_w):
         taus = []
         for b in run:
             pooled = np.float32((pool[1] + np.float32(0.5)) / (pool[0] + np.float32(1.0)))
-            p = np.float32((hits[b] + pooled) / (trials[b] + np.float32(1.0)))
+            p = np.float32((hits[b] + np.float32(4.0) * pooled) / (trials[b] + np.float32(4.0)))
+            p = np.float32(p * (np.float32(1.0) - stops))
             powers = [np.float32(p ** i) for i in range(1, w)]
             q = powers[-1] if powers else np.float32(1.0)
-            taus.append((np.float32(2.0) + np.float32(sum(powers)) - q) / (np.float32(2.0) - q))
+            taus.append(min((np.float32(2.0) + np.float32(sum(powers)) - q) / (np.float32(2.0) - q), np.float32(left[b])))
         rates.append(np.float32(sum(taus)) / np.float32(max(len(run), 1)) / c)
     best = int(np.argmax(rates))
     if best == 0 and since_wide >= int(np.ceil(max(float(np.min(costs_w)) - 1.0, 0.0) / 0.03)):

@@ -33,7 +33,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..models.transformer import KVCache, init_cache
 from ..sharding import mesh_context
-from . import costs
+from . import costs, policy
 from .checks import check_fits, check_stream_prompt
 from .loop import run_loop
 from .modes import mode_of
@@ -104,6 +104,7 @@ def admit_slots(params, state: LoopState, rows: SlotRows, slot_R, prompt_RP, new
         cache, _ = write_prompt(params, cfg, init_cache(cfg, R, width, state.cache.k.dtype),
                                 jnp.pad(prompt_RP, ((0, 0), (0, width - P))), upto,
                                 -(-jnp.max(upto) // C), C)  # only the pieces these prompts reach
+        state = policy.fold_rows(state, slot_R)  # the rows leaving these slots join verify's counts
         state = state._replace(**{f: put(getattr(state, f), getattr(fresh, f)) for f in ROW_FIELDS})
         state = state._replace(
             seq=env.constrain(state.seq),

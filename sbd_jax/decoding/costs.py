@@ -15,7 +15,7 @@ from .modes import ar, verify
 from .spec import DecodeSpec
 from .state import make_env, new_state, prompt_seq
 
-ROUNDS, CALLS = 5, 8
+ROUNDS, CALLS = 5, 32
 MEASURED: dict = {}  # (shapes) -> costs, one measurement per process and shape
 
 
@@ -26,9 +26,11 @@ def needs_cost(spec: DecodeSpec) -> bool:
 def call_costs(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: int) -> tuple[float, ...]:
     """What a 2w-wide call costs in 1-wide calls for each draft width w of `spec.draft_widths` (`batch` rows, a
     cache of `cache_len` slots): from the spec's `wide_cost` (the 2k-wide call's; narrower ones in proportion to
-    their width) if set, 1.0 where no policy reads them, else measured (once per process and shape)."""
+    their width) if set, 1.0 where no policy reads them, else measured (once per process, shape and power of two
+    of the cache length)."""
     if spec.wide_cost is not None or not needs_cost(spec):
         return spec.stated_call_costs()
+    cache_len = 1 << (cache_len - 1).bit_length()  # one measurement per power of two: costs vary slowly with it
     layout = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params))
     key = (cfg, spec.draft_widths, spec.max_new_tokens, batch, cache_len, jax.default_backend(), layout)
     if key not in MEASURED:

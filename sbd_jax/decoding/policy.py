@@ -5,14 +5,18 @@ drafts the next w - 1 positions. Whatever it chooses, every row's tokens are AR'
 only sets how many calls, and of which width, a row takes.
 
   * Per row: the decayed counts of checked drafts (`trials`) and of those that agreed (`hits`) give p, the chance
-    that a draft agrees given the drafts before it did, with a prior of weight 1 at the rate over all rows (so a
-    row admitted by continuous batching starts from what the model's drafts did for the others).
+    that a draft agrees given the drafts before it did, with a prior of weight PRIOR at the rate over all rows (so a
+    row admitted by continuous batching, or the first row of a batch that started from an earlier output's
+    `acceptance`, starts from what the model's drafts did for the others).
+  * A token is useful only up to the row's end: h, the chance that a verified token is an EOS (EOS stops over
+    tokens, over the finished rows and those before them), makes a draft useful with chance p (1 - h), and no row
+    makes more tokens per call than it has left before its cap.
   * A row that drafts w - 1 positions per call alternates between calls that check them (1 + E[m] tokens; the
     chain goes on when all stand, probability q = p^(w-1)) and, after a rejection, one call with nothing to check
     (1 token): tokens per call tau_w(p) = (2 + E[m] - q) / (2 - q), E[m] = p + p^2 + ... + p^(w-1).
   * The call that makes the most tokens per unit of time: AR gives 1 per running row at cost 1 (counted as
-    MARGIN = 1.25: drafting must promise a clear gain); width w gives the running rows' mean tau_w at
-    `call_costs[w]` (what a 2w-wide call's loop step costs in AR steps at this batch on this device, costs.py).
+    MARGIN: drafting must promise a clear gain); width w gives the running rows' mean tau_w at `call_costs[w]`
+    (what a 2w-wide call's loop step costs in AR steps at this batch on this device, costs.py).
     Every (c - 1) / EXPLORE_SHARE calls without drafting (c: the cheapest width's cost), the
     cheapest width drafts anyway, so rows whose drafts start to agree are noticed at a bounded cost (the AR calls
     after it check those drafts for nothing).
@@ -24,21 +28,48 @@ import jax.numpy as jnp
 
 from .state import DecodeEnv, LoopState
 
-DECAY = 0.7  # weight of a row's earlier counts at each call that checks its drafts
+DECAY = 0.95  # weight of a row's earlier counts per draft it checks (a memory of about 20 drafts)
+PRIOR = 4.0  # weight, in drafts, of the rate over all rows in a row's estimate
 POOL_DECAY = 0.9  # weight of the counts over all rows at each call that checks drafts
 EXPLORE_SHARE = 0.03  # the share of the run's cost spent on drafting calls the estimate did not ask for
 NEVER = 2 ** 30
-# a drafting call must promise this many times AR's tokens per unit of time: the estimate knows nothing of how
-# many tokens a row has left (a short answer caps a block), and a wrong choice costs more than a missed one
-MARGIN = 1.25
+MARGIN = 1.05  # a drafting call must promise this many times AR's tokens per unit of time
 
 
 def agree_prob(state: LoopState):
     """[B] the chance a draft agrees given the drafts before it did: each row's decayed counts with a prior of
-    weight 1 at the rate over all rows (itself with a prior of 1/2, weight 1), so a new row starts from the
-    batch's experience of this model."""
+    weight PRIOR at the rate over all rows (itself with a prior of 1/2, weight 1), so a new row starts from the
+    batch's experience of this model and one rejection does not outweigh it."""
     pooled = (state.pool_hits + 0.5) / (state.pool_trials + 1.0)
-    return (state.hits + pooled) / (state.trials + 1.0)
+    return (state.hits + PRIOR * pooled) / (state.trials + PRIOR)
+
+
+def verified(state: LoopState):
+    """[B] tokens each row has verified (its output so far)."""
+    return jnp.where(state.done, state.n_generated, state.commit_start + 1)
+
+
+def stop_chance(state: LoopState):
+    """The chance that a verified token is an EOS: EOS stops over tokens, over the rows of this batch and the
+    counts carried in (0 before any row has stopped)."""
+    stops = state.pool_stops + jnp.sum(state.eos & state.done)
+    return stops / jnp.maximum(state.pool_tokens + jnp.sum(verified(state)), 1.0)
+
+
+def acceptance(state: LoopState):
+    """[4] the counts (state.ACCEPTANCE) a later call may start from: this batch's rows folded in."""
+    done = state.done
+    return jnp.stack([state.pool_hits, state.pool_trials, state.pool_stops + jnp.sum(state.eos & done),
+                      state.pool_tokens + jnp.sum(jnp.where(done, state.n_generated, 0))]).astype(jnp.float32)
+
+
+def fold_rows(state: LoopState, slots) -> LoopState:
+    """The finished rows in `slots` (indices; out-of-range ones ignored) join the counts over all rows before
+    their slots take new prompts (continuous batching)."""
+    take = lambda a: a.at[slots].get(mode="fill", fill_value=0)  # noqa: E731
+    stops = jnp.sum((take(state.eos) & take(state.done)).astype(jnp.float32))
+    return state._replace(pool_stops=state.pool_stops + stops,
+                          pool_tokens=state.pool_tokens + jnp.sum(take(state.n_generated)).astype(jnp.float32))
 
 
 def tokens_per_wide_call(p, w: int):
@@ -51,8 +82,8 @@ def tokens_per_wide_call(p, w: int):
 def update_counts(state: LoopState, checked, agreed_B, failed_B):
     """Fold one call's checks into the decayed counts: rows that checked drafts (`checked`) saw `agreed_B`
     agree and `failed_B` (0 or 1) not."""
-    decay = jnp.where(checked, DECAY, 1.0)
     n = jnp.where(checked, agreed_B + failed_B, 0).astype(jnp.float32)
+    decay = DECAY ** n
     a = jnp.where(checked, agreed_B, 0).astype(jnp.float32)
     pool = jnp.where(jnp.any(checked), POOL_DECAY, 1.0)
     return state._replace(trials=state.trials * decay + n, hits=state.hits * decay + a,
@@ -81,9 +112,11 @@ def choose(state: LoopState, env: DecodeEnv):
         return jax.random.randint(jax.random.fold_in(jax.random.key(0), state.iters), (), 0, len(widths) + 1)
     running = ~state.done
     n = jnp.maximum(jnp.sum(running), 1).astype(jnp.float32)
-    p = agree_prob(state)
-    rate = jnp.stack([jnp.float32(MARGIN)] + [jnp.sum(jnp.where(running, tokens_per_wide_call(p, w), 0.0)) / n / c
-                                           for w, c in zip(widths, env.call_costs)])
+    p = agree_prob(state) * (1.0 - stop_chance(state))
+    left = jnp.maximum(env.max_new - verified(state), 1).astype(jnp.float32)
+    rate = jnp.stack([jnp.float32(MARGIN)] + [
+        jnp.sum(jnp.where(running, jnp.minimum(tokens_per_wide_call(p, w), left), 0.0)) / n / c
+        for w, c in zip(widths, env.call_costs)])
     cheapest = 1 + jnp.argmin(env.call_costs).astype(jnp.int32)
     best = jnp.argmax(rate).astype(jnp.int32)
     return jnp.where((best == 0) & (state.since_wide >= explore_every(env.call_costs)), cheapest, best)

@@ -85,6 +85,7 @@ class BatchDecoder:
         self.params, self.cfg, self.opts, self.mesh = params, cfg, opts, mesh
         self._compiled: dict = {}
         self.compile_s = 0.0
+        self.acceptance = None  # verify mode: the drafting policy's counts so far (each batch starts from them)
 
     def arrays(self, batch: list[Prompt]):
         B, P = self.opts.batch_size, prompt_width(self.cfg, self.opts, batch)
@@ -108,7 +109,8 @@ class BatchDecoder:
         ids, lens, keys, caps = self.arrays(batch)
         args, static = prepare_generate(self.params, self.cfg, ids, lens, o.spec, gamma=o.gamma,
                                         temperature=o.temperature, key=keys, row_max_new_tokens=caps, mesh=self.mesh,
-                                        check=False, **_mode(o.spec, mode))
+                                        check=False, acceptance=self.acceptance if mode == o.spec.mode else None,
+                                        **_mode(o.spec, mode))
         sig = (mode, ids.shape)
         if sig not in self._compiled:
             t = time.perf_counter()
@@ -117,6 +119,8 @@ class BatchDecoder:
         t = time.perf_counter()
         out = jax.block_until_ready(self._compiled[sig](*args))
         secs = time.perf_counter() - t
+        if mode == o.spec.mode:
+            self.acceptance = out.acceptance
         n = len(batch)
         res = {f: _host(getattr(out, f))[:n] for f in ("tokens", "lengths", "nfe", "stopped_by_eos", "accepted",
                                                         "drafts", "agreed")}

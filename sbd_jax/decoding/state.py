@@ -45,7 +45,8 @@ class LoopState(NamedTuple):
     accepted: Row             # [B, window + 1] per row: calls that decoded 0, 1, ... tokens (of the output)
     decoded_at: Row           # [B, K] SBD: the call (counted within the block) that decoded each position; K = not yet
     # verify mode (modes/verify.py, policy.py): drafts placed and drafts that stood; the drafting policy's
-    # decayed counts of checked drafts and of those that agreed, per row and over all rows; calls since the
+    # decayed counts of checked drafts and of those that agreed, per row and over all rows; EOS stops and tokens
+    # of the rows that left the batch (continuous batching) or came before it (`acceptance`); calls since the
     # batch's last drafting call
     proposed: Row             # [B]
     agreed: Row               # [B]
@@ -53,6 +54,8 @@ class LoopState(NamedTuple):
     hits: Row                 # [B] float32
     pool_trials: jax.Array    # scalar float32: the same counts over every row (a new row's prior)
     pool_hits: jax.Array      # scalar float32
+    pool_stops: jax.Array     # scalar float32
+    pool_tokens: jax.Array    # scalar float32
     since_wide: jax.Array     # scalar
 
 
@@ -63,6 +66,8 @@ def row_fields(cls=LoopState) -> tuple[str, ...]:
 
 
 ROW_FIELDS = row_fields()
+# verify mode's counts over all rows that a later call may start from (`GenerateOutput.acceptance`, policy.py)
+ACCEPTANCE = ("pool_hits", "pool_trials", "pool_stops", "pool_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +108,9 @@ def prompt_seq(prompt_ids, lengths, spec: DecodeSpec, env: DecodeEnv):
     return seq.at[:, :P].set(jnp.where(jnp.arange(P)[None] < lengths[:, None], prompt_ids, pad))
 
 
-def new_state(env: DecodeEnv, seq, P: int, done=None) -> LoopState:
-    """The loop carry before the first call: an empty cache of P + max_new_tokens slots per row."""
+def new_state(env: DecodeEnv, seq, P: int, done=None, acceptance=None) -> LoopState:
+    """The loop carry before the first call: an empty cache of P + max_new_tokens slots per row; `acceptance`
+    [4]: the drafting policy's counts to start from (the fields ACCEPTANCE; none by default)."""
     B, spec = seq.shape[0], env.spec
     zeros_B, false_B = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool)
     return LoopState(
@@ -126,8 +132,8 @@ def new_state(env: DecodeEnv, seq, P: int, done=None) -> LoopState:
         agreed=zeros_B,
         trials=jnp.zeros((B,), jnp.float32),
         hits=jnp.zeros((B,), jnp.float32),
-        pool_trials=jnp.float32(0.0),
-        pool_hits=jnp.float32(0.0),
+        **{f: jnp.float32(0.0) if acceptance is None else jnp.asarray(acceptance[i], jnp.float32)
+           for i, f in enumerate(ACCEPTANCE)},
         since_wide=jnp.int32(0))
 
 

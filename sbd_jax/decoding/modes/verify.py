@@ -10,7 +10,7 @@ starts at block_offset = cs + cl, all masked. Each call is one of these (policy.
     at cs + 1 .. cs + w: the drafts' agreeing prefix stands, and AR's next token either corrects the first wrong
     draft (the row restarts after it with nothing drafted) or, all standing, opens the block as its first token
     while the copy queries draft its other w - 1 positions at once (one call drafts a whole block: no call only
-    refines drafts). Drafts beyond a narrower call's reach wait for the next call.
+    refines drafts). A row holding more drafts than a narrower call checks keeps only those it checks.
   * AR (1-wide): the clean query at cs gives AR's token at cs + 1: it checks the next draft (agreeing, the window
     shrinks by one) or replaces it and what follows; a row with no draft left simply takes the token.
 Row stop: a verified EOS (a standing draft or AR's token) or the cap. Tokens are drawn by generated index
@@ -110,9 +110,21 @@ def counted(state: LoopState, ran, cache, wide: bool) -> LoopState:
                           wide=state.wide + int(wide), since_wide=0 if wide else state.since_wide + 1)
 
 
+def shorten(state: LoopState, env: DecodeEnv, w: int) -> LoopState:
+    """Rows holding more than w - 1 drafts keep the first w - 1: a w-wide call then checks all it holds and, if
+    they stand, drafts the next block (checking one more draft instead would leave the copy queries unused)."""
+    cut = ~state.done & (state.commit_len > w)
+    end = state.commit_start + w
+    return state._replace(commit_len=jnp.where(cut, w, state.commit_len),
+                          block_offset=jnp.where(cut, end, state.block_offset),
+                          masked=jnp.where(cut[:, None], block_mask(end, env), state.masked),
+                          proposed=state.proposed - jnp.where(cut, state.commit_len - w, 0))
+
+
 def wide_step(state: LoopState, env: DecodeEnv, w: int) -> LoopState:
-    """[commit CLEAN ; block COPY], w tokens each: check the waiting drafts (up to w of them), then draft w - 1
-    positions of the next block for rows whose drafts all stood."""
+    """[commit CLEAN ; block COPY], w tokens each: check the waiting drafts (the first w - 1, `shorten`), then
+    draft w - 1 positions of the next block for rows whose drafts all stood."""
+    state = shorten(state, env, w)
     j = jnp.arange(w, dtype=jnp.int32)[None]
     ran = ~state.done
     gen = state.commit_start[:, None] + j
