@@ -7,7 +7,8 @@
   1. A random model (the demo's shape) whose drafts fail: AR vs verify (adaptive policy, the default) vs verify
      with every call 2k-wide (`draft_policy="always"`) at batch 1 and 64; 64 new tokens, EOS ignored.
   2. The demo's SBD fine-tune on its held-out problems: its own AR (what verify reproduces), verify adaptive and
-     always-wide, at batch 1 and 100; also the NTP fine-tune's AR (the demo's baseline).
+     every call at one draft width (k, k/2, k/4: the fixed choices the policy picks among), at batch 1 and 100;
+     also the NTP fine-tune's AR (the demo's baseline).
   3. Continuous batching (16 and 100 slots) on the same problems: verify adaptive vs AR.
 Every decoder is timed `--rounds` times, interleaved; tokens/s from the median round. Tokens are checked equal to
 AR's on every row. Writes JSON and a markdown table (bench/results/adaptive_cpu.*).
@@ -38,9 +39,11 @@ K = 16
 
 
 def spec_of(kind: str, max_new: int, eos_ids=None) -> DecodeSpec:
+    """"ar"; "verify" (adaptive, k = K); "always" (every call 2k-wide) or "always<w>" (every call 2w-wide)."""
     if kind == "ar":
         return DecodeSpec(mode="ar", max_new_tokens=max_new, eos_ids=eos_ids)
-    return DecodeSpec(mode="sbd", verify=True, block_size=K, max_new_tokens=max_new, eos_ids=eos_ids,
+    return DecodeSpec(mode="sbd", verify=True, block_size=int(kind[6:] or K) if kind != "verify" else K,
+                      max_new_tokens=max_new, eos_ids=eos_ids,
                       draft_policy="adaptive" if kind == "verify" else "always")
 
 
@@ -107,7 +110,8 @@ def demo_model(args, log) -> list[dict]:
     for batch, n in ((1, args.latency_n), (100, None)):
         prompts, width = demo_problems(args, n)
         log(f"demo SBD model, batch {batch}, {len(prompts)} problems x {args.max_new} new tokens")
-        decs = batch_decoders(params, cfg, ("ar", "verify", "always"), batch, width, args.max_new)
+        decs = batch_decoders(params, cfg, ("ar", "verify", "always", "always8", "always4"), batch, width,
+                              args.max_new)
         decs["ntp_ar"] = batch_decoders(nparams, ncfg, ("ar",), batch, width, args.max_new)["ar"]
         out.append({"section": "demo", "batch": batch, **timed(decs, prompts, args.rounds, log)})
     return out

@@ -313,7 +313,7 @@ def _width_choice(spec: DecodeSpec, calls: int, trials, hits, pool, done, since_
         taus = []
         for b in run:
             pooled = np.float32((pool[1] + np.float32(0.5)) / (pool[0] + np.float32(1.0)))
-            p = np.float32((hits[b] + np.float32(4.0) * pooled) / (trials[b] + np.float32(4.0)))
+            p = np.float32((hits[b] + np.float32(16.0) * pooled) / (trials[b] + np.float32(16.0)))  # policy.PRIOR
             p = np.float32(p * (np.float32(1.0) - stops))
             powers = [np.float32(p ** i) for i in range(1, w)]
             q = powers[-1] if powers else np.float32(1.0)

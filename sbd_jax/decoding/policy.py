@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from .state import DecodeEnv, LoopState
 
 DECAY = 0.95  # weight of a row's earlier counts per draft it checks (a memory of about 20 drafts)
-PRIOR = 4.0  # weight, in drafts, of the rate over all rows in a row's estimate
+PRIOR = 16.0  # weight, in drafts (about a block), of the rate over all rows in a row's estimate
 POOL_DECAY = 0.9  # weight of the counts over all rows at each call that checks drafts
 EXPLORE_SHARE = 0.03  # the share of the run's cost spent on drafting calls the estimate did not ask for
 NEVER = 2 ** 30
