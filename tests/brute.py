@@ -180,7 +180,7 @@ EVENTS: set[str] = set()  # how rows of the last brute_force_verify call stopped
 
 
 def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None,
-                       *, gamma=0.35, temperature=0.0, key=None, row_max_new_tokens=None, acceptance=None,
+                       *, gamma=0.35, temperature=0.0, key=None, row_max_new_tokens=None, draft_memory=None,
                        **options) -> GenerateOutput:
     """The verify-mode oracle (SBD.md "Lossless mode"), no cache: every call recomputes [the known text as CLEAN
     tokens (the prompt, the verified tokens and the drafts waiting to be checked) ; the current block as COPY
@@ -202,20 +202,21 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
     proposed, agreed = np.zeros(B, np.int32), np.zeros(B, np.int32)
     trials, hits = np.zeros(B, np.float32), np.zeros(B, np.float32)
     pool = np.zeros(2, np.float32)                               # decayed (trials, hits) over all rows
-    start = np.zeros(4, np.float32) if acceptance is None else np.asarray(acceptance, np.float32)
+    start = np.zeros(5, np.float32) if draft_memory is None else np.asarray(draft_memory, np.float32)
     pool[:] = start[[1, 0]]
-    calls = wide_calls = since_wide = 0
+    calls = wide_calls = 0
+    since_wide = int(start[4])
     costs_w = np.asarray(costs.call_costs(params, cfg, spec, B, prompt_ids.shape[1] + max_new_tokens), np.float32)
     cols = np.broadcast_to(np.arange(W, dtype=np.int32), (B, W))
     while not done.all():
         verified = np.array([n_gen[b] if done[b] else todo[b][0] + 1 for b in range(B)], np.float32)
         stops = np.float32(start[2] + np.sum(stopped_eos & done)) / np.float32(max(start[3] + verified.sum(), 1.0))
-        w = k if calls == 0 else _width_choice(spec, calls, trials, hits, pool, done, since_wide, costs_w,
-                                               stops, np.maximum(cap - verified, 1))  # 0: AR
+        w = _width_choice(spec, calls, trials, hits, pool, done, since_wide, costs_w, stops,
+                          np.maximum(cap - verified, 1))  # 0: AR
         calls += 1
+        since_wide = 0 if w else since_wide + 1
         if calls > 1:
             wide_calls += w > 0
-            since_wide = 0 if w else since_wide + 1
             for b in np.flatnonzero(~done):
                 if w and todo[b][1] > w:                        # keep the drafts this call checks
                     proposed[b] -= todo[b][1] - w
@@ -245,15 +246,16 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
             while m < checkable and seq[b, L + first + 1 + m] == ar_all[b, L + first + m]:
                 m += 1
             agreed[b] += m
-            if checkable:
-                decay = np.float32(0.95) ** np.float32(m + (m < checkable))  # per draft checked
-                trials[b] = trials[b] * decay + np.float32(m + (m < checkable))
-                hits[b] = hits[b] * decay + np.float32(m)
-                call_n += m + (m < checkable)
-                call_a += m
-                any_checked = True
             stood = list(range(first + 1, first + m + 1))       # the drafts that stand (first itself stood before)
             hit = next((i for i in stood if int(seq[b, L + i]) in eos), None)
+            if checkable:  # the policy's counts: none past a standing EOS
+                good, bad = (m, int(m < checkable)) if hit is None else (hit - first, 0)
+                decay = np.float32(0.95) ** np.float32(good + bad)  # per draft checked
+                trials[b] = trials[b] * decay + np.float32(good + bad)
+                hits[b] = hits[b] * decay + np.float32(good)
+                call_n += good + bad
+                call_a += good
+                any_checked = True
             if hit is not None:
                 EVENTS.add("eos_in_prefix")
             if m == checkable and C < count:                    # every checked draft stood; the others wait
@@ -294,7 +296,7 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
     return GenerateOutput(jnp.asarray(out), jnp.asarray(n_gen), jnp.asarray(nfe), jnp.asarray(stopped_eos),
                           jnp.int32(calls), jnp.int32(wide_calls), jnp.asarray(accepted), jnp.asarray(proposed),
                           jnp.asarray(agreed), jnp.asarray([pool[1], pool[0], start[2] + np.sum(stopped_eos),
-                                                            start[3] + np.sum(n_gen)], jnp.float32), None)
+                                                            start[3] + np.sum(n_gen), since_wide], jnp.float32), None)
 
 
 def _width_choice(spec: DecodeSpec, calls: int, trials, hits, pool, done, since_wide, costs_w, stops, left) -> int:
@@ -320,6 +322,6 @@ def _width_choice(spec: DecodeSpec, calls: int, trials, hits, pool, done, since_
             taus.append(min((np.float32(2.0) + np.float32(sum(powers)) - q) / (np.float32(2.0) - q), np.float32(left[b])))
         rates.append(np.float32(sum(taus)) / np.float32(max(len(run), 1)) / c)
     best = int(np.argmax(rates))
-    if best == 0 and since_wide >= int(np.ceil(max(float(np.min(costs_w)) - 1.0, 0.0) / 0.03)):
+    if best == 0 and (since_wide >= int(np.ceil(max(float(np.min(costs_w)) - 1.0, 0.0) / 0.03)) or pool[0] == 0):
         best = 1 + int(np.argmin(costs_w))
     return 0 if best == 0 else widths[best - 1]

@@ -73,26 +73,26 @@ def test_verify_equals_ar_and_the_no_cache_verifier(params, prompts, eos, how, p
         assert "eos_as_correction" in seen[how], seen  # was AR's correction of a wrong draft
 
 
-def test_a_batch_starts_from_an_earlier_acceptance(params, prompts, eos):
-    """`acceptance` carries the policy's counts from one call to the next (the batch runner does): a batch told
-    that drafts always agreed drafts from its first calls, its tokens stay AR's and its calls the oracle's, and
-    the counts it returns add its EOS stops and tokens. (The grid's greedy adaptive k = 16 program.)"""
+def test_a_batch_starts_from_an_earlier_memory(params, prompts, eos):
+    """`draft_memory` carries what the policy learned from one call to the next (the batch runner does): a batch
+    told that drafts always agreed drafts from its first call, its tokens stay AR's and its calls the oracle's,
+    and the counts it returns add its EOS stops and tokens. (The grid's greedy adaptive k = 16 program.)"""
     kw = dict(key=jax.random.key(3), eos_ids=(eos,), temperature=0.0, **POLICIES["adaptive"])
     ar = outputs(_ar(params, prompts, key=kw["key"], eos_ids=(eos,)))
     cold = _verify(params, prompts, 16, **kw)
-    told = np.array([1e4, 1e4, 0.0, 1e6], np.float32)  # every draft agreed, no row stopped by EOS
-    warm = _verify(params, prompts, 16, acceptance=told, **kw)
+    told = np.array([1e4, 1e4, 0.0, 1e6, 0.0], np.float32)  # every draft agreed, no row stopped by EOS
+    warm = _verify(params, prompts, 16, draft_memory=told, **kw)
     ref = brute.brute_force_verify(params, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=16,
-                                   max_new_tokens=MAX_NEW, row_max_new_tokens=CAPS, acceptance=told, **kw)
+                                   max_new_tokens=MAX_NEW, row_max_new_tokens=CAPS, draft_memory=told, **kw)
     for f in warm._fields[:-1]:
         np.testing.assert_array_equal(np.asarray(getattr(warm, f)), np.asarray(getattr(ref, f)), err_msg=f)
     np.testing.assert_array_equal(np.asarray(warm.tokens), ar["tokens"])
     assert int(warm.wide_steps) > int(cold.wide_steps)
-    for out, start in ((cold, np.zeros(4)), (warm, told)):
-        np.testing.assert_allclose(np.asarray(out.acceptance)[2:], start[2:] + [ar["stopped_by_eos"].sum(),
-                                                                                 ar["lengths"].sum()])
-    with pytest.raises(DecodeError, match="acceptance must be an earlier GenerateOutput"):
-        _verify(params, prompts, 16, acceptance=np.zeros(2), **kw)
+    for out, start in ((cold, np.zeros(5)), (warm, told)):
+        np.testing.assert_allclose(np.asarray(out.draft_memory)[2:4], start[2:4] + [ar["stopped_by_eos"].sum(),
+                                                                                     ar["lengths"].sum()])
+    with pytest.raises(DecodeError, match="draft_memory must be an earlier GenerateOutput"):
+        _verify(params, prompts, 16, draft_memory=np.zeros(2), **kw)
 
 
 @pytest.fixture(scope="module")

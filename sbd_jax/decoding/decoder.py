@@ -43,7 +43,7 @@ from .checks import check_request
 from .loop import run_loop
 from .modes import mode_of
 from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
-from .state import ACCEPTANCE, DecodeEnv, LoopState, gather, make_env, new_state, prompt_seq
+from .state import DRAFT_MEMORY, DecodeEnv, LoopState, gather, make_env, new_state, prompt_seq
 
 
 class GenerateOutput(NamedTuple):
@@ -52,9 +52,9 @@ class GenerateOutput(NamedTuple):
     + 1; more than the largest NFE when rows waited for a commit quorum), wide_steps (SBD iterations that used
     the 2k commit window), accepted [B, window + 1]: per row, how many of its model calls decoded 0, 1, ...
     window tokens of the output (SBD: counted when their block ends; verify mode: when the call ends), drafts
-    [B] verify mode: drafts placed, agreed [B] of them those that stood (0 in the other modes), acceptance [4]
-    verify mode: the drafting policy's counts over all rows (drafts that agreed, drafts checked, EOS stops, tokens;
-    policy.py), for the next call's `acceptance`, cache (KVCache or None)."""
+    [B] verify mode: drafts placed, agreed [B] of them those that stood (0 in the other modes), draft_memory [5]
+    verify mode: what the drafting policy learned (policy.memory), for the next call's `draft_memory`, cache
+    (KVCache or None)."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -65,7 +65,7 @@ class GenerateOutput(NamedTuple):
     accepted: jax.Array
     drafts: jax.Array
     agreed: jax.Array
-    acceptance: jax.Array
+    draft_memory: jax.Array
     cache: KVCache | None = None
 
     @property
@@ -75,7 +75,7 @@ class GenerateOutput(NamedTuple):
 
 def generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None, *,
              gamma=DEFAULT_GAMMA, temperature=DEFAULT_TEMPERATURE, key=None, row_max_new_tokens=None, mesh=None,
-             acceptance=None, **options) -> GenerateOutput:
+             draft_memory=None, **options) -> GenerateOutput:
     """Decode a batch of right-padded prompts with SBD or next-token AR.
 
     params, cfg: the model (`init_params` / `from_pretrained`); params may be sharded
@@ -89,21 +89,22 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: D
     key: PRNG key (typed or raw), or one per row [B] (then a row's output does not depend on its
       batch). Default key 0. Unused when every temperature is 0.
     row_max_new_tokens [B] int: each row's own cap, <= the spec's `max_new_tokens` (the static cache size).
-    acceptance [4]: verify mode's drafting policy starts from these counts (an earlier output's `acceptance`, the
-      same model: a batch then drafts from the first call as the model's drafts earned), else from none.
+    draft_memory [5]: verify mode's drafting policy starts from what an earlier call learned (its output's
+      `draft_memory`, the same model: a batch then drafts from its first call as the model's drafts earned and
+      keeps its exploration schedule), else from nothing.
 
     Pure and static-shaped: works eagerly and inside a user's `jax.jit` (then gamma, temperature, keys
     and prompts may be traced).
     """
     args, static = prepare_generate(params, cfg, prompt_ids, prompt_lengths, spec, gamma=gamma,
                                     temperature=temperature, key=key, row_max_new_tokens=row_max_new_tokens,
-                                    mesh=mesh, acceptance=acceptance, **options)
+                                    mesh=mesh, draft_memory=draft_memory, **options)
     return generate_jit(*args, **static)
 
 
 def prepare_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None, *,
                      gamma=DEFAULT_GAMMA, temperature=DEFAULT_TEMPERATURE, key=None, row_max_new_tokens=None,
-                     mesh=None, check: bool = True, acceptance=None,
+                     mesh=None, check: bool = True, draft_memory=None,
                      **options) -> tuple[tuple, dict]:
     """Validate and normalise `generate`'s arguments -> `(args, static)` with
     `generate(...) == generate_jit(*args, **static)`. For ahead-of-time compilation:
@@ -115,9 +116,9 @@ def prepare_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths,
         check_request(cfg, spec, prompt_ids.shape, prompt_lengths=prompt_lengths, prompt_ids=prompt_ids,
                       gamma=gamma, temperature=temperature, row_max_new_tokens=row_max_new_tokens)
     B = prompt_ids.shape[0]
-    if acceptance is not None and jnp.shape(acceptance) != (len(ACCEPTANCE),):
-        raise DecodeError(f"acceptance must be an earlier GenerateOutput's `acceptance` (shape ({len(ACCEPTANCE)},)), "
-                          f"got shape {jnp.shape(acceptance)}")
+    if draft_memory is not None and jnp.shape(draft_memory) != (len(DRAFT_MEMORY),):
+        raise DecodeError(f"draft_memory must be an earlier GenerateOutput's `draft_memory` (shape "
+                          f"({len(DRAFT_MEMORY)},)), got shape {jnp.shape(draft_memory)}")
     keys = sampling.row_keys(jax.random.key(0) if key is None else key, B)
     args = (params, prompt_ids.astype(jnp.int32), jnp.asarray(prompt_lengths, jnp.int32),
             jnp.broadcast_to(jnp.asarray(gamma, jnp.float32), (B,)),
@@ -125,18 +126,19 @@ def prepare_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths,
             jnp.broadcast_to(jnp.asarray(spec.max_new_tokens if row_max_new_tokens is None else row_max_new_tokens,
                                          jnp.int32), (B,)),
             jnp.asarray(costs.call_costs(params, cfg, spec, B, prompt_ids.shape[1] + spec.max_new_tokens), jnp.float32),
-            jnp.zeros((len(ACCEPTANCE),), jnp.float32) if acceptance is None else jnp.asarray(acceptance, jnp.float32))
+            jnp.zeros((len(DRAFT_MEMORY),), jnp.float32) if draft_memory is None
+            else jnp.asarray(draft_memory, jnp.float32))
     return args, {"cfg": cfg, "spec": spec, "mesh": mesh}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"))
-def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, max_new_B, call_costs=None, acceptance=None,
-                 *, cfg: ModelConfig, spec: DecodeSpec, mesh=None) -> GenerateOutput:
+def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, max_new_B, call_costs=None,
+                 draft_memory=None, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None) -> GenerateOutput:
     with mesh_context(mesh):  # ambient while tracing: attention_impl="pallas" then runs per shard
         P = prompt_ids.shape[1]
         mode = mode_of(spec)
         env = make_env(params, cfg, spec, lengths, max_new_B, gamma_B, temp_B, keys_B, mesh, call_costs)
-        state = new_state(env, prompt_seq(prompt_ids, lengths, spec, env), P, acceptance=acceptance)
+        state = new_state(env, prompt_seq(prompt_ids, lengths, spec, env), P, draft_memory=draft_memory)
         state = mode.first(state, env, prompt_ids)
         state = run_loop(state, env, mode.step)
         cache = mode.finalize(state, env) if spec.finalize_cache else state.cache
@@ -151,6 +153,6 @@ def output(state: LoopState, env: DecodeEnv, cache=None) -> GenerateOutput:
     return GenerateOutput(tokens=out, lengths=state.n_generated, nfe=state.nfe, stopped_by_eos=state.eos,
                           iterations=state.iters, wide_steps=state.wide, accepted=state.accepted,
                           drafts=state.proposed, agreed=state.agreed,
-                          acceptance=policy.acceptance(state), cache=cache)
+                          draft_memory=policy.memory(state), cache=cache)
 
 

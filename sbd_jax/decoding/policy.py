@@ -7,7 +7,8 @@ only sets how many calls, and of which width, a row takes.
   * Per row: the decayed counts of checked drafts (`trials`) and of those that agreed (`hits`) give p, the chance
     that a draft agrees given the drafts before it did, with a prior of weight PRIOR at the rate over all rows (so a
     row admitted by continuous batching, or the first row of a batch that started from an earlier output's
-    `acceptance`, starts from what the model's drafts did for the others).
+    `draft_memory`, starts from what the model's drafts did for the others). A check's drafts after a standing EOS
+    are not counted (the row ends there).
   * A token is useful only up to the row's end: h, the chance that a verified token is an EOS (EOS stops over
     tokens, over the finished rows and those before them), makes a draft useful with chance p (1 - h), and no row
     makes more tokens per call than it has left before its cap.
@@ -17,9 +18,11 @@ only sets how many calls, and of which width, a row takes.
   * The call that makes the most tokens per unit of time: AR gives 1 per running row at cost 1 (counted as
     MARGIN: drafting must promise a clear gain); width w gives the running rows' mean tau_w at `call_costs[w]`
     (what a 2w-wide call's loop step costs in AR steps at this batch on this device, costs.py).
-    Every (c - 1) / EXPLORE_SHARE calls without drafting (c: the cheapest width's cost), the
-    cheapest width drafts anyway, so rows whose drafts start to agree are noticed at a bounded cost (the AR calls
-    after it check those drafts for nothing).
+    Every (c - 1) / EXPLORE_SHARE calls without drafting (c: the cheapest width's cost), and while no draft was
+    ever checked (a batch that started without `draft_memory`), the cheapest width drafts anyway, so rows whose
+    drafts start to agree are noticed at a bounded cost (the AR calls after it check those drafts for nothing).
+  * The first call chooses too: its copy queries (the first block's drafts) are as wide as the chosen width, none
+    for an AR call (a prompt-wide call is compute-bound, and k copy tokens per row add to it).
 """
 from __future__ import annotations
 
@@ -56,11 +59,12 @@ def stop_chance(state: LoopState):
     return stops / jnp.maximum(state.pool_tokens + jnp.sum(verified(state)), 1.0)
 
 
-def acceptance(state: LoopState):
-    """[4] the counts (state.ACCEPTANCE) a later call may start from: this batch's rows folded in."""
+def memory(state: LoopState):
+    """[5] what a later call may start from (the fields state.DRAFT_MEMORY; this batch's rows folded in)."""
     done = state.done
     return jnp.stack([state.pool_hits, state.pool_trials, state.pool_stops + jnp.sum(state.eos & done),
-                      state.pool_tokens + jnp.sum(jnp.where(done, state.n_generated, 0))]).astype(jnp.float32)
+                      state.pool_tokens + jnp.sum(jnp.where(done, state.n_generated, 0)),
+                      state.since_wide]).astype(jnp.float32)
 
 
 def fold_rows(state: LoopState, slots) -> LoopState:
@@ -119,4 +123,6 @@ def choose(state: LoopState, env: DecodeEnv):
         for w, c in zip(widths, env.call_costs)])
     cheapest = 1 + jnp.argmin(env.call_costs).astype(jnp.int32)
     best = jnp.argmax(rate).astype(jnp.int32)
-    return jnp.where((best == 0) & (state.since_wide >= explore_every(env.call_costs)), cheapest, best)
+    # explore: after (c - 1) / EXPLORE_SHARE calls without drafting, or while no draft was ever checked
+    explore = (state.since_wide >= explore_every(env.call_costs)) | (state.pool_trials == 0)
+    return jnp.where((best == 0) & explore, cheapest, best)

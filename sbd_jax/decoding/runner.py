@@ -85,7 +85,7 @@ class BatchDecoder:
         self.params, self.cfg, self.opts, self.mesh = params, cfg, opts, mesh
         self._compiled: dict = {}
         self.compile_s = 0.0
-        self.acceptance = None  # verify mode: the drafting policy's counts so far (each batch starts from them)
+        self.draft_memory = None  # verify mode: what the drafting policy learned so far (each batch starts from it)
 
     def arrays(self, batch: list[Prompt]):
         B, P = self.opts.batch_size, prompt_width(self.cfg, self.opts, batch)
@@ -109,7 +109,7 @@ class BatchDecoder:
         ids, lens, keys, caps = self.arrays(batch)
         args, static = prepare_generate(self.params, self.cfg, ids, lens, o.spec, gamma=o.gamma,
                                         temperature=o.temperature, key=keys, row_max_new_tokens=caps, mesh=self.mesh,
-                                        check=False, acceptance=self.acceptance if mode == o.spec.mode else None,
+                                        check=False, draft_memory=self.draft_memory if mode == o.spec.mode else None,
                                         **_mode(o.spec, mode))
         sig = (mode, ids.shape)
         if sig not in self._compiled:
@@ -120,7 +120,7 @@ class BatchDecoder:
         out = jax.block_until_ready(self._compiled[sig](*args))
         secs = time.perf_counter() - t
         if mode == o.spec.mode:
-            self.acceptance = out.acceptance
+            self.draft_memory = out.draft_memory
         n = len(batch)
         res = {f: _host(getattr(out, f))[:n] for f in ("tokens", "lengths", "nfe", "stopped_by_eos", "accepted",
                                                         "drafts", "agreed")}

@@ -46,8 +46,8 @@ class LoopState(NamedTuple):
     decoded_at: Row           # [B, K] SBD: the call (counted within the block) that decoded each position; K = not yet
     # verify mode (modes/verify.py, policy.py): drafts placed and drafts that stood; the drafting policy's
     # decayed counts of checked drafts and of those that agreed, per row and over all rows; EOS stops and tokens
-    # of the rows that left the batch (continuous batching) or came before it (`acceptance`); calls since the
-    # batch's last drafting call
+    # of the rows that left the batch (continuous batching) or came before it (`draft_memory`); calls since the
+    # last drafting call
     proposed: Row             # [B]
     agreed: Row               # [B]
     trials: Row               # [B] float32
@@ -66,8 +66,8 @@ def row_fields(cls=LoopState) -> tuple[str, ...]:
 
 
 ROW_FIELDS = row_fields()
-# verify mode's counts over all rows that a later call may start from (`GenerateOutput.acceptance`, policy.py)
-ACCEPTANCE = ("pool_hits", "pool_trials", "pool_stops", "pool_tokens")
+# what verify mode's drafting policy learned, which a later call may start from (`GenerateOutput.draft_memory`)
+DRAFT_MEMORY = ("pool_hits", "pool_trials", "pool_stops", "pool_tokens", "since_wide")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,12 +108,12 @@ def prompt_seq(prompt_ids, lengths, spec: DecodeSpec, env: DecodeEnv):
     return seq.at[:, :P].set(jnp.where(jnp.arange(P)[None] < lengths[:, None], prompt_ids, pad))
 
 
-def new_state(env: DecodeEnv, seq, P: int, done=None, acceptance=None) -> LoopState:
-    """The loop carry before the first call: an empty cache of P + max_new_tokens slots per row; `acceptance`
-    [4]: the drafting policy's counts to start from (the fields ACCEPTANCE; none by default)."""
+def new_state(env: DecodeEnv, seq, P: int, done=None, draft_memory=None) -> LoopState:
+    """The loop carry before the first call: an empty cache of P + max_new_tokens slots per row; `draft_memory`
+    [5]: the values of the fields DRAFT_MEMORY to start from (zeros by default)."""
     B, spec = seq.shape[0], env.spec
     zeros_B, false_B = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool)
-    return LoopState(
+    state = LoopState(
         seq=env.constrain(seq),
         cache=env.constrain(init_cache(env.cfg, B, P + spec.max_new_tokens)),
         block_offset=zeros_B,
@@ -132,9 +132,15 @@ def new_state(env: DecodeEnv, seq, P: int, done=None, acceptance=None) -> LoopSt
         agreed=zeros_B,
         trials=jnp.zeros((B,), jnp.float32),
         hits=jnp.zeros((B,), jnp.float32),
-        **{f: jnp.float32(0.0) if acceptance is None else jnp.asarray(acceptance[i], jnp.float32)
-           for i, f in enumerate(ACCEPTANCE)},
+        pool_hits=jnp.float32(0.0),
+        pool_trials=jnp.float32(0.0),
+        pool_stops=jnp.float32(0.0),
+        pool_tokens=jnp.float32(0.0),
         since_wide=jnp.int32(0))
+    if draft_memory is None:
+        return state
+    return state._replace(**{f: jnp.asarray(draft_memory[i]).astype(getattr(state, f).dtype)
+                             for i, f in enumerate(DRAFT_MEMORY)})
 
 
 def constrainer(cfg, mesh, B):

@@ -41,13 +41,22 @@ def first_call(state: LoopState, env: DecodeEnv, prompt_ids):
     """NFE 1's model call: [prompt CLEAN ; first block COPY] (a long prompt's earlier pieces prefilled first).
     -> (state, the copy block's logits, hidden states h, cache, first prompt column of h, the hidden state at
     each row's last prompt token where a prefilled piece held it)."""
-    P = prompt_ids.shape[1]
     state, start, h_last = prefill(state, env, prompt_ids)
-    ctok, cmeta = copy_window(state, env)
-    tokens = jnp.concatenate([prompt_ids[:, start:], ctok], axis=1)
-    h, cache = forward(env.params, env.cfg, tokens, concat_meta(prompt_meta(env.lengths, start, P - start), cmeta),
-                       state.cache, return_hidden=True)
-    return state, lm_head(env.params, env.cfg, h[:, P - start:]), h, env.constrain(cache), start, h_last
+    logits, h, cache = first_forward(state, env, prompt_ids, start, env.spec.block_size)
+    return state, logits, h, cache, start, h_last
+
+
+def first_forward(state: LoopState, env: DecodeEnv, prompt_ids, start: int, width: int):
+    """[the prompt's last piece (columns start..) CLEAN ; the first block's first `width` positions COPY] ->
+    (the copy positions' logits, None when width is 0; hidden states h; cache)."""
+    P = prompt_ids.shape[1]
+    tokens, meta = prompt_ids[:, start:], prompt_meta(env.lengths, start, P - start)
+    if width:
+        ctok, cmeta = copy_window(state, env)
+        tokens = jnp.concatenate([tokens, ctok[:, :width]], axis=1)
+        meta = concat_meta(meta, jax.tree.map(lambda x: x[:, :width], cmeta))
+    h, cache = forward(env.params, env.cfg, tokens, meta, state.cache, return_hidden=True)
+    return (lm_head(env.params, env.cfg, h[:, P - start:]) if width else None), h, env.constrain(cache)
 
 
 def quorum(state: LoopState, env: DecodeEnv):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from ...attention import clean_meta, concat_meta
 from ...models.transformer import KVCache, forward, lm_head
 from .. import policy, sampling
-from ..prefill import last_prompt_hidden
+from ..prefill import last_prompt_hidden, prefill
 from ..state import DecodeEnv, LoopState, gather, tally
 from . import ar, sbd
 from .base import Mode, finalize_at, last_token_positions
@@ -82,7 +82,8 @@ def check(state: LoopState, env: DecodeEnv, ar_BC) -> tuple[LoopState, jax.Array
         commit_start=jnp.where(moved, cs + m, cs), commit_len=jnp.where(moved, cl - m, cl),
         agreed=state.agreed + jnp.where(running, m, 0),
         accepted=tally(state.accepted, jnp.minimum(verified - cs - 1, state.accepted.shape[1] - 1), running))
-    state = policy.update_counts(state, running & (n_chk > 0), m, rejected.astype(jnp.int32))
+    counted = jnp.where(in_drafts, jnp.argmax(eos_draft, axis=1).astype(jnp.int32) + 1, m)  # none past an EOS
+    state = policy.update_counts(state, running & (n_chk > 0), counted, (rejected & ~in_drafts).astype(jnp.int32))
     return restart(state, rejected & ~finished, g, env), put & ~rejected & ~finished
 
 
@@ -187,17 +188,28 @@ def admit(state: LoopState, env: DecodeEnv) -> LoopState:
 
 
 def first(state: LoopState, env: DecodeEnv, prompt_ids) -> LoopState:
-    """NFE 1: [prompt CLEAN ; first block COPY]; AR's first token (from the last prompt token's query) opens the
-    first block, whose other positions the copy queries draft."""
+    """NFE 1: [prompt CLEAN ; first block COPY, w positions], w the policy's first choice (0: no copy queries, an
+    AR call): AR's first token (from the last prompt token's query) opens the first block, whose other w - 1
+    positions the copy queries draft."""
     P = prompt_ids.shape[1]
     ran = ~state.done
-    state, logits, h, cache, start, h_last = sbd.first_call(state, env, prompt_ids)
-    last = last_prompt_hidden(h, env.lengths, start, P, h_last)
-    tok = sampling.sample(lm_head(env.params, env.cfg, last), env.keys, jnp.zeros_like(env.lengths)[:, None],
-                          env.temp, top_k=env.spec.top_k, top_p=env.spec.top_p)
-    state, opened = check(admit(state, env), env, tok)
-    state = open_block(state, env, logits, opened)
-    return state._replace(cache=cache, nfe=state.nfe + ran.astype(jnp.int32), iters=state.iters + 1)
+    state, start, h_last = prefill(state, env, prompt_ids)
+    state = admit(state, env)
+    with jax.named_scope("draft_policy"):
+        kind = policy.choose(state, env)
+
+    def call(state, w):
+        logits, h, cache = sbd.first_forward(state, env, prompt_ids, start, w)
+        last = last_prompt_hidden(h, env.lengths, start, P, h_last)
+        tok = sampling.sample(lm_head(env.params, env.cfg, last), env.keys, jnp.zeros_like(env.lengths)[:, None],
+                              env.temp, top_k=env.spec.top_k, top_p=env.spec.top_p)
+        state, opened = check(state, env, tok)
+        state = open_block(state, env, logits, opened) if w else restart(state, opened, state.block_offset, env)
+        return state._replace(cache=cache)
+
+    state = jax.lax.switch(kind, [lambda s, w=w: call(s, w) for w in (0,) + env.spec.draft_widths], state)
+    return state._replace(nfe=state.nfe + ran.astype(jnp.int32), iters=state.iters + 1,
+                          since_wide=jnp.where(kind > 0, 0, state.since_wide + 1))
 
 
 def finalize(state: LoopState, env: DecodeEnv) -> KVCache:
