@@ -124,16 +124,18 @@ def continuous(args, log) -> list[dict]:
     for slots in (16, 100):
         log(f"continuous batching, {slots} slots, {len(prompts)} problems")
         row = {"section": "continuous", "batch": slots}
-        for kind in ("ar", "verify"):
-            opts = DecodeOptions(spec=spec_of(kind, args.max_new), batch_size=slots, pad_multiple=width,
-                                 continuous=True)
-            secs = []
-            for _ in range(args.rounds):
-                s = decode_prompts(params, cfg, prompts, opts)
-                secs.append(s["seconds"])
-            s["seconds"] = statistics.median(secs)
+        kinds = ("ar", "verify")
+        opts = {k: DecodeOptions(spec=spec_of(k, args.max_new), batch_size=slots, pad_multiple=width, continuous=True)
+                for k in kinds}
+        secs = {k: [] for k in kinds}
+        for _ in range(args.rounds):  # interleaved, as `timed`
+            for kind in kinds:
+                row[kind] = decode_prompts(params, cfg, prompts, opts[kind])
+                secs[kind].append(row[kind]["seconds"])
+        for kind in kinds:
+            s = row[kind]
+            s["seconds"] = statistics.median(secs[kind])
             s["tokens_per_s"] = s["tokens"] / s["seconds"]
-            row[kind] = s
             log(f"  {kind:28s} {s['tokens_per_s']:9.1f} tok/s  tokens/forward {s['tokens_per_forward']:.2f}")
         out.append(row)
     return out
@@ -158,15 +160,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--demo", default="results", help="the demo's out_dir (ft_sbd, ft_ntp, data)")
     ap.add_argument("--skip-demo", action="store_true")
+    ap.add_argument("--sections", default="random,demo,continuous", help="which sections to run (comma-separated)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--latency-n", type=int, default=30)
     ap.add_argument("--max-new", type=int, default=48)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "adaptive_cpu"))
     args = ap.parse_args()
     t0 = time.time()
-    results = random_model(args, print)
-    if not args.skip_demo:
-        results += demo_model(args, print) + continuous(args, print)
+    sections = set(args.sections.split(",")) - ({"demo", "continuous"} if args.skip_demo else set())
+    results = [r for name, run in (("random", random_model), ("demo", demo_model), ("continuous", continuous))
+               if name in sections for r in run(args, print)]
     measured = {f"widths={k[1]} batch={k[3]} cache={k[4]}": [round(c, 2) for c in v] for k, v in costs.MEASURED.items()}
     print("measured wide_cost (2k-wide call / 1-wide call):", measured)
     Path(args.out + ".json").write_text(json.dumps({"results": results, "wide_cost": measured,

@@ -5,6 +5,7 @@ process and shape on zero weights of the model's shapes (timing needs no real we
 user's `jax.jit` traces `generate`); a spec's `wide_cost` skips it."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -40,26 +41,33 @@ def call_costs(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len
 
 def measure(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: int) -> tuple[float, ...]:
     """Each width's loop-step time over the AR step's, fastest of ROUNDS (`loop_seconds`; zero weights of
-    `params`' shapes, greedy, every row mid-way through its cache)."""
+    `params`' shapes, greedy, every row mid-way through its cache). A width's step is verify mode's own loop step
+    (the policy's choice, the switch between call kinds, the call) with costs that make the policy choose it."""
     with jax.ensure_compile_time_eval():
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), params)
         P = max(cache_len - spec.max_new_tokens, 1)
         lengths = jnp.full((batch,), max(P // 2, 1), jnp.int32)
-        env = make_env(zeros, cfg, spec, lengths, jnp.full((batch,), spec.max_new_tokens, jnp.int32),
+        env = make_env(zeros, cfg, spec, lengths, jnp.full((batch,), 1 << 30, jnp.int32),  # rows never end
                        jnp.zeros((batch,)), jnp.zeros((batch,)), jax.random.split(jax.random.key(0), batch), None)
         state = verify.admit(new_state(env, prompt_seq(jnp.zeros((batch, P), jnp.int32), lengths, spec, env), P), env)
-        wide = [lambda s, w=w: verify.wide_step(s, env, w) for w in spec.draft_widths]
-        # as the loop runs them: AR calls back to back (verify's AR runs), each wide call behind a switch
-        runs = [lambda s, i: ar.step(s, env)] + [lambda s, i: jax.lax.switch(i, wide, s)] * len(wide)
-        seconds = loop_seconds(runs, state)
+        widths = jnp.arange(len(spec.draft_widths))
+
+        def wide(s, i):  # the loop's step, its policy made to choose width i
+            return verify.step(s, dataclasses.replace(env, call_costs=jnp.where(widths == i, 1e-3, 1e9)))
+
+        seconds = loop_seconds([lambda s, i: ar.step(s, env)] + [wide] * len(spec.draft_widths), state)
         return tuple(t / seconds[0] for t in seconds[1:])
 
 
 def loop_seconds(runs, state) -> list[float]:
     """Seconds per step of `runs[i](state, i - 1)` run CALLS times in one compiled loop: the fastest of ROUNDS
     rounds, the runs interleaved (a busy spell of a shared machine then hits them alike)."""
-    progs = [jax.jit(lambda s, i, r=r: jax.lax.fori_loop(0, CALLS, lambda _, x: r(x, i), s)).lower(
-        state, jnp.int32(0)).compile() for r in runs]
+    compiled = {}  # one program per distinct run
+    for r in runs:
+        if r not in compiled:
+            compiled[r] = jax.jit(lambda s, i, r=r: jax.lax.fori_loop(0, CALLS, lambda _, x: r(x, i), s)).lower(
+                state, jnp.int32(0)).compile()
+    progs = [compiled[r] for r in runs]
     for n, prog in enumerate(progs):
         jax.block_until_ready(prog(state, jnp.int32(max(n - 1, 0))))
     best = [float("inf")] * len(progs)
