@@ -82,8 +82,8 @@ def check(state: LoopState, env: DecodeEnv, ar_BC) -> tuple[LoopState, jax.Array
         commit_start=jnp.where(moved, cs + m, cs), commit_len=jnp.where(moved, cl - m, cl),
         agreed=state.agreed + jnp.where(running, m, 0),
         accepted=tally(state.accepted, jnp.minimum(verified - cs - 1, state.accepted.shape[1] - 1), running))
-    counted = jnp.where(in_drafts, jnp.argmax(eos_draft, axis=1).astype(jnp.int32) + 1, m)  # none past an EOS
-    state = policy.update_counts(state, running & (n_chk > 0), counted, (rejected & ~in_drafts).astype(jnp.int32))
+    stood = jnp.where(in_drafts, jnp.argmax(eos_draft, axis=1).astype(jnp.int32) + 1, m)  # none past an EOS
+    state = policy.update_counts(state, running & (n_chk > 0), stood, (rejected & ~in_drafts).astype(jnp.int32))
     return restart(state, rejected & ~finished, g, env), put & ~rejected & ~finished
 
 
