@@ -40,7 +40,7 @@ from .modes import mode_of
 from .prefill import write_prompt
 from .results import RowResult, row_result
 from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
-from .state import ROW_FIELDS, LoopState, make_env, new_state, prompt_seq
+from .state import DRAFT_MEMORY, ROW_FIELDS, LoopState, make_env, new_state, prompt_seq
 
 
 class SlotRows(NamedTuple):
@@ -174,7 +174,7 @@ class ContinuousDecoder:
 
     def __init__(self, params, cfg: ModelConfig, spec: DecodeSpec, *, slots: int, prompt_width: int,
                  gamma=DEFAULT_GAMMA, temperature=DEFAULT_TEMPERATURE, mesh=None, admit_rows: int = 16,
-                 programs: ProgramCache | None = None):
+                 programs: ProgramCache | None = None, draft_memory=None):
         if admit_rows < 1:
             raise DecodeError(f"admit_rows must be >= 1, got {admit_rows}")
         if spec.finalize_cache or spec.return_cache:
@@ -190,6 +190,9 @@ class ContinuousDecoder:
         self._layout = tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in jax.tree.leaves(params))
         self.call_costs = np.asarray(costs.call_costs(params, cfg, spec, slots, prompt_width + spec.max_new_tokens),
                                      np.float32)
+        # verify mode: what the drafting policy learned (`GenerateOutput.draft_memory`); `init` starts from it,
+        # `decode` leaves what it learned here
+        self.draft_memory = draft_memory
 
     def _program(self, name: str, fn, *args, **static):
         """`fn` compiled ahead of time (its compile time kept apart from decoding time), once per program cache
@@ -202,8 +205,12 @@ class ContinuousDecoder:
         return self._programs[name]
 
     def init(self) -> Slots:
-        """Every slot idle."""
-        return Slots(*self._program("empty", empty_slots, self.params, slots=self.slots, width=self.width)(self.params))
+        """Every slot idle (the drafting policy starting from `draft_memory`)."""
+        state, rows = self._program("empty", empty_slots, self.params, slots=self.slots, width=self.width)(self.params)
+        if self.draft_memory is not None:
+            state = state._replace(**{f: np.asarray(self.draft_memory[i], np.asarray(getattr(state, f)).dtype)
+                                      for i, f in enumerate(DRAFT_MEMORY)})
+        return Slots(state, rows)
 
     def admit(self, slots: Slots, entries: list[tuple[int, Request]]) -> Slots:
         """Start each request in its (free) slot, `admit_rows` prompts per admission call."""
@@ -263,6 +270,8 @@ class ContinuousDecoder:
             slots = self.step(slots, waiting is not None)
             for b, result in self.harvest(slots, list(owner)):
                 yield owner.pop(b), result
+        if self.spec.verify:
+            self.draft_memory = np.asarray(jax.device_get(policy.memory(slots.state)))
 
 
 def decode_stream(params, cfg: ModelConfig, prompts: Iterable, spec: DecodeSpec, *, slots: int, prompt_width: int,

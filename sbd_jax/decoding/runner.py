@@ -81,11 +81,11 @@ def prompt_width(cfg: ModelConfig, opts: DecodeOptions, prompts: list[Prompt]) -
 class BatchDecoder:
     """Decodes fixed-shape batches with one compiled program per (mode, prompt width)."""
 
-    def __init__(self, params, cfg: ModelConfig, opts: DecodeOptions, mesh=None):
+    def __init__(self, params, cfg: ModelConfig, opts: DecodeOptions, mesh=None, draft_memory=None):
         self.params, self.cfg, self.opts, self.mesh = params, cfg, opts, mesh
         self._compiled: dict = {}
         self.compile_s = 0.0
-        self.draft_memory = None  # verify mode: what the drafting policy learned so far (each batch starts from it)
+        self.draft_memory = draft_memory  # verify mode: what the drafting policy learned (each batch starts from it)
 
     def arrays(self, batch: list[Prompt]):
         B, P = self.opts.batch_size, prompt_width(self.cfg, self.opts, batch)
@@ -154,6 +154,8 @@ class BatchDecoder:
                     progress.update(1)
         summary = dict(mode=opts.spec.mode, verify=opts.spec.verify, **main.as_dict(opts.spec),
                        compile_seconds=round(self.compile_s, 3))
+        if opts.spec.verify and self.draft_memory is not None:
+            summary["draft_memory"] = [float(x) for x in _host(self.draft_memory)]
         if with_ar:
             _compare(summary, ar, differ)
         return summary
@@ -229,20 +231,22 @@ class Totals:
 
 
 def decode_prompts(params, cfg: ModelConfig, prompts: list[Prompt], opts: DecodeOptions, *, mesh=None,
-                   on_row: Callable[[Prompt, dict], None] = lambda p, r: None, progress=None, checked: bool = False) -> dict:
+                   on_row: Callable[[Prompt, dict], None] = lambda p, r: None, progress=None, checked: bool = False,
+                   draft_memory=None) -> dict:
     """Decode `prompts` (batched, bucketed); call `on_row(prompt, result)` for every finished row;
     return the summary (see `BatchDecoder.decode`). `checked`: the caller has run `check_model` and
-    `check_prompts` (decode.py does, before and after reading the prompts)."""
+    `check_prompts` (decode.py does, before and after reading the prompts). `draft_memory`: verify mode's
+    drafting policy starts from it (an earlier summary's "draft_memory"; the summary has the run's)."""
     if not checked:
         check_model(cfg, opts.spec)
         check_prompts(cfg, opts, prompts)
     if opts.continuous:
-        return _decode_continuous(params, cfg, prompts, opts, mesh, on_row, progress)
-    return BatchDecoder(params, cfg, opts, mesh).decode(prompts, on_row, progress)
+        return _decode_continuous(params, cfg, prompts, opts, mesh, on_row, progress, draft_memory)
+    return BatchDecoder(params, cfg, opts, mesh, draft_memory).decode(prompts, on_row, progress)
 
 
 def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: DecodeOptions, mesh, on_row,
-                       progress) -> dict:
+                       progress, draft_memory=None) -> dict:
     """`decode_prompts` with `opts.batch_size` continuous slots; with compare_ar, AR then runs the same prompts
     on the same slots and each row is handed out once both are done."""
     from .continuous import ContinuousDecoder, Request
@@ -255,7 +259,8 @@ def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: De
     totals, results, compile_s, differ = {}, {}, 0.0, []
     for mode in modes:
         dec = ContinuousDecoder(params, cfg, dataclasses.replace(opts.spec, **_mode(opts.spec, mode)), slots=opts.batch_size,
-                                prompt_width=width, gamma=opts.gamma, temperature=opts.temperature, mesh=mesh)
+                                prompt_width=width, gamma=opts.gamma, temperature=opts.temperature, mesh=mesh,
+                                draft_memory=draft_memory if mode == modes[0] else None)
         totals[mode] = t = Totals()
         start = time.perf_counter()
         for i, row in dec.decode(reqs):
@@ -275,9 +280,13 @@ def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: De
         t.seconds = time.perf_counter() - start - dec.compile_s
         t.calls = dec.calls
         compile_s += dec.compile_s
+        if mode == modes[0] and dec.draft_memory is not None:
+            draft_memory = dec.draft_memory
     main = totals[modes[0]]
     summary = dict(mode=opts.spec.mode, verify=opts.spec.verify, **main.as_dict(opts.spec), compile_seconds=round(compile_s, 3),
                    continuous=True)
+    if opts.spec.verify and draft_memory is not None:
+        summary["draft_memory"] = [float(x) for x in np.asarray(draft_memory)]
     if len(modes) > 1:
         _compare(summary, totals["ar"], differ)
     return summary

@@ -43,6 +43,7 @@ class Sampler:
                  mesh=None):
         self.params, self.cfg, self.tokenizer, self.mesh = params, cfg, tokenizer, mesh
         self.eos_ids = tuple(eos_ids)
+        self.draft_memory = None  # verify mode's drafting policy: what it learned in earlier calls
 
     @classmethod
     def load(cls, model_dir, *, dtype: str | None = None, mesh=None, adapter=None) -> Sampler:
@@ -116,8 +117,10 @@ class Sampler:
                 if row is not None and (text := self.text(row["tokens"])) is not None:
                     row["text"] = text
             on_row(p, r)
-        return decode_prompts(self.params, self.cfg, prompts, opts, mesh=self.mesh, on_row=with_text,
-                              progress=progress, checked=True)
+        summary = decode_prompts(self.params, self.cfg, prompts, opts, mesh=self.mesh, on_row=with_text,
+                                 progress=progress, checked=True, draft_memory=self.draft_memory)
+        self.draft_memory = summary.get("draft_memory", self.draft_memory)
+        return summary
 
     def __call__(self, inputs: Sequence, *, chat: bool = False, **options) -> list[RowResult]:
         """Complete every input (see `prompts`); `options` as in `options` (SBD by default, mode="ar" for the
