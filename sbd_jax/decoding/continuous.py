@@ -40,7 +40,7 @@ from .modes import mode_of
 from .prefill import write_prompt
 from .results import RowResult, row_result
 from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
-from .state import DRAFT_MEMORY, ROW_FIELDS, LoopState, make_env, new_state, prompt_seq
+from .state import ROW_FIELDS, LoopState, make_env, new_state, prompt_seq, with_memory
 
 
 class SlotRows(NamedTuple):
@@ -207,10 +207,7 @@ class ContinuousDecoder:
     def init(self) -> Slots:
         """Every slot idle (the drafting policy starting from `draft_memory`)."""
         state, rows = self._program("empty", empty_slots, self.params, slots=self.slots, width=self.width)(self.params)
-        if self.draft_memory is not None:
-            state = state._replace(**{f: np.asarray(self.draft_memory[i], np.asarray(getattr(state, f)).dtype)
-                                      for i, f in enumerate(DRAFT_MEMORY)})
-        return Slots(state, rows)
+        return Slots(state if self.draft_memory is None else with_memory(state, np.asarray(self.draft_memory)), rows)
 
     def admit(self, slots: Slots, entries: list[tuple[int, Request]]) -> Slots:
         """Start each request in its (free) slot, `admit_rows` prompts per admission call."""

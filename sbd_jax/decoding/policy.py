@@ -52,28 +52,30 @@ def verified(state: LoopState):
     return jnp.where(state.done, state.n_generated, state.commit_start + 1)
 
 
+def ends(state: LoopState):
+    """(EOS stops, verified tokens) over the batch's rows and the counts carried in (a row's eos implies done)."""
+    return (state.pool_stops + jnp.sum(state.eos).astype(jnp.float32),
+            state.pool_tokens + jnp.sum(verified(state)).astype(jnp.float32))
+
+
 def stop_chance(state: LoopState):
-    """The chance that a verified token is an EOS: EOS stops over tokens, over the rows of this batch and the
-    counts carried in (0 before any row has stopped)."""
-    stops = state.pool_stops + jnp.sum(state.eos & state.done)
-    return stops / jnp.maximum(state.pool_tokens + jnp.sum(verified(state)), 1.0)
+    """The chance that a verified token is an EOS: EOS stops over tokens (0 before any row has stopped)."""
+    stops, tokens = ends(state)
+    return stops / jnp.maximum(tokens, 1.0)
 
 
 def memory(state: LoopState):
     """[5] what a later call may start from (the fields state.DRAFT_MEMORY; this batch's rows folded in)."""
-    done = state.done
-    return jnp.stack([state.pool_hits, state.pool_trials, state.pool_stops + jnp.sum(state.eos & done),
-                      state.pool_tokens + jnp.sum(jnp.where(done, state.n_generated, 0)),
-                      state.since_wide]).astype(jnp.float32)
+    stops, tokens = ends(state)
+    return jnp.stack([state.pool_hits, state.pool_trials, stops, tokens, state.since_wide.astype(jnp.float32)])
 
 
 def fold_rows(state: LoopState, slots) -> LoopState:
     """The finished rows in `slots` (indices; out-of-range ones ignored) join the counts over all rows before
     their slots take new prompts (continuous batching)."""
-    take = lambda a: a.at[slots].get(mode="fill", fill_value=0)  # noqa: E731
-    stops = jnp.sum((take(state.eos) & take(state.done)).astype(jnp.float32))
-    return state._replace(pool_stops=state.pool_stops + stops,
-                          pool_tokens=state.pool_tokens + jnp.sum(take(state.n_generated)).astype(jnp.float32))
+    take = lambda a: jnp.sum(a.at[slots].get(mode="fill", fill_value=0)).astype(jnp.float32)  # noqa: E731
+    return state._replace(pool_stops=state.pool_stops + take(state.eos),
+                          pool_tokens=state.pool_tokens + take(state.n_generated))
 
 
 def tokens_per_wide_call(p, w: int):

@@ -137,9 +137,12 @@ def new_state(env: DecodeEnv, seq, P: int, done=None, draft_memory=None) -> Loop
         pool_stops=jnp.float32(0.0),
         pool_tokens=jnp.float32(0.0),
         since_wide=jnp.int32(0))
-    if draft_memory is None:
-        return state
-    return state._replace(**{f: jnp.asarray(draft_memory[i]).astype(getattr(state, f).dtype)
+    return state if draft_memory is None else with_memory(state, draft_memory)
+
+
+def with_memory(state: LoopState, draft_memory) -> LoopState:
+    """`state` with the fields DRAFT_MEMORY set from `draft_memory` [5] (an earlier `GenerateOutput.draft_memory`)."""
+    return state._replace(**{f: jnp.asarray(draft_memory[i], getattr(state, f).dtype)
                              for i, f in enumerate(DRAFT_MEMORY)})
 
 
