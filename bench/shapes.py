@@ -20,6 +20,10 @@ SHAPES = {  # the HF config.json values of each checkpoint
                               num_attention_heads=64),
     "llama3.2-1b": ModelConfig(**_LLAMA31, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                num_attention_heads=32, tie_word_embeddings=True),
+    # no free id for <m>: a run grows the vocabulary by one row (model.add_mask_token, training/model_source.py)
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
+                                max_position_embeddings=8192, tie_word_embeddings=True),
 }
 
 

@@ -1,19 +1,30 @@
-"""`make demo-real` end to end at a tiny setting on the CPU: a tiny random GGUF that carries SmolLM2's real
-tokenizer (vocabulary, merges, chat template), a dozen real stdlib modules, two fine-tunes of two steps, every
-decoder on a few held-out functions and HumanEval problems. Every stage runs; the numbers mean nothing, but
-the lossless rows must equal AR's tokens, and a rerun reuses every stage or names what changed."""
+"""`make demo-real` end to end at a tiny setting on the CPU, run the way the GPU campaign runs it
+(bench/gpu_campaign.sh at CAMPAIGN_SIZE=tiny: the same stages and code paths as on the GPU): a tiny random GGUF that
+carries SmolLM2's real tokenizer, split into the two pieces two device calls carry, joined and checked; the data
+made beforehand from a dozen real stdlib modules; the SBD and NTP fine-tunes and the SBD LoRA adapter (two steps
+each); every decoder on a few held-out functions and HumanEval problems. The numbers mean nothing, but the
+lossless rows must equal AR's tokens, a rerun reuses every stage (evaluation by row) or names what changed, and a
+damaged or missing piece of the model file is refused by name."""
 import json
+import os
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 from gguf_fixtures import make_tiny_gguf
 
-from sbd_jax.config import ConfigError
+from sbd_jax.config import ConfigError, from_dict
 from sbd_jax.demo_real import corpus
 from sbd_jax.demo_real.config import RealDemoConfig
 from sbd_jax.demo_real.evaluation import decoders
 from sbd_jax.demo_real.pipeline import run
 from sbd_jax.io.real_model import gguf_path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import gpu_campaign  # noqa: E402
 
 
 def _some_stdlib(dest, n_train=8, n_heldout=4):
@@ -29,56 +40,114 @@ def _some_stdlib(dest, n_train=8, n_heldout=4):
     return dest
 
 
+def campaign(tmp: Path, *stages: str, **env) -> subprocess.CompletedProcess:
+    """bench/gpu_campaign.sh STAGES at the tiny size, its work, carry and $OUT directories under `tmp`."""
+    env = dict(os.environ, CAMPAIGN_SIZE="tiny", CAMPAIGN_WORK=str(tmp / "work"), CAMPAIGN_CARRY=str(tmp / "carry"),
+               OUT=str(tmp / "out"), PY=sys.executable, **env)
+    return subprocess.run(["bash", str(ROOT / "bench" / "gpu_campaign.sh"), *stages], env=env, capture_output=True,
+                          text=True, timeout=900, check=False)
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("demo_real")
     gguf = make_tiny_gguf(tmp / "tiny.gguf", tokenizer_from=gguf_path(), quant="Q8_0")
-    # wide_cost: a stated cost, no per-shape measurement in the suite; eval_batch 8 >= the 5 prompts: one admission
-    # program per decoder (at 4: admissions of 4 and of 1)
-    cfg = RealDemoConfig.quick(out_dir=str(tmp / "out"), gguf=str(gguf), corpus_root=str(_some_stdlib(tmp / "lib")),
-                               steps=2, n_heldout=3, per_module=4, n_humaneval=2, threshold_gammas=(), latency_n=0,
-                               wide_cost=4.0, eval_batch=8)
-    logs = []
-    rows = run(cfg, log=logs.append)  # 2 steps, a few dozen tokens: compiled unoptimized (conftest.py)
-    return cfg, rows, logs
+    lib = _some_stdlib(tmp / "lib")
+    proc = campaign(tmp, "prepare", "take1", "take2", "real", GGUF=str(gguf), CORPUS_ROOT=str(lib))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp / "work" / "real" / "results.json").read_text())
+    cfg = from_dict(RealDemoConfig, res["config"])
+    return tmp, cfg, res, proc.stdout
 
 
 def test_every_stage_runs_and_lossless_rows_equal_ar(demo):
-    cfg, rows, logs = demo
-    out = cfg.out_dir
-    for f in ("table.md", "results.json", "quality_vs_speedup.png", "data/train.jsonl", "data/heldout.jsonl",
-              "data/humaneval.jsonl", "ft_ntp/hf/config.json", "ft_sbd/hf/config.json"):
-        assert (Path(out) / f).is_file() and (Path(out) / f).stat().st_size > 0, f
-    res = json.loads((Path(out) / "results.json").read_text())
-    assert res["corpus"]["fingerprint"] == corpus.load(cfg.corpus_root).fingerprint
+    tmp, cfg, res, stdout = demo
+    out, rows = Path(cfg.out_dir), res["rows"]
+    for f in ("table.md", "results.json", "quality_vs_speedup.png", "ft_ntp/hf/config.json", "ft_sbd/hf/config.json",
+              "ft_sbd_lora/adapter/adapter_model.safetensors"):
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f
+    assert "join: " in stdout and "from 2 pieces" in stdout  # the model file came in two pieces, checked
+    assert cfg.data_dir == str(tmp / "work" / "data") and res["complete"]
+    assert res["corpus"]["fingerprint"] == corpus.load(cfg.corpus_root).fingerprint  # made by `prepare`
     assert res["corpus"]["examples"]["heldout"] == cfg.n_heldout and res["corpus"]["examples"]["humaneval"] == 2
     assert [r["label"] for r in rows] == [d.label for d in decoders(cfg)]
-    done = {n: json.loads((Path(out) / f"ft_{n}" / "DONE").read_text()) for n in ("ntp", "sbd")}
-    assert not done["ntp"]["last"].get("matp_loss") and done["sbd"]["last"]["matp_loss"] > 0
+    done = res["training"]
+    assert set(done) == {"ft_ntp", "ft_sbd", "ft_sbd_lora"}
+    assert not done["ft_ntp"]["last"].get("matp_loss") and done["ft_sbd"]["last"]["matp_loss"] > 0
+    assert done["ft_sbd_lora"]["last"]["matp_loss"] > 0
     for r in rows:
         assert r["n_heldout"] == cfg.n_heldout and r["n_humaneval"] == 2
         for key in ("first_line_exact", "similarity", "parses", "humaneval_pass1"):
             assert 0.0 <= r[key] <= 1.0, (r["label"], key)
-        assert r["tokens"] > 0 and r["nfe"] > 0 and r["tokens_per_s"] > 0 and r["latency_n"] == 0
+        assert r["tokens"] > 0 and r["nfe"] > 0 and r["tokens_per_s"] > 0
+        # batch-1 timing for AR and lossless rows only (latency_lossy=False)
+        assert r["latency_n"] == (1 if r["mode"] == "ar" or r["verify"] else 0), r["label"]
         if r["mode"] == "ar":
             assert r["tokens_per_forward"] == 1.0 and r["same_as_ar"] == 1.0
-        if r["verify"]:  # lossless: the SBD fine-tune's own AR tokens, whatever its drafts
-            assert r["same_as_ar"] == 1.0, r["label"]
-    assert [r["policy"] for r in rows if r["verify"]] == list(cfg.lossless_policies)
-    table = (Path(out) / "table.md").read_text()
-    assert all(r["label"] in table for r in rows) and "HumanEval pass@1" in table
+        if r["verify"]:  # lossless: the same model's own AR tokens, whatever its drafts
+            assert r["same_as_ar"] == 1.0 and r["drafts"] >= r["drafts_agreed"] >= 0, r["label"]
+    assert {r["model"] for r in rows if r["verify"]} == {"sbd", "lora"}
+    table = (out / "table.md").read_text()
+    assert all(r["label"] in table for r in rows) and "tokens decoded per row" in table
+    with tarfile.open(tmp / "out" / "logs.tgz") as t:  # what a device call brings back
+        names = t.getnames()
+    assert {"real/table.md", "real/results.json", "logs/real.log", "real/ft_sbd/metrics.jsonl"} <= set(names)
+    with tarfile.open(tmp / "out" / "adapter.tgz") as t:
+        assert "adapter/adapter_model.safetensors" in t.getnames()
 
 
 def test_rerun_reuses_every_stage_and_refuses_other_settings(demo):
-    cfg, rows, _ = demo
+    _, cfg, res, _ = demo
     logs = []
-    assert json.dumps(run(cfg, log=logs.append)) == json.dumps(rows)  # (NaN latency columns: compared as JSON)
-    for stage in ("[data] reusing", "[ft_ntp] reusing", "[ft_sbd] reusing", "[eval] reusing"):
+    rows = run(cfg, log=logs.append)
+    assert json.dumps(rows) == json.dumps(res["rows"])  # (NaN columns: compared as JSON)
+    for stage in ("[data] using", "[ft_ntp] reusing", "[ft_sbd] reusing", "[ft_sbd_lora] reusing", "[eval] reusing"):
         assert any(line.startswith(stage) for line in logs), stage
     with pytest.raises(ConfigError, match="steps"):
         run(RealDemoConfig(**{**cfg.__dict__, "steps": 3}), log=lambda *_: None)
-    with pytest.raises(ConfigError, match="n_heldout"):
+    with pytest.raises(ConfigError, match="n_heldout"):  # the prepared data was made for 3
         run(RealDemoConfig(**{**cfg.__dict__, "n_heldout": 2}), log=lambda *_: None)
+
+
+def test_a_stopped_evaluation_resumes_by_row(demo):
+    """A run stopped during evaluation (a device call's time limit) keeps its finished rows: the rerun decodes only
+    the others and ends with the same table."""
+    _, cfg, res, _ = demo
+    out = Path(cfg.out_dir)
+    store = (out / "eval_rows.jsonl").read_text().splitlines()
+    kept = len(store) - 2  # the settings line and all finished rows but the last one
+    (out / "eval_rows.jsonl").write_text("\n".join(store[:kept]) + "\n")
+    partial = {**res, "complete": False}
+    (out / "results.json").write_text(json.dumps(partial))
+    logs = []
+    rows = run(cfg, log=logs.append)
+    assert any(line.startswith(f"[eval] reusing {kept - 1} finished rows") for line in logs)
+    assert sum(line.startswith("[eval] ") and "first-line EM" in line for line in logs) == len(rows) - (kept - 1)
+    keys = ("label", "tokens", "nfe", "first_line_exact", "same_as_ar", "accepted_per_forward")
+    assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in res["rows"]]
+
+
+def test_the_model_file_travels_in_checked_pieces(tmp_path):
+    src = tmp_path / "file.bin"
+    src.write_bytes(os.urandom(100_001))
+    dirs = gpu_campaign.split(src, tmp_path / "carry")
+    assert [d.name for d in dirs] == ["p1", "p2"]
+    pieces = tmp_path / "pieces"
+    pieces.mkdir()
+    for i, d in enumerate(dirs, 1):
+        (pieces / f"model.gguf.part{i}").write_bytes((d / f"model.gguf.part{i}").read_bytes())
+        (pieces / f"manifest{i}.json").write_text((d / "manifest.json").read_text())
+    assert gpu_campaign.join(pieces, tmp_path / "joined").read_bytes() == src.read_bytes()
+    part2 = pieces / "model.gguf.part2"
+    part2.write_bytes(part2.read_bytes()[:-1] + b"x")
+    with pytest.raises(SystemExit, match="piece 2 .* damaged"):
+        gpu_campaign.join(pieces, tmp_path / "joined2")
+    part2.unlink()
+    with pytest.raises(SystemExit, match="piece 2 of 2 is missing"):
+        gpu_campaign.join(pieces, tmp_path / "joined2")
+    assert not (tmp_path / "joined2").exists()
+    proc = campaign(tmp_path / "elsewhere", "take2")  # a call that did not carry its piece says so and stops
+    assert proc.returncode != 0 and "was not carried by this call" in proc.stdout
 
 
 def test_quick_config_checks():
@@ -88,3 +157,9 @@ def test_quick_config_checks():
         RealDemoConfig(remat="some")
     with pytest.raises(ConfigError, match="'sometimes'"):
         RealDemoConfig.quick(lossless_policies=("sometimes",))
+    with pytest.raises(ConfigError, match="dtype"):
+        RealDemoConfig(dtype="float8")
+    with pytest.raises(ConfigError, match="lora_rank"):
+        RealDemoConfig(lora_rank=-1)
+    with pytest.raises(ConfigError, match="checkpoints"):
+        RealDemoConfig(checkpoints=0)

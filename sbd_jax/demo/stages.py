@@ -90,23 +90,25 @@ def check_stage_settings(stage_dir: Path, saved: dict, wanted: dict) -> None:
 
 
 def stage_train(name: str, tcfg: TrainConfig, log=print) -> Path:
-    """Run (or resume, or skip) one training stage; returns its HF export directory."""
+    """Run (or resume, or skip) one training stage; returns its HF export directory (a LoRA run's: its adapter's)."""
     from ..training import train
     out = Path(tcfg.out_dir)
-    hf = out / "hf"
+    hf = out / ("adapter" if tcfg.lora else "hf")
     saved = out / "train_config.json"
     if saved.exists():
         check_stage_settings(out, json.loads(saved.read_text())["train"], to_dict(tcfg))
-    if (out / "DONE").exists() and (hf / "config.json").exists():
+    if (out / "DONE").exists() and (hf / ("adapter_config.json" if tcfg.lora else "config.json")).exists():
         log(f"[{name}] reusing {hf}")
         return hf
-    log(f"[{name}] {'NTP only' if tcfg.sbd.ntp_only else 'SBD dual loss'}, {tcfg.steps} steps -> {out}")
+    log(f"[{name}] {'NTP only' if tcfg.sbd.ntp_only else 'SBD dual loss'}{f', LoRA rank {tcfg.lora.rank}' if tcfg.lora else ''}, "
+        f"{tcfg.steps} steps -> {out}")
     t0 = time.time()
     result = train(tcfg)
-    if result.hf_dir is None:
-        raise RuntimeError(f"[{name}] training ended without an HF export")
+    done = result.adapter_dir if tcfg.lora else result.hf_dir
+    if done is None:
+        raise RuntimeError(f"[{name}] training ended without an export")
     last = result.history[-1] if result.history else {}
     (out / "DONE").write_text(json.dumps({"seconds": time.time() - t0, "last": last}, default=float))
     log(f"[{name}] done in {time.time() - t0:.0f}s: " +
         ", ".join(f"{k}={last[k]:.3f}" for k in ("loss", "ntp_loss", "matp_loss") if k in last and last[k] is not None))
-    return result.hf_dir
+    return done

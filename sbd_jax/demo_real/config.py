@@ -17,6 +17,9 @@ class RealDemoConfig:
     # data: the running interpreter's stdlib, split by module (sbd_jax.demo_real.corpus); corpus_root: another
     # directory of Python sources read the same way (the tests use a few stdlib modules)
     corpus_root: str | None = None
+    # a data directory made earlier by the `data` stage (e.g. on a CPU before a GPU run): used as it is, with its
+    # corpus record, so a run on another machine (another stdlib) trains and evaluates on the same functions
+    data_dir: str | None = None
     prompt_tokens: int = 384  # held-out and training prompts are left-truncated to this many tokens
     max_body_lines: int = 20  # functions with longer bodies are not used as examples
     per_module: int = 40  # at most this many functions per module (a few large modules do not dominate)
@@ -30,6 +33,12 @@ class RealDemoConfig:
     warmup_steps: int = 30
     k_max: int = 16
     remat: str = "full"
+    dtype: str | None = None  # the fine-tunes' compute dtype (None: the model's float32; "bfloat16": mixed precision)
+    checkpoints: int = 4  # checkpoints per fine-tune (the last step's always)
+    # the SBD fine-tune again as a LoRA adapter of this rank (every projection, the `<m>` row trained; 0: none)
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_lr: float = 5e-4
     # evaluation (greedy; block size 16; several gammas per lossy rule)
     block_size: int = 16
     max_new_tokens: int = 192
@@ -41,14 +50,15 @@ class RealDemoConfig:
     threshold_gammas: tuple[float, ...] = (0.1, 0.35)  # the threshold rule (lossy)
     eval_batch: int = 32  # throughput setting (batch >= 32); tokens/s at batch 1 over the first latency_n
     latency_n: int = 16
+    latency_lossy: bool = True  # the lossy rows timed at batch 1 too (False: only AR and lossless rows)
     humaneval_timeout: float = 5.0  # seconds per HumanEval check (the package's harness)
 
     def __post_init__(self):
         for key in ("prompt_tokens", "max_body_lines", "per_module", "n_heldout", "seq_len", "batch_size", "steps",
-                    "block_size", "max_new_tokens", "eval_batch"):
+                    "block_size", "max_new_tokens", "eval_batch", "checkpoints"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("n_humaneval", "latency_n", "warmup_steps"):
+        for key in ("n_humaneval", "latency_n", "warmup_steps", "lora_rank"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         if self.prompt_tokens >= self.seq_len:
@@ -58,6 +68,10 @@ class RealDemoConfig:
             raise ConfigError(f"k_max must be in [2, seq_len - prompt_tokens], got {self.k_max}")
         if self.remat not in ("full", "save_dots", "none"):
             raise ConfigError(f"remat must be one of full, save_dots, none, got {self.remat!r}")
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise ConfigError(f"dtype must be float32 or bfloat16 (or null), got {self.dtype!r}")
+        if self.lora_rank and not (self.lora_alpha > 0 and self.lora_lr > 0):
+            raise ConfigError(f"lora_alpha and lora_lr must be > 0, got {self.lora_alpha}, {self.lora_lr}")
         check_policies(self.lossless_policies)
 
     @classmethod
@@ -66,5 +80,5 @@ class RealDemoConfig:
         base = dict(out_dir="results/real_quick", prompt_tokens=96, max_body_lines=8, per_module=2, n_heldout=6,
                     n_humaneval=3, seq_len=160, batch_size=2, steps=3, warmup_steps=1, remat="none",
                     max_new_tokens=24, lossless_policies=("adaptive",), gammas=(0.35,), threshold_gammas=(0.35,),
-                    eval_batch=4, latency_n=2, lr=1e-4)
+                    eval_batch=4, latency_n=2, lr=1e-4, lora_rank=2)
         return cls(**{**base, **kw})

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..config import ConfigError
 from ..demo.stages import check_stage_settings
 from ..io.tokenizer import Tokenizer
 from ..sharding import MeshConfig
-from ..training.config import CheckpointConfig, DataConfig, ModelSource, OptimConfig, SBDConfig, TrainConfig
+from ..training.config import (CheckpointConfig, DataConfig, LoRAConfig, ModelSource, OptimConfig, SBDConfig,
+                               TrainConfig)
 from .config import RealDemoConfig
 
 
@@ -32,14 +34,20 @@ def _write_jsonl(path: Path, records) -> int:
     return n
 
 
+DATA_FILES = ("train", "heldout", "humaneval")
+
+
 def stage_data(cfg: RealDemoConfig, tok: Tokenizer, log=print) -> dict[str, Path]:
     """train.jsonl (SFT prompt/response pairs of the train modules), heldout.jsonl (held-out functions) and
-    humaneval.jsonl, with the corpus fingerprint and the split's counts in data/corpus.json."""
+    humaneval.jsonl, with the corpus fingerprint and the split's counts in data/corpus.json. With `data_dir`, that
+    directory as made earlier (its settings must be this run's)."""
     from . import corpus, tasks
-    root = Path(cfg.out_dir) / "data"
-    files = {n: root / f"{n}.jsonl" for n in ("train", "heldout", "humaneval")}
     spec = {k: getattr(cfg, k) for k in ("seed", "prompt_tokens", "max_body_lines", "per_module", "n_heldout",
                                          "n_humaneval", "corpus_root")}
+    if cfg.data_dir is not None:
+        return prepared_data(Path(cfg.data_dir), spec, log)
+    root = Path(cfg.out_dir) / "data"
+    files = {n: root / f"{n}.jsonl" for n in DATA_FILES}
     mods = corpus.load(cfg.corpus_root)
     spec["corpus_fingerprint"] = mods.fingerprint
     saved = root / "settings.json"
@@ -63,15 +71,32 @@ def stage_data(cfg: RealDemoConfig, tok: Tokenizer, log=print) -> dict[str, Path
     return files
 
 
-def train_config(cfg: RealDemoConfig, base: Path, data_file: Path, *, ntp_only: bool, out: Path) -> TrainConfig:
+def prepared_data(root: Path, spec: dict, log=print) -> dict[str, Path]:
+    """The files of a data directory made earlier (`data_dir`), refused when incomplete or made with other
+    settings than `spec` (its corpus fingerprint is its own: the corpus it was made from)."""
+    files = {n: root / f"{n}.jsonl" for n in DATA_FILES}
+    missing = [str(f) for f in (*files.values(), root / "settings.json", root / "corpus.json") if not f.is_file()]
+    if missing:
+        raise ConfigError(f"data_dir {str(root)!r} is not a finished data stage: missing {missing}")
+    saved = json.loads((root / "settings.json").read_text())
+    check_stage_settings(root, {k: v for k, v in saved.items() if k != "corpus_fingerprint"}, spec)
+    log(f"[data] using {root} (corpus {saved.get('corpus_fingerprint', '?')[:12]})")
+    return files
+
+
+def train_config(cfg: RealDemoConfig, base: Path, data_file: Path, *, ntp_only: bool, out: Path,
+                 lora: bool = False) -> TrainConfig:
     """One fine-tune of the base on the training functions (SFT, raw code, no chat template); the `<m>` row is
-    added to the embedding for both fine-tunes, so the two differ only in the loss."""
+    added to the embedding for both fine-tunes, so the two differ only in the loss. `lora`: the SBD fine-tune as a
+    LoRA adapter (base frozen; the adapter and the `<m>` row train, at `lora_lr`)."""
     return TrainConfig(
-        model=ModelSource(init_from=str(base), add_mask_token=True, remat=cfg.remat),
+        model=ModelSource(init_from=str(base), add_mask_token=True, remat=cfg.remat, dtype=cfg.dtype),
         data=DataConfig(path=str(data_file), mode="sft", tokenizer=str(base), seq_len=cfg.seq_len, seed=cfg.seed,
                         chat_template=False),
         sbd=SBDConfig(k_max=cfg.k_max, ntp_only=ntp_only, block_align="response"),
-        optim=OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule="cosine", weight_decay=0.0),
-        checkpoint=CheckpointConfig(every=max(1, cfg.steps // 4), keep=2, async_save=False),
+        optim=OptimConfig(lr=cfg.lora_lr if lora else cfg.lr, warmup_steps=cfg.warmup_steps, schedule="cosine",
+                          weight_decay=0.0),
+        lora=LoRAConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha) if lora else None,
+        checkpoint=CheckpointConfig(every=-(-cfg.steps // cfg.checkpoints), keep=2, async_save=False),
         mesh=MeshConfig(data=-1), out_dir=str(out), steps=cfg.steps, batch_size=cfg.batch_size, seed=cfg.seed,
         log_every=10)

@@ -1,0 +1,159 @@
+"""The GPU campaign's Python side (bench/gpu_campaign.sh runs it; see there for the calls):
+
+  prepare --carry DIR [--gguf FILE] [--corpus-root DIR]   the model file in pieces with checksums, the data
+  join --carry DIR --work DIR                              the pieces taken by the calls -> the file, checked
+  real --work DIR [--train-only]                           `make demo-real` at the campaign's size
+
+Why pieces: one device call carries at most 64 MiB and the SmolLM2 GGUF is 93.8 MiB, so two consecutive calls on
+the same warm machine each carry one piece (`pN/`), copied to the work directory, and `join` checks every piece's
+and the whole file's sha256 before anything reads it. Why the data travels: the GPU machine's interpreter is
+another patch release (another stdlib); the data made here is the data any CPU rerun here evaluates on.
+
+The sizes: SIZE "gpu" (the campaign) or "tiny" (the CPU dry run of tests/test_gpu_campaign.py: the same calls on
+a tiny model, a few stdlib modules and a few steps).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PIECES = 2
+GGUF_NAME = "model.gguf"
+# `make demo-real` at the size the campaign's budget allows (one 10-minute call of an H100, compiles included):
+# 300 steps of 16 rows of 512 tokens (~1.6 epochs of the training functions), bf16 compute without remat (135M
+# fits), one checkpoint; 128 held-out functions (no HumanEval: ~0 for a 135M model), 160 new tokens, the adaptive
+# lossless policy, EB at two gammas, one threshold row; lossy rows timed at batch 32 only (fewer programs).
+DATA = dict(prompt_tokens=256, n_heldout=128, n_humaneval=0)
+GPU = dict(DATA, seq_len=512, batch_size=16, steps=300, lr=2e-4, warmup_steps=20, remat="none", dtype="bfloat16",
+           checkpoints=1, lora_rank=16, lora_alpha=32.0, lora_lr=1e-3, max_new_tokens=160, eval_batch=32,
+           latency_n=8, latency_lossy=False, lossless_policies=("adaptive",), gammas=(0.35, 1.0),
+           threshold_gammas=(0.35,))
+# the dry run: the GPU settings' stages and options (lossy rows at batch 32 only, one checkpoint, the adapter) with
+# two HumanEval problems (the harness) and one admission of all 5 prompts; a stated verify cost and no threshold
+# row (both decoder paths are tested in tests/test_verify.py and tests/test_decoding.py), to keep the suite's time
+TINY = dict(prompt_tokens=96, n_heldout=3, n_humaneval=2, max_body_lines=8, per_module=4, seq_len=160, batch_size=2,
+            steps=2, warmup_steps=1, remat="none", checkpoints=1, lora_rank=2, max_new_tokens=16, eval_batch=8,
+            latency_n=1, latency_lossy=False, lossless_policies=("adaptive",), gammas=(0.35,), threshold_gammas=(),
+            wide_cost=4.0)
+
+
+def config(size: str, **kw):
+    from sbd_jax.demo_real.config import RealDemoConfig
+    return RealDemoConfig(**{**(GPU if size == "gpu" else TINY), **kw})
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def split(src: Path, carry: Path, pieces: int = PIECES) -> list[Path]:
+    """carry/p1 .. pN: the file's consecutive pieces, each with a manifest (piece name, size, sha256, and the whole
+    file's size and sha256)."""
+    data_size = src.stat().st_size
+    step = -(-data_size // pieces)
+    whole = {"name": GGUF_NAME, "size": data_size, "sha256": sha256(src), "pieces": pieces}
+    out = []
+    with src.open("rb") as f:
+        for i in range(1, pieces + 1):
+            d = carry / f"p{i}"
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
+            part = d / f"{GGUF_NAME}.part{i}"
+            part.write_bytes(f.read(step))
+            (d / "manifest.json").write_text(json.dumps({**whole, "piece": i, "piece_size": part.stat().st_size,
+                                                         "piece_sha256": sha256(part)}))
+            out.append(d)
+    return out
+
+
+def join(pieces_dir: Path, dest: Path) -> Path:
+    """The pieces in `pieces_dir` (copied there by the calls, with their manifests) -> `dest`, every piece and the
+    whole checked; a missing or damaged piece is named. Renamed into place: `dest` exists only when whole."""
+    manifests = sorted(pieces_dir.glob("manifest*.json"))
+    if not manifests:
+        raise SystemExit(f"join: no manifest in {pieces_dir}")
+    whole = json.loads(manifests[0].read_text())
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    with tmp.open("wb") as out:
+        for i in range(1, whole["pieces"] + 1):
+            part = pieces_dir / f"{whole['name']}.part{i}"
+            man = pieces_dir / f"manifest{i}.json"
+            if not part.is_file() or not man.is_file():
+                raise SystemExit(f"join: piece {i} of {whole['pieces']} is missing from {pieces_dir} (its call did "
+                                 "not run on this machine?)")
+            want = json.loads(man.read_text())
+            if want["sha256"] != whole["sha256"] or sha256(part) != want["piece_sha256"]:
+                raise SystemExit(f"join: piece {i} ({part}) is damaged or of another file")
+            out.write(part.read_bytes())
+    if tmp.stat().st_size != whole["size"] or sha256(tmp) != whole["sha256"]:
+        tmp.unlink()
+        raise SystemExit(f"join: the joined file does not match its sha256 {whole['sha256']}")
+    tmp.replace(dest)
+    print(f"join: {dest} ({whole['size']} bytes, sha256 {whole['sha256'][:16]}...) from {whole['pieces']} pieces")
+    return dest
+
+
+def prepare(args) -> None:
+    """carry/p1, carry/p2 (the GGUF's pieces; the data directory travels in p2 as data/)."""
+    from sbd_jax.demo_real.stages import stage_base, stage_data
+    from sbd_jax.io.real_model import gguf_path
+    from sbd_jax.io.tokenizer import Tokenizer
+    carry = Path(args.carry)
+    src = Path(args.gguf) if args.gguf else gguf_path()
+    dirs = split(src, carry)
+    work = carry / ".data_stage"
+    cfg = config(args.size, out_dir=str(work), gguf=str(src), corpus_root=args.corpus_root)
+    files = stage_data(cfg, Tokenizer.load(stage_base(cfg)))
+    data = dirs[-1] / "data"
+    shutil.copytree(Path(files["train"]).parent, data)
+    shutil.rmtree(work)
+    sizes = {d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) / 2**20 for d in dirs}
+    print(f"prepare: {src} -> {', '.join(f'{k} {v:.1f} MiB' for k, v in sizes.items())} in {carry}")
+
+
+def real(args) -> None:
+    """`make demo-real` at the campaign's size on the joined file and the carried data."""
+    work = Path(args.work)
+    if args.size == "gpu":  # the persistent cache: programs shared by several rows compile once
+        import jax
+        jax.config.update("jax_compilation_cache_dir", str(work / "jax_cache"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    from sbd_jax.demo_real.pipeline import run
+    cfg = config(args.size, out_dir=str(work / "real"), gguf=str(work / GGUF_NAME), data_dir=str(work / "data"),
+                 corpus_root=args.corpus_root)
+    print(json.dumps(dataclasses.asdict(cfg)), flush=True)
+    run(cfg, train_only=args.train_only)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=("prepare", "join", "real"))
+    ap.add_argument("--size", choices=("gpu", "tiny"), default=os.environ.get("CAMPAIGN_SIZE", "gpu"))
+    ap.add_argument("--carry", default=".gpu_carry")
+    ap.add_argument("--work", default="/tmp/sbd_campaign")
+    ap.add_argument("--gguf", default=None, help="prepare: the model file (default: SmolLM2-135M-Instruct's)")
+    ap.add_argument("--corpus-root", default=None, help="the data's corpus (default: this interpreter's stdlib)")
+    ap.add_argument("--train-only", action="store_true", help="real: the fine-tunes only (evaluated by a later run)")
+    args = ap.parse_args(argv)
+    if args.command == "prepare":
+        prepare(args)
+    elif args.command == "join":
+        join(Path(args.work) / "pieces", Path(args.work) / GGUF_NAME)
+    else:
+        real(args)
+
+
+if __name__ == "__main__":
+    main()

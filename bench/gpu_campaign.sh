@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU campaign: everything prepared on a CPU, so that a session with a lent GPU only runs it. Each stage runs
+# under its own time limit; logs and results are packed into $OUT (logs.tgz, adapter.tgz) when the script ends.
+#
+#   here (CPU):   bash bench/gpu_campaign.sh prepare      # .gpu_carry/p1, p2: the SmolLM2 GGUF in two pieces with
+#                                                         # checksums (p2 also holds the data made here)
+#   GPU call 1:   carry [".whl", ".gpu_carry/p1"]   bash bench/gpu_campaign.sh setup take1 info mfu
+#   GPU call 2, at once (the machine stays warm 30 s):
+#                 carry [".whl", ".gpu_carry/p2"]   bash bench/gpu_campaign.sh setup take2 real
+#
+# Stages: prepare (CPU), setup (the carried wheels, see bench/gpu_run.sh), take1/take2 (a piece into the work
+# directory), real (join the pieces, check sha256, `make demo-real` at bench/gpu_campaign.py's size: the two
+# fine-tunes, the LoRA adapter, the table), mfu (bench/bench_mfu.py), decode8b (bench/bench_adaptive.py at 8B).
+# CAMPAIGN_SIZE=tiny runs every stage at toy size on a CPU (tests/test_gpu_campaign.py).
+set -u
+cd "$(dirname "$0")/.."
+SIZE=${CAMPAIGN_SIZE:-gpu}
+WORK=${CAMPAIGN_WORK:-/tmp/sbd_campaign}
+CARRY=${CAMPAIGN_CARRY:-.gpu_carry}
+DEST=${OUT:-$WORK/out}
+LOG=$WORK/logs
+mkdir -p "$LOG" "$DEST" "$WORK/pieces"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export SBD_MODEL_CACHE=${SBD_MODEL_CACHE:-$WORK/models}
+PY=${PY:-python3}
+END_S=${END_S:-570}  # the real stage ends by then (seconds since the script started): a device call's limit is 600
+
+pack() {  # what comes back: the logs and the real stage's results (small files), the adapter
+  local r=$WORK/real
+  tar czf "$DEST/logs.tgz" -C "$WORK" logs $(cd "$WORK" && ls -d real/table.md real/results.json real/eval_rows.jsonl \
+    real/demo_config.json real/quality_vs_speedup.png real/ft_*/DONE real/ft_*/train_config.json real/ft_*/metrics.jsonl \
+    real/ft_*/data_report.json 2>/dev/null)
+  [ -d "$r/ft_sbd_lora/adapter" ] && tar czf "$DEST/adapter.tgz" -C "$r/ft_sbd_lora" adapter
+  ls -la "$DEST"
+}
+trap pack EXIT
+
+stage() {  # stage NAME LIMIT_S CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0))s"
+  tail -n "${TAIL:-25}" "$LOG/$name.log"
+  return $rc
+}
+
+take() {  # take N: piece N (its call's carry) into the work directory
+  local d=$CARRY/p$1
+  [ -d "$d" ] || { echo "take$1: $d was not carried by this call"; return 2; }
+  cp "$d/model.gguf.part$1" "$WORK/pieces/" && cp "$d/manifest.json" "$WORK/pieces/manifest$1.json" || return 2
+  [ -d "$d/data" ] && { rm -rf "$WORK/data"; cp -r "$d/data" "$WORK/data"; }
+  echo "take$1: $(ls -la "$WORK/pieces" | tail -n +2 | wc -l) files in $WORK/pieces"
+}
+
+tiny() { [ "$SIZE" = tiny ] && echo "$1"; }
+
+for s in "$@"; do
+  case $s in
+    prepare) stage prepare 300 $PY bench/gpu_campaign.py prepare --size "$SIZE" --carry "$CARRY" \
+               ${GGUF:+--gguf "$GGUF"} ${CORPUS_ROOT:+--corpus-root "$CORPUS_ROOT"} || exit ;;
+    setup) if ls .whl/*.whl >/dev/null 2>&1; then
+             $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+               .whl/*.whl && export PYTHONPATH=/tmp/site || exit
+           fi ;;
+    take1) take 1 || exit ;;
+    take2) take 2 || exit ;;
+    info) stage info 60 bash -c "nvidia-smi || true; $PY -c 'import jax, flax, optax, datasets, gguf, pyarrow, fsspec; \
+import orbax.checkpoint; print(jax.__version__, flax.__version__, optax.__version__, datasets.__version__, \
+pyarrow.__version__, fsspec.__version__, jax.devices())'" ;;
+    # the fine-tunes, then (another process) the evaluation with the decode loop as CUDA graphs (sbd_jax.runtime,
+    # as decode.py sets it); both end by END_S seconds after the script started, leaving time to pack
+    real) stage join 60 $PY bench/gpu_campaign.py join --work "$WORK" || exit
+          stage real_train $((END_S - SECONDS)) $PY bench/gpu_campaign.py real --train-only --size "$SIZE" \
+            --work "$WORK" ${CORPUS_ROOT:+--corpus-root "$CORPUS_ROOT"} || exit
+          XLA_FLAGS="${XLA_FLAGS:-} $($PY -c 'from sbd_jax.runtime import GPU_DECODE_FLAGS; print(*GPU_DECODE_FLAGS)')" \
+            stage real $((END_S - SECONDS)) $PY bench/gpu_campaign.py real --size "$SIZE" --work "$WORK" \
+            ${CORPUS_ROOT:+--corpus-root "$CORPUS_ROOT"} ;;
+    mfu) stage mfu "${LIMIT_MFU:-150}" $PY bench/bench_mfu.py $(tiny --tiny) --steps "${MFU_STEPS:-5}" \
+           --configs "${MFU_CONFIGS:-1b-full,1b-save_dots,135m-full,135m-save_dots}" --out "$DEST/mfu.md" ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
