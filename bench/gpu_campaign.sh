@@ -30,7 +30,8 @@ pack() {  # what comes back: the logs and the real stage's results (small files)
   tar czf "$DEST/logs.tgz" -C "$WORK" logs $(cd "$WORK" && ls -d real/table.md real/results.json real/eval_rows.jsonl \
     real/demo_config.json real/quality_vs_speedup.png real/ft_*/DONE real/ft_*/train_config.json real/ft_*/metrics.jsonl \
     real/ft_*/data_report.json 2>/dev/null)
-  [ -d "$r/ft_sbd_lora/adapter" ] && tar czf "$DEST/adapter.tgz" -C "$r/ft_sbd_lora" adapter
+  # in pieces under the 16 MiB a returned file may hold (join: cat adapter.tgz.part* > adapter.tgz)
+  [ -d "$r/ft_sbd_lora/adapter" ] && tar czf - -C "$r/ft_sbd_lora" adapter | split -b 15M - "$DEST/adapter.tgz.part"
   ls -la "$DEST"
 }
 trap pack EXIT

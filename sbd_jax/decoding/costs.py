@@ -52,11 +52,12 @@ def measure(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: i
         state = verify.admit(new_state(env, prompt_seq(jnp.zeros((batch, P), jnp.int32), lengths, spec, env), P), env)
         widths = jnp.arange(len(spec.draft_widths))
 
-        def wide(s, i):  # the loop's step, its policy made to choose width i
-            return verify.step(s, dataclasses.replace(env, call_costs=jnp.where(widths == i, 1e-3, 1e9)))
+    def wide(s, i):  # the loop's step, its policy made to choose width i
+        return verify.step(s, dataclasses.replace(env, call_costs=jnp.where(widths == i, 1e-3, 1e9)))
 
-        seconds = loop_seconds([lambda s, i: ar.step(s, env)] + [wide] * len(spec.draft_widths), state)
-        return tuple(t / seconds[0] for t in seconds[1:])
+    # compiled outside compile-time evaluation: a Pallas kernel (GPU/TPU) cannot be traced under it
+    seconds = loop_seconds([lambda s, i: ar.step(s, env)] + [wide] * len(spec.draft_widths), state)
+    return tuple(t / seconds[0] for t in seconds[1:])
 
 
 def loop_seconds(runs, state) -> list[float]:

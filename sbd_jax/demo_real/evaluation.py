@@ -87,14 +87,15 @@ def load_models(models: dict[str, Path | tuple[Path, Path]]) -> dict:
 
 
 def evaluate(cfg: RealDemoConfig, models: dict[str, Path | tuple[Path, Path]], files: dict[str, Path], log=print,
-             done: dict[str, dict] | None = None, on_row=None) -> list[dict]:
-    """Every decoder of `decoders(cfg)` whose model is in `models`, in `eval_order`; speedups against the NTP
-    fine-tune decoded AR (the paper's baseline), identity against the same model decoded AR. `done`: rows
-    finished earlier by label (not decoded again); `on_row(row)`: called after each row (e.g. to save it)."""
-    tok = Tokenizer.load(models["base"] if not isinstance(models["base"], tuple) else models["base"][0])
+             done: dict[str, dict] | None = None, on_row=None, select=None) -> list[dict]:
+    """Every decoder of `decoders(cfg)` whose model is in `models` (and that `select(decoder)` keeps, when given),
+    in `eval_order`.
+    `done`: rows finished earlier by label (not decoded again); `on_row(row)`: called after each row (e.g. to save
+    it). The tokenizer is the base model's (`models["base"]`)."""
+    tok = Tokenizer.load(models["base"])
     held, humaneval = ([json.loads(x) for x in files[n].read_text().splitlines()] for n in ("heldout", "humaneval"))
-    loaded = load_models(models)
-    todo = [d for d in decoders(cfg) if d.model in loaded]
+    todo = [d for d in decoders(cfg) if d.model in models and (select is None or select(d))]
+    loaded = load_models({k: v for k, v in models.items() if any(d.model == k for d in todo)})
     rows: list[dict | None] = [None] * len(todo)
     for i in eval_order(todo):
         d = todo[i]
