@@ -27,12 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PIECES = 2
 GGUF_NAME = "model.gguf"
-# `make demo-real` at the size the campaign's budget allows (one 10-minute call of an H100, compiles included):
-# 300 steps of 16 rows of 512 tokens (~1.6 epochs of the training functions), bf16 compute without remat (135M
-# fits), one checkpoint; 128 held-out functions (no HumanEval: ~0 for a 135M model), 160 new tokens, the adaptive
-# lossless policy, EB at two gammas, one threshold row; lossy rows timed at batch 32 only (fewer programs).
+# `make demo-real` at the size the campaign's budget allows (an H100, 15 minutes of device time in all): 1200 steps of
+# 16 rows of 512 tokens (~6 epochs of the training functions), bf16 compute without remat (135M fits), one
+# checkpoint; ~6.5 minutes for the three fine-tunes (10 / 20 / 7.6 steps per second for SBD / NTP / LoRA on the
+# H100 of 2026-11-27, + ~15 s each to load, compile and export). 300 steps taught the mask rows too little
+# (BENCHMARKS.md, "SBD on a real model"). Evaluation (~4 minutes): 128 held-out functions (no HumanEval: ~0 for a
+# 135M model), 160 new tokens, the adaptive lossless policy, EB at two gammas, one threshold row; lossy rows timed
+# at batch 32 only (fewer programs).
 DATA = dict(prompt_tokens=256, n_heldout=128, n_humaneval=0)
-GPU = dict(DATA, seq_len=512, batch_size=16, steps=300, lr=2e-4, warmup_steps=20, remat="none", dtype="bfloat16",
+GPU = dict(DATA, seq_len=512, batch_size=16, steps=1200, lr=2e-4, warmup_steps=50, remat="none", dtype="bfloat16",
            checkpoints=1, lora_rank=16, lora_alpha=32.0, lora_lr=1e-3, max_new_tokens=160, eval_batch=32,
            latency_n=8, latency_lossy=False, lossless_policies=("adaptive",), gammas=(0.35, 1.0),
            threshold_gammas=(0.35,))

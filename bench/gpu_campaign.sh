@@ -4,13 +4,17 @@
 #
 #   here (CPU):   bash bench/gpu_campaign.sh prepare      # .gpu_carry/p1, p2: the SmolLM2 GGUF in two pieces with
 #                                                         # checksums (p2 also holds the data made here)
-#   GPU call 1:   carry [".whl", ".gpu_carry/p1"]   bash bench/gpu_campaign.sh setup take1 info mfu
-#   GPU call 2, at once (the machine stays warm 30 s):
-#                 carry [".whl", ".gpu_carry/p2"]   bash bench/gpu_campaign.sh setup take2 real
+#   GPU call 1:   carry [".whl", ".gpu_carry/p1"]   bash bench/gpu_campaign.sh setup take1 info
+#   GPU call 2, at once (the machine stays warm 30 s; /tmp persists on it):
+#                 carry [".whl", ".gpu_carry/p2"]   bash bench/gpu_campaign.sh setup take2 real-train
+#   GPU call 3, at once:                             bash bench/gpu_campaign.sh setup real-eval
+#   (a warm machine keeps the fine-tunes in /tmp: a failed real-eval reruns alone, reusing them and the finished
+#   rows; after a machine is lost the calls start again from call 1)
 #
 # Stages: prepare (CPU), setup (the carried wheels, see bench/gpu_run.sh), take1/take2 (a piece into the work
-# directory), real (join the pieces, check sha256, `make demo-real` at bench/gpu_campaign.py's size: the two
-# fine-tunes, the LoRA adapter, the table), mfu (bench/bench_mfu.py), decode8b (bench/bench_adaptive.py at 8B).
+# directory), real-train / real-eval / real (join the pieces, check sha256, `make demo-real` at
+# bench/gpu_campaign.py's size: the two fine-tunes and the LoRA adapter, then the table), info, mfu
+# (bench/bench_mfu.py: MFU_CONFIGS, MFU_STEPS, LIMIT_MFU).
 # CAMPAIGN_SIZE=tiny runs every stage at toy size on a CPU (tests/test_gpu_campaign.py).
 set -u
 cd "$(dirname "$0")/.."
@@ -70,14 +74,21 @@ for s in "$@"; do
     info) stage info 60 bash -c "nvidia-smi || true; $PY -c 'import jax, flax, optax, datasets, gguf, pyarrow, fsspec; \
 import orbax.checkpoint; print(jax.__version__, flax.__version__, optax.__version__, datasets.__version__, \
 pyarrow.__version__, fsspec.__version__, jax.devices())'" ;;
-    # the fine-tunes, then (another process) the evaluation with the decode loop as CUDA graphs (sbd_jax.runtime,
-    # as decode.py sets it); both end by END_S seconds after the script started, leaving time to pack
-    real) stage join 60 $PY bench/gpu_campaign.py join --work "$WORK" || exit
-          stage real_train $((END_S - SECONDS)) $PY bench/gpu_campaign.py real --train-only --size "$SIZE" \
-            --work "$WORK" ${CORPUS_ROOT:+--corpus-root "$CORPUS_ROOT"} || exit
-          XLA_FLAGS="${XLA_FLAGS:-} $($PY -c 'from sbd_jax.runtime import GPU_DECODE_FLAGS; print(*GPU_DECODE_FLAGS)')" \
-            stage real $((END_S - SECONDS)) $PY bench/gpu_campaign.py real --size "$SIZE" --work "$WORK" \
-            ${CORPUS_ROOT:+--corpus-root "$CORPUS_ROOT"} ;;
+    # the fine-tunes (real-train), then in another process the evaluation (real-eval) with the decode loop as CUDA
+    # graphs (sbd_jax.runtime, as decode.py sets it) and float32 matmuls at full precision (TF32's rounding differs
+    # between a 1-wide and a wide call and flips near-ties between AR and lossless: bench/results/gpu_h100/campaign);
+    # each ends by END_S seconds after the script started, leaving time to pack. `real` is both in one call.
+    real|real-train|real-eval)
+          stage join 60 $PY bench/gpu_campaign.py join --work "$WORK" || exit
+          if [ "$s" != real-eval ]; then
+            stage real_train $((END_S - SECONDS)) $PY bench/gpu_campaign.py real --train-only --size "$SIZE" \
+              --work "$WORK" ${CORPUS_ROOT:+--corpus-root "$CORPUS_ROOT"} || exit
+          fi
+          if [ "$s" != real-train ]; then
+            XLA_FLAGS="${XLA_FLAGS:-} $($PY -c 'from sbd_jax.runtime import GPU_DECODE_FLAGS; print(*GPU_DECODE_FLAGS)')" \
+            JAX_DEFAULT_MATMUL_PRECISION=highest stage real $((END_S - SECONDS)) $PY bench/gpu_campaign.py real \
+              --size "$SIZE" --work "$WORK" ${CORPUS_ROOT:+--corpus-root "$CORPUS_ROOT"}
+          fi ;;
     mfu) stage mfu "${LIMIT_MFU:-150}" $PY bench/bench_mfu.py $(tiny --tiny) --steps "${MFU_STEPS:-5}" \
            --configs "${MFU_CONFIGS:-1b-full,1b-save_dots,135m-full,135m-save_dots}" --out "$DEST/mfu.md" ;;
     *) echo "unknown stage $s"; exit 2 ;;

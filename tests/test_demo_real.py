@@ -5,6 +5,7 @@ made beforehand from a dozen real stdlib modules; the SBD and NTP fine-tunes and
 each); every decoder on a few held-out functions and HumanEval problems. The numbers mean nothing, but the
 lossless rows must equal AR's tokens, a rerun reuses every stage (evaluation by row) or names what changed, and a
 damaged or missing piece of the model file is refused by name."""
+import io
 import json
 import os
 import subprocess
@@ -53,7 +54,8 @@ def demo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("demo_real")
     gguf = make_tiny_gguf(tmp / "tiny.gguf", tokenizer_from=gguf_path(), quant="Q8_0")
     lib = _some_stdlib(tmp / "lib")
-    proc = campaign(tmp, "prepare", "take1", "take2", "real", GGUF=str(gguf), CORPUS_ROOT=str(lib))
+    proc = campaign(tmp, "prepare", "take1", "info", "mfu", "take2", "real", GGUF=str(gguf), CORPUS_ROOT=str(lib),
+                    MFU_CONFIGS="135m-full", MFU_STEPS="2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp / "work" / "real" / "results.json").read_text())
     cfg = from_dict(RealDemoConfig, res["config"])
@@ -91,9 +93,12 @@ def test_every_stage_runs_and_lossless_rows_equal_ar(demo):
     assert all(r["label"] in table for r in rows) and "tokens decoded per row" in table
     with tarfile.open(tmp / "out" / "logs.tgz") as t:  # what a device call brings back
         names = t.getnames()
-    assert {"real/table.md", "real/results.json", "logs/real.log", "real/ft_sbd/metrics.jsonl"} <= set(names)
-    with tarfile.open(tmp / "out" / "adapter.tgz") as t:
+    assert {"real/table.md", "real/results.json", "logs/real.log", "logs/mfu.log", "real/ft_sbd/metrics.jsonl"} <= set(names)
+    pieces = sorted((tmp / "out").glob("adapter.tgz.part*"))  # each under what a device call returns
+    assert pieces and all(p.stat().st_size <= 15 * 2**20 for p in pieces)
+    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in pieces))) as t:
         assert "adapter/adapter_model.safetensors" in t.getnames()
+    assert "=== info rc=0" in stdout and "smollm2-135m (tiny)" in (tmp / "out" / "mfu.md").read_text()
 
 
 def test_rerun_reuses_every_stage_and_refuses_other_settings(demo):

@@ -9,6 +9,7 @@ import dataclasses
 import time
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from ..config import ModelConfig
@@ -63,18 +64,18 @@ def measure(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: i
 def loop_seconds(runs, state) -> list[float]:
     """Seconds per step of `runs[i](state, i - 1)` run CALLS times in one compiled loop: the fastest of ROUNDS
     rounds, the runs interleaved (a busy spell of a shared machine then hits them alike)."""
-    compiled = {}  # one program per distinct run
+    compiled = {}  # one program per distinct run; numpy arguments: concrete also while a user's jit traces
     for r in runs:
         if r not in compiled:
             compiled[r] = jax.jit(lambda s, i, r=r: jax.lax.fori_loop(0, CALLS, lambda _, x: r(x, i), s)).lower(
-                state, jnp.int32(0)).compile()
+                state, np.int32(0)).compile()
     progs = [compiled[r] for r in runs]
     for n, prog in enumerate(progs):
-        jax.block_until_ready(prog(state, jnp.int32(max(n - 1, 0))))
+        jax.block_until_ready(prog(state, np.int32(max(n - 1, 0))))
     best = [float("inf")] * len(progs)
     for _ in range(ROUNDS):
         for n, prog in enumerate(progs):
             t = time.perf_counter()
-            jax.block_until_ready(prog(state, jnp.int32(max(n - 1, 0))))
+            jax.block_until_ready(prog(state, np.int32(max(n - 1, 0))))
             best[n] = min(best[n], (time.perf_counter() - t) / CALLS)
     return best
