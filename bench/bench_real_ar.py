@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 
 from sbd_jax.decoding import DecodeSpec, generate_jit, prepare_generate  # noqa: E402
 from sbd_jax.io.hf import from_pretrained  # noqa: E402
-from sbd_jax.io.real_model import model_dir as smollm2_dir  # noqa: E402
+from demos.real_model import model_dir as smollm2_dir  # noqa: E402
 from sbd_jax.io.tokenizer import Tokenizer  # noqa: E402
 from sbd_jax.models import unstack_layers  # noqa: E402
 

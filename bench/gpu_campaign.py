@@ -49,7 +49,7 @@ TINY = dict(prompt_tokens=96, n_heldout=3, n_humaneval=2, max_body_lines=8, per_
 
 
 def config(size: str, **kw):
-    from sbd_jax.demo_real.config import RealDemoConfig
+    from demos.real.config import RealDemoConfig
     return RealDemoConfig(**{**(GPU if size == "gpu" else TINY), **kw})
 
 
@@ -110,8 +110,8 @@ def join(pieces_dir: Path, dest: Path) -> Path:
 
 def prepare(args) -> None:
     """carry/p1, carry/p2 (the GGUF's pieces; the data directory travels in p2 as data/)."""
-    from sbd_jax.demo_real.stages import stage_base, stage_data
-    from sbd_jax.io.real_model import gguf_path
+    from demos.real.stages import stage_base, stage_data
+    from demos.real_model import gguf_path
     from sbd_jax.io.tokenizer import Tokenizer
     carry = Path(args.carry)
     src = Path(args.gguf) if args.gguf else gguf_path()
@@ -133,7 +133,7 @@ def real(args) -> None:
         import jax
         jax.config.update("jax_compilation_cache_dir", str(work / "jax_cache"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    from sbd_jax.demo_real.pipeline import run
+    from demos.real.pipeline import run
     cfg = config(args.size, out_dir=str(work / "real"), gguf=str(work / GGUF_NAME), data_dir=str(work / "data"),
                  corpus_root=args.corpus_root)
     print(json.dumps(dataclasses.asdict(cfg)), flush=True)

@@ -7,11 +7,11 @@ import pytest
 from conftest import xla_optimized
 
 from sbd_jax.config import ConfigError
-from sbd_jax.demo import tasks
-from sbd_jax.demo.evaluation import decoders
-from sbd_jax.demo import pipeline
-from sbd_jax.demo.pipeline import DemoConfig, run
-from sbd_jax.demo.tokenizer import build_tokenizer
+from demos.toy import tasks
+from demos.toy.evaluation import decoders
+from demos.toy import pipeline
+from demos.toy.pipeline import DemoConfig, run
+from demos.toy.tokenizer import build_tokenizer
 
 
 def test_task_suite_is_deterministic_disjoint_and_self_consistent():
@@ -107,7 +107,7 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     with pytest.raises(ConfigError, match="timing_rounds must be >= 1"):
         DemoConfig.quick(timing_rounds=0)
     # the diagnostics script runs on the finished run's output
-    from sbd_jax.demo import diagnose
+    from demos.toy import diagnose
     capsys.readouterr()
     with xla_optimized(False):
         diagnose.main([str(out), "--n", "8", "ar:1:0:eb", "sbd:4:0.35:threshold"])
@@ -122,7 +122,7 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
 
 
 def test_first_error_kind_classifies_where_a_solution_goes_wrong():
-    from sbd_jax.demo.diagnose import first_error_kind
+    from demos.toy.diagnose import first_error_kind
     sol = ["4", "+", "1", "=", "5", ";", "5", "-", "4", "=", "1", ";", "=", "1"]
     gold = list(range(len(sol)))
 

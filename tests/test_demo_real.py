@@ -17,11 +17,11 @@ import pytest
 from gguf_fixtures import make_tiny_gguf
 
 from sbd_jax.config import ConfigError, from_dict
-from sbd_jax.demo_real import corpus
-from sbd_jax.demo_real.config import RealDemoConfig
-from sbd_jax.demo_real.evaluation import decoders
-from sbd_jax.demo_real.pipeline import run
-from sbd_jax.io.real_model import gguf_path
+from demos.real import corpus
+from demos.real.config import RealDemoConfig
+from demos.real.evaluation import decoders
+from demos.real.pipeline import run
+from demos.real_model import gguf_path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))

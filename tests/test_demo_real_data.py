@@ -1,5 +1,5 @@
 """The real-model demo's data: the stdlib corpus and its split, the function-completion examples, prompt
-truncation, cutting completions, the metrics and the HumanEval harness (sbd_jax/demo_real/)."""
+truncation, cutting completions, the metrics and the HumanEval harness (demos/real/)."""
 import ast
 import json
 import re
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sbd_jax.demo_real import corpus, metrics, tasks
+from demos.real import corpus, metrics, tasks
 
 MODULE = '''"""A fake module."""
 import functools

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from sbd_jax.config import ConfigError
-from sbd_jax.demo_real import reproduce
+from demos.real import reproduce
 
 
 @pytest.fixture(scope="module")

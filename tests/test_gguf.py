@@ -1,4 +1,4 @@
-"""GGUF import (sbd_jax.io.gguf) and the real model (sbd_jax.io.real_model).
+"""GGUF import (sbd_jax.io.gguf) and the real model (demos.real_model).
 
 Synthetic: tiny GGUF files written as llama.cpp writes them (tests/gguf_fixtures.py) convert back to their HF
 weights (exactly in F32, within the quantization step otherwise): this checks the q/k un-permutation without
@@ -31,7 +31,7 @@ from tokenizers import Tokenizer as HFTokenizer
 import sbd_jax
 from sbd_jax.io import gguf as G
 from sbd_jax.io import gguf_tokenizer as GT
-from sbd_jax.io import real_model
+from demos import real_model
 from sbd_jax.io.hf import load_hf_config
 from sbd_jax.io.tokenizer import Tokenizer
 from sbd_jax.models import causal_meta

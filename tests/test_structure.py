@@ -1,11 +1,12 @@
 """The package's structure, read from the source with `ast` (nothing is imported): no module uses another
-module's private names, the modules of sbd_jax/ import each other without cycles (imports inside functions count,
+module's private names, the library (sbd_jax/) never imports the demos (demos/), the modules import each other
+without cycles (imports inside functions count,
 and so do `if TYPE_CHECKING:` ones), no function is longer than 60 lines and no module longer than 400."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PKG = ROOT / "sbd_jax"
+PACKAGES = (ROOT / "sbd_jax", ROOT / "demos")  # the library, and the demos that use it
 MAX_FUNCTION_LINES, MAX_MODULE_LINES = 60, 400
 # namedtuple's API: public although spelled with an underscore
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
@@ -16,7 +17,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+MODULES = {_module_name(p): p for pkg in PACKAGES for p in sorted(pkg.rglob("*.py"))}
 TREES = {name: ast.parse(p.read_text(), str(p)) for name, p in MODULES.items()}
 
 
@@ -107,6 +108,12 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+def test_the_library_does_not_import_the_demos():
+    bad = [f"{m} imports {source}" for m in MODULES if m.startswith("sbd_jax")
+           for source, _, _ in _imports(m) if source.startswith("demos")]
+    assert not bad, "\n".join(bad)
 
 
 def test_no_import_cycles():

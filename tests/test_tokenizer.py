@@ -6,7 +6,7 @@ import pytest
 
 from sbd_jax.config import ConfigError
 from sbd_jax.decoding.prompts import PromptFileError, read_prompts
-from sbd_jax.demo import tokenizer as demo_tok
+from demos.toy import tokenizer as demo_tok
 from sbd_jax.io.tokenizer import Tokenizer, TokenizerError
 from sbd_jax.training.config import DataConfig
 from sbd_jax.training.data import build_iterator

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..demo.report import lossless_points
+from ..toy.report import lossless_points
 
 
 def markdown_table(rows: list[dict], eval_batch: int) -> str:

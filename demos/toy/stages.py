@@ -7,9 +7,9 @@ import json
 import time
 from pathlib import Path
 
-from ..config import ConfigError, ModelConfig, changed_settings, to_dict
-from ..sharding import MeshConfig
-from ..training.config import CheckpointConfig, DataConfig, ModelSource, OptimConfig, SBDConfig, TrainConfig
+from sbd_jax.config import ConfigError, ModelConfig, changed_settings, to_dict
+from sbd_jax.sharding import MeshConfig
+from sbd_jax.training.config import CheckpointConfig, DataConfig, ModelSource, OptimConfig, SBDConfig, TrainConfig
 from . import tasks
 from . import tokenizer as demo_tok
 from .config import DemoConfig
@@ -91,7 +91,7 @@ def check_stage_settings(stage_dir: Path, saved: dict, wanted: dict) -> None:
 
 def stage_train(name: str, tcfg: TrainConfig, log=print) -> Path:
     """Run (or resume, or skip) one training stage; returns its HF export directory (a LoRA run's: its adapter's)."""
-    from ..training import train
+    from sbd_jax.training import train
     out = Path(tcfg.out_dir)
     hf = out / ("adapter" if tcfg.lora else "hf")
     saved = out / "train_config.json"

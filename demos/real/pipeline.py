@@ -23,9 +23,9 @@ from pathlib import Path
 
 import jax
 
-from ..demo.report import write_atomic
-from ..demo.stages import stage_train
-from ..io.tokenizer import Tokenizer
+from ..toy.report import write_atomic
+from ..toy.stages import stage_train
+from sbd_jax.io.tokenizer import Tokenizer
 from .config import RealDemoConfig
 from .evaluation import compare, evaluate
 from .report import acceptance_table, markdown_table, plot

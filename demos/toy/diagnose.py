@@ -1,4 +1,4 @@
-"""`python -m sbd_jax.demo.diagnose [RESULTS_DIR] [--n N] [mode:block:gamma:rule ...]`: where the SBD model
+"""`python -m demos.toy.diagnose [RESULTS_DIR] [--n N] [mode:block:gamma:rule ...]`: where the SBD model
 of a finished demo run loses accuracy, decoded several ways on the first N held-out problems (greedy).
 
 The default decodings separate a weak MATP stream (`ar:1:0:eb`, AR on the NTP logits, vs `sbd:1:0:eb`, the
@@ -57,7 +57,7 @@ def error_breakdown(tok, outputs: list[list[int]], problems: list[dict], correct
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m sbd_jax.demo.diagnose", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m demos.toy.diagnose", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="?", default="results", help="a finished demo's output directory")
     ap.add_argument("specs", nargs="*", help=f"decodings (default: {' '.join(DEFAULT_SPECS)})")
@@ -71,8 +71,8 @@ def main(argv=None):
         if not f.exists():
             raise SystemExit(f"{f} does not exist: run the demo first (make demo) or pass its output directory")
 
-    from ..io.hf import from_pretrained
-    from ..io.tokenizer import Tokenizer
+    from sbd_jax.io.hf import from_pretrained
+    from sbd_jax.io.tokenizer import Tokenizer
     from .evaluation import batch_decoder, decode_all, per_family, problem_prompts, score, suite_width
     tok = Tokenizer.load(root / "data" / "tokenizer")
     problems = [json.loads(line) for line in test_file.read_text().splitlines()][: args.n]

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..decoding.prompts import Prompt
-from ..decoding.runner import BatchDecoder, DecodeOptions
-from ..decoding.spec import DecodeSpec
-from ..io.hf import from_pretrained
-from ..io.tokenizer import Tokenizer
+from sbd_jax.decoding.prompts import Prompt
+from sbd_jax.decoding.runner import BatchDecoder, DecodeOptions
+from sbd_jax.decoding.spec import DecodeSpec
+from sbd_jax.io.hf import from_pretrained
+from sbd_jax.io.tokenizer import Tokenizer
 from . import tasks
 
 

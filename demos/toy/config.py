@@ -1,11 +1,11 @@
-"""The toy demo's settings (`python -m sbd_jax.demo` overrides any field), used by pipeline.py (which re-exports
+"""The toy demo's settings (`python -m demos.toy` overrides any field), used by pipeline.py (which re-exports
 DemoConfig) and stages.py."""
 from __future__ import annotations
 
 import dataclasses
 
-from ..config import ConfigError
-from ..decoding.spec import DEFAULT_BLOCK_SIZE, DRAFT_POLICIES
+from sbd_jax.config import ConfigError
+from sbd_jax.decoding.spec import DEFAULT_BLOCK_SIZE, DRAFT_POLICIES
 
 
 @dataclasses.dataclass(frozen=True)

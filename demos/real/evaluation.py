@@ -1,17 +1,17 @@
 """The real-model demo's evaluation: every decoder completes the held-out stdlib functions and the HumanEval
 problems through decode.py's batch runner, timed at `eval_batch` rows and one prompt at a time; completions are
-cut where the function ends and scored (sbd_jax.demo_real.metrics)."""
+cut where the function ends and scored (demos.real.metrics)."""
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
 
-from ..decoding.prompts import Prompt
-from ..demo.evaluation import Decoder, decode_all, decoder_maker, sbd_decoders, suite_width
-from ..io.hf import from_pretrained
-from ..io.peft import apply_adapter
-from ..io.tokenizer import Tokenizer
+from sbd_jax.decoding.prompts import Prompt
+from ..toy.evaluation import Decoder, decode_all, decoder_maker, sbd_decoders, suite_width
+from sbd_jax.io.hf import from_pretrained
+from sbd_jax.io.peft import apply_adapter
+from sbd_jax.io.tokenizer import Tokenizer
 from . import metrics, tasks
 from .config import RealDemoConfig
 

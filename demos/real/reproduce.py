@@ -5,7 +5,7 @@ from this interpreter's stdlib with the run's settings (refused, naming both fin
 the run's); every adapter row of the table is decoded again and set next to the GPU's: first-line exact,
 similarity, tokens per forward, and the share of functions completed token for token as on the GPU.
 
-  python -m sbd_jax.demo_real.reproduce [--limit N] [--batch B] [--out DIR] [--adapter DIR]
+  python -m demos.real.reproduce [--limit N] [--batch B] [--out DIR] [--adapter DIR]
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..config import ConfigError, from_dict
-from ..demo.report import write_atomic
-from ..io.tokenizer import Tokenizer
+from sbd_jax.config import ConfigError, from_dict
+from ..toy.report import write_atomic
+from sbd_jax.io.tokenizer import Tokenizer
 from . import metrics
 from .config import RealDemoConfig
 from .evaluation import compare, evaluate
@@ -88,7 +88,7 @@ def comparison_table(rows: list[dict], device: str) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m sbd_jax.demo_real.reproduce", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m demos.real.reproduce", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=None, help="the first N held-out functions (default: all)")
     ap.add_argument("--batch", type=int, default=None, help="rows per batch (default: the GPU run's)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..config import apply_overrides, from_dict
+from sbd_jax.config import apply_overrides, from_dict
 
 
 def main(argv, *, prog: str, doc: str, config_cls, run, quick_help: str, default_out: str) -> None:

