@@ -22,6 +22,13 @@ Memory: the device's peak_bytes_in_use (a process-wide high-water mark that neve
 below an earlier one's shows "<= X"), next to XLA's plan for this program: compiled.memory_analysis() arguments +
 temporaries + outputs - aliased (donated) bytes, what bench/plan_memory.py reports for one device.
 A row is appended to --out (markdown) and its JSON twin (.json) as each config finishes.
+
+--profile DIR: after the first config's timing, its step is compiled again without CUDA graphs
+(compiler option xla_gpu_enable_command_buffer="": the profiler does not see kernels inside a graph; the timed
+program is used if that compile fails) and 3 more steps (after one untraced warm-up) run under
+jax.profiler.trace(DIR). The top 25 device ops by total time (share of the device's busy time: the union of
+their intervals) and the busy / wall-clock ratio are printed and written to <out>_profile.md and the JSON
+("profile"). On CPU the trace holds host threads only (XLA's worker threads are taken as the device).
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from profile_decode import busy_us, by_name, device_events, newest_trace  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 from sbd_jax.models import init_params, param_shapes  # noqa: E402
@@ -103,8 +111,53 @@ def peak_bytes():
     return None if not stats or "peak_bytes_in_use" not in stats else stats["peak_bytes_in_use"]
 
 
-def run_config(cfg, L: int, rows: int, args) -> dict:
-    """Build and compile the train step as training does, then time it: {compile_s, step_s, memory...}."""
+def profile_steps(lowered, timed, state, batch, log_dir: Path, steps: int = 3, top: int = 25):
+    """Run `steps` train steps under the JAX profiler (the program compiled again without command buffers,
+    else `timed`) -> (state, {"text": the printed summary, ...}). Never raises for the trace's sake: a missing or
+    empty trace is reported in the text."""
+    try:
+        prog, how = lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": ""}), "no command buffers"
+    except Exception as e:  # an XLA that does not take the option: profile the timed program
+        prog, how = timed, f"the timed program (recompiling without command buffers failed: {type(e).__name__})"
+    state, metrics = prog(state, batch)  # warm-up, untraced (first-execution work stays out of the trace)
+    jax.block_until_ready((state, metrics))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = prog(state, batch)
+            jax.block_until_ready((state, metrics))
+        wall = time.perf_counter() - t0
+    rec = {"program": how, "steps": steps, "wall_s": wall, "dir": str(log_dir)}
+    lines = [f"{steps} steps profiled ({how}): wall {1e3 * wall:.1f} ms = {1e3 * wall / steps:.1f} ms/step"]
+    try:
+        trace = newest_trace(log_dir)
+        events = device_events(trace)
+    except Exception as e:  # no trace written, or one this reader does not understand
+        lines.append(f"no trace to read under {log_dir}: {type(e).__name__}: {e}")
+        return state, rec | {"text": "\n".join(lines)}
+    busy, ops = busy_us(events), by_name(events)
+    summed = sum(us for us, _ in ops.values())
+    rec |= {"trace": str(trace), "busy_s": busy / 1e6, "busy_over_wall": busy / 1e6 / wall, "events": len(events),
+            "op_time_s": summed / 1e6, "top_ops": [{"name": n, "total_s": us / 1e6, "count": c}
+                                                   for n, (us, c) in list(ops.items())[:top]]}
+    if not events:
+        lines.append(f"the trace ({trace}) has no device events (on CPU: no XLA worker-thread events)")
+        return state, rec | {"text": "\n".join(lines)}
+    lines += [f"device busy {busy / 1e3:.1f} ms = {100 * busy / 1e6 / wall:.0f}% of wall ({busy / 1e3 / steps:.1f} "
+              f"ms/step); {len(events)} ops ({len(events) / steps:.0f} per step); the ops' summed time "
+              f"{summed / 1e3:.1f} ms ({summed / max(busy, 1e-9):.2f}x busy: > 1 where ops overlap or nest); trace {trace}", "",
+              f"| op (top {top} by total time) | total ms | share of busy time | count | per step ms | mean us |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for name, (us, n) in list(ops.items())[:top]:
+        lines.append(f"| `{name[:90]}` | {us / 1e3:.2f} | {100 * us / busy:.1f}% | {n} | {us / 1e3 / steps:.2f} | "
+                     f"{us / n:.1f} |")
+    return state, rec | {"text": "\n".join(lines)}
+
+
+def run_config(cfg, L: int, rows: int, args, profile_dir: Path | None = None) -> dict:
+    """Build and compile the train step as training does, then time it: {compile_s, step_s, memory...}; with
+    `profile_dir`, then profile a few more steps (`profile_steps`)."""
     mesh = make_mesh(MeshConfig())
     tx, sched = make_optimizer(OptimConfig(), 1000)
     sh = state_shardings(cfg, tx, mesh)
@@ -114,7 +167,8 @@ def run_config(cfg, L: int, rows: int, args) -> dict:
     step = jit_train_step(make_train_step(cfg, opts, tx, sched, mesh), mesh, sh, rows)
     batch = put_batch(random_batch(cfg, L, rows), mesh, rows)
     t0 = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    lowered = step.lower(state, batch)
+    compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     times = []
@@ -124,12 +178,18 @@ def run_config(cfg, L: int, rows: int, args) -> dict:
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - t0)
     loss = float(metrics["loss"])
-    del state, metrics, compiled, step, batch
+    prof = None
+    if profile_dir is not None:
+        try:  # a failed profile (the profiler, the second compile's memory) keeps the timed row
+            state, prof = profile_steps(lowered, compiled, state, batch, profile_dir)
+        except Exception as e:
+            prof = {"text": f"profiling failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
+    del state, metrics, compiled, lowered, step, batch
     gc.collect()
     plan = {"args": ma.argument_size_in_bytes, "temp": ma.temp_size_in_bytes, "out": ma.output_size_in_bytes,
             "alias": ma.alias_size_in_bytes} if ma is not None else None
     return {"compile_s": compile_s, "step_s": statistics.median(times[args.warmup:]), "step_times_s_incl_warmup": times,
-            "loss": loss, "xla_plan_bytes": plan}
+            "loss": loss, "xla_plan_bytes": plan} | ({"profile": prof} if prof is not None else {})
 
 
 def gib(x) -> str:
@@ -148,6 +208,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of a card not in PEAK_BF16")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU dry run of the same code path)")
     ap.add_argument("--out", default=None, help="markdown file (default $OUT/mfu.md, else bench/results/mfu.md)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="profile 3 more steps of the first config into DIR (see above); summary in <out>_profile.md")
     args = ap.parse_args(argv)
     args.steps = args.steps or (2 if args.tiny else 10)
     rows = {s: r for s, (_, _, r) in SIZES.items()} | per_size(args.batch)
@@ -163,7 +225,8 @@ def main(argv=None) -> int:
         "# SBD train step: model FLOPs utilisation", "",
         f"Command: `{cmd.strip()}`  ",
         f"Date: {datetime.date.today()}; device: {dev.platform} ({dev.device_kind}); jax {jax.__version__}; "
-        f"peak {'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s dense bf16'}  ",
+        f"peak {'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s dense bf16'}; "
+        f"XLA_FLAGS `{os.environ.get('XLA_FLAGS', '')}`  ",
         f"Dual loss ([x ; x_hat], 2L tokens/row), f32 params + AdamW, bf16 compute, attention {args.attention}, "
         f"k ~ U[2, {args.k_max}]; median of {args.steps} steps after {args.warmup} warmup.  ",
         "Model FLOPs = 6 N (2L rows) + 12 layers heads head_dim P rows (N: matmul params incl. lm_head; P: the pairs "
@@ -175,14 +238,14 @@ def main(argv=None) -> int:
     out.write_text("\n".join(header) + "\n")
     print("\n".join(header), flush=True)
     records = []
-    for name in args.configs.split(","):
+    for i, name in enumerate(args.configs.split(",")):
         size, remat = name.split("-", 1)
         cfg, L, B = model_config(size, remat, args.attention, args.tiny), seq[size], rows[size]
         rec = {"config": name, "shape": SIZES[size][0] + (" (tiny)" if args.tiny else ""), "L": L, "rows": B,
                "remat": remat, "vocab": cfg.vocab_size, **model_flops(cfg, L, B, args.k_max)}
         before = peak_bytes()
         try:
-            rec |= run_config(cfg, L, B, args)
+            rec |= run_config(cfg, L, B, args, Path(args.profile) if args.profile and i == 0 else None)
         except Exception as e:  # e.g. out of memory: record it and go on with the next config
             rec["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
         gc.collect()  # after the except clause, which holds the failed config's frames
@@ -205,11 +268,16 @@ def main(argv=None) -> int:
                    f"{mfu} | {mem} | "
                    f"{gib(None if plan is None else plan['args'] + plan['temp'] + plan['out'] - plan['alias'])} |")
         records.append(rec)
+        text = rec.get("profile", {}).pop("text", None)
         with out.open("a") as f:
             f.write(row + "\n")
         out.with_suffix(".json").write_text(json.dumps({"command": cmd.strip(), "device": dev.device_kind,
                                                         "peak_flops": peak, "configs": records}, indent=1))
         print(row, flush=True)
+        if text is not None:
+            text = f"## Profile: {name}, step {rec['step_s'] * 1e3:.1f} ms timed\n\n{text}\n"
+            out.with_name(out.stem + "_profile.md").write_text(f"Command: `{cmd.strip()}`\n\n{text}")
+            print("\n" + text, flush=True)
     print(f"written to {out} and {out.with_suffix('.json')}")
     return 0
 

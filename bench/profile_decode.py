@@ -55,18 +55,29 @@ def busy_us(events: list[dict]) -> float:
     return total
 
 
-def summarize(events: list[dict], wall_s: float, calls: int, top: int) -> str:
+def newest_trace(log_dir: Path) -> Path:
+    """The Perfetto trace `jax.profiler.trace(log_dir, create_perfetto_trace=True)` wrote last."""
+    return max(Path(log_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+
+
+def by_name(events: list[dict]) -> dict[str, list]:
+    """{event name: [total microseconds, count]}, largest total first."""
     by = collections.defaultdict(lambda: [0.0, 0])
     for e in events:
         by[e["name"]][0] += e.get("dur", 0)
         by[e["name"]][1] += 1
+    return dict(sorted(by.items(), key=lambda kv: -kv[1][0]))
+
+
+def summarize(events: list[dict], wall_s: float, calls: int, top: int) -> str:
+    by = by_name(events)
     kernel_us = sum(v[0] for v in by.values())
     busy = busy_us(events)
     lines = [f"wall {1e3 * wall_s:.1f} ms for {calls} model calls = {1e3 * wall_s / calls:.3f} ms/call; device busy "
              f"{busy / 1e3:.1f} ms ({100 * busy / 1e6 / wall_s:.0f}% of wall) = {busy / 1e3 / calls:.3f} ms/call; "
              f"{len(events)} kernels ({len(events) / calls:.0f} per call)", "",
              "| kernel | total ms | share of kernel time | count | per call us | mean us |", "|---|---:|---:|---:|---:|---:|"]
-    for name, (us, n) in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]:
+    for name, (us, n) in list(by.items())[:top]:
         lines.append(f"| `{name[:90]}` | {us / 1e3:.2f} | {100 * us / kernel_us:.1f}% | {n} | {us / calls:.1f} | "
                      f"{us / n:.1f} |")
     return "\n".join(lines)
@@ -117,7 +128,7 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             out = jax.block_until_ready(fn(*args))
             wall = time.perf_counter() - t
-        trace = max(log_dir.rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+        trace = newest_trace(log_dir)
         calls = int(out.iterations)
         print(f"\n## {title}: {int(np.asarray(out.lengths).sum())} tokens in {calls} model calls "
               f"(compiled in {compile_s:.1f} s; trace: {trace})\n")

@@ -41,41 +41,46 @@ def call_costs(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len
 
 
 def measure(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: int) -> tuple[float, ...]:
-    """Each width's loop-step time over the AR step's, fastest of ROUNDS (`loop_seconds`; zero weights of
-    `params`' shapes, greedy, every row mid-way through its cache). A width's step is verify mode's own loop step
-    (the policy's choice, the switch between call kinds, the call) with costs that make the policy choose it."""
+    """Each width's loop-step time over the AR step's, fastest of ROUNDS (`loop_seconds`; greedy, every row mid-way
+    through its cache). A width's step is verify mode's own loop step (the policy's choice, the switch between call
+    kinds, the call) with costs that make the policy choose it. The weights are an argument of the timed programs
+    (not constants baked into them): `params` themselves, or zeros of their shapes while a user's jit traces them."""
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params))
     with jax.ensure_compile_time_eval():
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), params)
+        weights = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), params) if traced else params
         P = max(cache_len - spec.max_new_tokens, 1)
         lengths = jnp.full((batch,), max(P // 2, 1), jnp.int32)
-        env = make_env(zeros, cfg, spec, lengths, jnp.full((batch,), 1 << 30, jnp.int32),  # rows never end
+        env = make_env(weights, cfg, spec, lengths, jnp.full((batch,), 1 << 30, jnp.int32),  # rows never end
                        jnp.zeros((batch,)), jnp.zeros((batch,)), jax.random.split(jax.random.key(0), batch), None)
         state = verify.admit(new_state(env, prompt_seq(jnp.zeros((batch, P), jnp.int32), lengths, spec, env), P), env)
         widths = jnp.arange(len(spec.draft_widths))
 
-    def wide(s, i):  # the loop's step, its policy made to choose width i
-        return verify.step(s, dataclasses.replace(env, call_costs=jnp.where(widths == i, 1e-3, 1e9)))
+    def step_ar(s, i, w):
+        return ar.step(s, dataclasses.replace(env, params=w))
+
+    def wide(s, i, w):  # the loop's step, its policy made to choose width i
+        return verify.step(s, dataclasses.replace(env, params=w, call_costs=jnp.where(widths == i, 1e-3, 1e9)))
 
     # compiled outside compile-time evaluation: a Pallas kernel (GPU/TPU) cannot be traced under it
-    seconds = loop_seconds([lambda s, i: ar.step(s, env)] + [wide] * len(spec.draft_widths), state)
+    seconds = loop_seconds([step_ar] + [wide] * len(spec.draft_widths), state, weights)
     return tuple(t / seconds[0] for t in seconds[1:])
 
 
-def loop_seconds(runs, state) -> list[float]:
-    """Seconds per step of `runs[i](state, i - 1)` run CALLS times in one compiled loop: the fastest of ROUNDS
-    rounds, the runs interleaved (a busy spell of a shared machine then hits them alike)."""
+def loop_seconds(runs, state, weights) -> list[float]:
+    """Seconds per step of `runs[i](state, i - 1, weights)` run CALLS times in one compiled loop: the fastest of
+    ROUNDS rounds, the runs interleaved (a busy spell of a shared machine then hits them alike)."""
     compiled = {}  # one program per distinct run; numpy arguments: concrete also while a user's jit traces
     for r in runs:
         if r not in compiled:
-            compiled[r] = jax.jit(lambda s, i, r=r: jax.lax.fori_loop(0, CALLS, lambda _, x: r(x, i), s)).lower(
-                state, np.int32(0)).compile()
+            loop = lambda s, i, w, r=r: jax.lax.fori_loop(0, CALLS, lambda _, x: r(x, i, w), s)
+            compiled[r] = jax.jit(loop).lower(state, np.int32(0), weights).compile()
     progs = [compiled[r] for r in runs]
     for n, prog in enumerate(progs):
-        jax.block_until_ready(prog(state, np.int32(max(n - 1, 0))))
+        jax.block_until_ready(prog(state, np.int32(max(n - 1, 0)), weights))
     best = [float("inf")] * len(progs)
     for _ in range(ROUNDS):
         for n, prog in enumerate(progs):
             t = time.perf_counter()
-            jax.block_until_ready(prog(state, np.int32(max(n - 1, 0))))
+            jax.block_until_ready(prog(state, np.int32(max(n - 1, 0)), weights))
             best[n] = min(best[n], (time.perf_counter() - t) / CALLS)
     return best
