@@ -13,8 +13,8 @@
 #
 # Stages: prepare (CPU), setup (the carried wheels, see bench/gpu_run.sh), take1/take2 (a piece into the work
 # directory), real-train / real-eval / real (join the pieces, check sha256, `make demo-real` at
-# bench/gpu_campaign.py's size: the two fine-tunes and the LoRA adapter, then the table), info, mfu
-# (bench/bench_mfu.py: MFU_CONFIGS, MFU_STEPS, LIMIT_MFU).
+# bench/gpu_campaign.py's size: the two fine-tunes and the LoRA adapter, then the table), info, mfu and
+# mfu-profile (bench/bench_mfu.py: MFU_CONFIGS, MFU_STEPS, LIMIT_MFU), decode8b (bench/bench_policy8b.py: SLOTS).
 # CAMPAIGN_SIZE=tiny runs every stage at toy size on a CPU (tests/test_gpu_campaign.py).
 set -u
 cd "$(dirname "$0")/.."
@@ -91,6 +91,13 @@ pyarrow.__version__, fsspec.__version__, jax.devices())'" ;;
           fi ;;
     mfu) stage mfu "${LIMIT_MFU:-150}" $PY bench/bench_mfu.py $(tiny --tiny) --steps "${MFU_STEPS:-5}" \
            --configs "${MFU_CONFIGS:-1b-full,1b-save_dots,135m-full,135m-save_dots}" --out "$DEST/mfu.md" ;;
+    # the train step under the profiler (the first config: MFU_CONFIGS, default the 1B shape): where its time goes
+    mfu-profile) stage mfu_profile "${LIMIT_MFU:-150}" $PY bench/bench_mfu.py $(tiny --tiny) --steps "${MFU_STEPS:-5}" \
+                   --configs "${MFU_CONFIGS:-1b-full}" --profile "$WORK/mfu_profile" --out "$DEST/mfu_profile.md" ;;
+    # the drafting policy at Llama-3.1-8B shapes (bench/bench_policy8b.py), one slot count per call (SLOTS: ~5-7
+    # minutes each, mostly compiling; WIDE_COST states the policy's costs and saves two programs)
+    decode8b) stage "decode8b_s${SLOTS:-1}" "${LIMIT_DECODE8B:-560}" $PY bench/bench_policy8b.py $(tiny --tiny) \
+                --slots "${SLOTS:-1}" ${WIDE_COST:+--wide-cost "$WIDE_COST"} --out "$DEST/policy8b_s${SLOTS:-1}.md" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
