@@ -32,12 +32,12 @@ GGUF_NAME = "model.gguf"
 # checkpoint; ~6.5 minutes for the three fine-tunes (10 / 20 / 7.6 steps per second for SBD / NTP / LoRA on the
 # H100 of 2026-11-27, + ~15 s each to load, compile and export). 300 steps taught the mask rows too little
 # (BENCHMARKS.md, "SBD on a real model"). Evaluation (~4 minutes): 128 held-out functions (no HumanEval: ~0 for a
-# 135M model), 160 new tokens, the adaptive lossless policy, EB at two gammas, one threshold row; lossy rows timed
+# 135M model), 160 new tokens, the adaptive lossless policy, EB at three gammas, one threshold row; lossy rows timed
 # at batch 32 only (fewer programs).
 DATA = dict(prompt_tokens=256, n_heldout=128, n_humaneval=0)
 GPU = dict(DATA, seq_len=512, batch_size=16, steps=1200, lr=2e-4, warmup_steps=50, remat="none", dtype="bfloat16",
            checkpoints=1, lora_rank=16, lora_alpha=32.0, lora_lr=1e-3, max_new_tokens=160, eval_batch=32,
-           latency_n=8, latency_lossy=False, lossless_policies=("adaptive",), gammas=(0.35, 1.0),
+           latency_n=8, latency_lossy=False, lossless_policies=("adaptive",), gammas=(0.35, 1.0, 3.0),
            threshold_gammas=(0.35,))
 # the dry run: the GPU settings' stages and options (lossy rows at batch 32 only, one checkpoint, the adapter) with
 # two HumanEval problems (the harness) and one admission of all 5 prompts; a stated verify cost and no threshold
