@@ -97,7 +97,8 @@ pyarrow.__version__, fsspec.__version__, jax.devices())'" ;;
     # the drafting policy at Llama-3.1-8B shapes (bench/bench_policy8b.py), one slot count per call (SLOTS: ~5-7
     # minutes each, mostly compiling; WIDE_COST states the policy's costs and saves two programs)
     decode8b) stage "decode8b_s${SLOTS:-1}" "${LIMIT_DECODE8B:-560}" $PY bench/bench_policy8b.py $(tiny --tiny) \
-                --slots "${SLOTS:-1}" ${WIDE_COST:+--wide-cost "$WIDE_COST"} --out "$DEST/policy8b_s${SLOTS:-1}.md" ;;
+                --slots "${SLOTS:-1}" ${WIDE_COST:+--wide-cost "$WIDE_COST"} ${ROUNDS:+--rounds "$ROUNDS"} \
+                --out "$DEST/policy8b_s${SLOTS:-1}.md" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

@@ -55,7 +55,7 @@ def demo(tmp_path_factory):
     gguf = make_tiny_gguf(tmp / "tiny.gguf", tokenizer_from=gguf_path(), quant="Q8_0")
     lib = _some_stdlib(tmp / "lib")
     proc = campaign(tmp, "prepare", "take1", "info", "mfu", "mfu-profile", "decode8b", "take2", "real", GGUF=str(gguf),
-                    CORPUS_ROOT=str(lib), MFU_CONFIGS="135m-full", MFU_STEPS="2")
+                    CORPUS_ROOT=str(lib), MFU_CONFIGS="135m-full", MFU_STEPS="2", SLOTS="1", WIDE_COST="4", ROUNDS="1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp / "work" / "real" / "results.json").read_text())
     cfg = from_dict(RealDemoConfig, res["config"])

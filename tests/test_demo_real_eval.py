@@ -1,7 +1,7 @@
 """`make demo-real-eval`: the committed SBD LoRA adapter (trained on a GPU, adapters/) on the installed SmolLM2,
 decoded here on the first held-out functions of the GPU run: the completions must be the GPU's token for token
 (AR and lossless; the run's own recorded outputs), lossless must equal AR, and a corpus other than the run's is
-refused."""
+refused. (The lossy rows go through the same code; their figures on more functions: BENCHMARKS.md.)"""
 import json
 
 import pytest
@@ -17,16 +17,15 @@ def out(tmp_path_factory):
 
 def test_the_committed_adapter_decodes_as_on_the_gpu(out):
     rows = reproduce.reproduce(out_dir=str(out), limit=2, batch=2, latency=False, log=lambda *_: None,
-                               select=lambda d: d.mode == "ar" or d.verify or d.gamma == 1.0, wide_cost=4.0)
+                               select=lambda d: d.mode == "ar" or d.verify, wide_cost=4.0)
     by = {(r["mode"], r["verify"]): r for r in rows}
-    assert set(by) == {("ar", False), ("sbd", True), ("sbd", False)}
+    assert set(by) == {("ar", False), ("sbd", True)}
     for r in rows:
         assert r["n_heldout"] == 2 and r["tokens"] > 0
         if r["same_as_gpu"] == 1.0:  # the same completions score the same
             assert (r["first_line_exact"], r["similarity"]) == (r["gpu"]["first_line_exact"], r["gpu"]["similarity"])
     assert by["ar", False]["same_as_gpu"] == 1.0 and by["sbd", True]["same_as_gpu"] == 1.0
     assert by["sbd", True]["same_as_ar"] == 1.0
-    assert by["sbd", False]["tokens_per_forward"] > 1.0  # the adapter's mask predictions decode several tokens a call
     ids = [json.loads(x)["id"] for x in (out / "heldout_subset.jsonl").read_text().splitlines()]
     assert json.loads((out / "compare.json").read_text())["functions"] == ids and len(ids) == 2
     table = (out / "compare.md").read_text()
@@ -39,5 +38,5 @@ def test_another_corpus_is_refused(out, tmp_path):
     fake.mkdir()
     (fake / reproduce.RECORD).write_text(json.dumps({**rec, "corpus": {**rec["corpus"], "fingerprint": "0" * 64,
                                                                        "python": "cpython-3.12.9"}}))
-    with pytest.raises(ConfigError, match="cpython-3.12.9"):  # (the data stage above is reused)
+    with pytest.raises(ConfigError, match="cpython-3.12.9"):  # refused before any model is loaded
         reproduce.reproduce(fake, str(out), limit=1, log=lambda *_: None)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from decoding_fixtures import CFG, LENGTHS, MAX_NEW, make_params, make_prompts, pick_eos
-from sbd_jax.decoding import DecodeError, DecodeSpec, generate, policy
+from sbd_jax.decoding import DecodeError, DecodeSpec, costs, generate, policy
 
 CAPS = np.array([18, 7, 13, 1], np.int32)
 
@@ -41,3 +41,13 @@ def test_failing_drafts_cost_about_one_call_per_token(model):
     assert (np.asarray(v.nfe) <= np.asarray(ar.nfe)).all()
     every = int(policy.explore_every(np.asarray(spec.stated_call_costs())))
     assert int(v.wide_steps) <= int(v.iterations) // every + 1, (int(v.wide_steps), int(v.iterations))
+
+
+def test_cost_measurement_runs_eagerly_on_the_model_weights(model):
+    """`costs.measure` outside any trace (decode.py, the batch runner, the GPU run; inside a user's jit:
+    tests/test_verify.py::test_inside_a_user_jit) measures every draft width, each dearer than an AR call on this
+    CPU (a wider call does more arithmetic)."""
+    params = model[0]
+    spec = DecodeSpec(mode="sbd", verify=True, block_size=16, max_new_tokens=MAX_NEW)
+    got = costs.measure(params, CFG, spec, 2, 128)
+    assert len(got) == len(spec.draft_widths) and all(np.isfinite(got)) and min(got) > 1.0

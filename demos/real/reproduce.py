@@ -17,10 +17,10 @@ from pathlib import Path
 from sbd_jax.config import ConfigError, from_dict
 from ..toy.report import write_atomic
 from sbd_jax.io.tokenizer import Tokenizer
-from . import metrics
+from . import corpus, metrics
 from .config import RealDemoConfig
 from .evaluation import compare, evaluate
-from .stages import stage_base, stage_data
+from .stages import heldout_records, stage_base
 
 ADAPTER = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m-sbd-lora-r16"
 RECORD = "record.json"
@@ -45,23 +45,21 @@ def reproduce(adapter_dir: Path = ADAPTER, out_dir: str = "results/real_eval", l
     settings = {**rec["config"], "out_dir": str(out), "gguf": None, "data_dir": None, **overrides}
     cfg = from_dict(RealDemoConfig, settings)
     cfg = dataclasses.replace(cfg, eval_batch=batch or cfg.eval_batch, latency_n=cfg.latency_n if latency else 0)
-    base = stage_base(cfg, log)
-    files = stage_data(cfg, Tokenizer.load(base), log)
-    corpus = json.loads((Path(files["train"]).parent / "corpus.json").read_text())
-    if corpus["fingerprint"] != rec["corpus"]["fingerprint"]:
-        raise ConfigError(f"this interpreter's stdlib ({corpus['python']}, corpus {corpus['fingerprint'][:12]}) is not "
+    mods = corpus.load(cfg.corpus_root)  # the run's corpus, or a refusal before anything is decoded
+    if mods.fingerprint != rec["corpus"]["fingerprint"]:
+        raise ConfigError(f"this interpreter's stdlib ({mods.python}, corpus {mods.fingerprint[:12]}) is not "
                           f"the corpus the adapter's run was evaluated on ({rec['corpus']['python']}, "
                           f"{rec['corpus']['fingerprint'][:12]}): the held-out functions would differ")
-    held = Path(files["heldout"]).read_text().splitlines()[:limit]
-    subset = out / "heldout_subset.jsonl"
-    write_atomic(subset, "\n".join(held) + "\n")
-    empty = out / "no_humaneval.jsonl"
-    write_atomic(empty, "")
-    records = [json.loads(x) for x in held]
-    ids = [r["id"] for r in records]
-    rows = evaluate(cfg, {"base": base, "lora": (base, Path(adapter_dir))}, {**files, "heldout": subset,
-                    "humaneval": empty}, log, select=lambda d: d.model == "lora" and (select is None or select(d)))
+    base = stage_base(cfg, log)
     tok = Tokenizer.load(base)
+    records = heldout_records(cfg, tok, mods)[:limit]
+    out.mkdir(parents=True, exist_ok=True)
+    subset, empty = out / "heldout_subset.jsonl", out / "no_humaneval.jsonl"
+    write_atomic(subset, "".join(json.dumps(r) + "\n" for r in records))
+    write_atomic(empty, "")
+    ids = [r["id"] for r in records]
+    rows = evaluate(cfg, {"base": base, "lora": (base, Path(adapter_dir))}, {"heldout": subset, "humaneval": empty},
+                    log, select=lambda d: d.model == "lora" and (select is None or select(d)))
     gpu = {r["label"]: r for r in rec["rows"]}
     for r in rows:
         outs = [gpu[r["label"]]["outputs"][i] for i in ids]

@@ -58,17 +58,27 @@ def stage_data(cfg: RealDemoConfig, tok: Tokenizer, log=print) -> dict[str, Path
             return files
     root.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps(spec))
-    opts = tasks.TaskOptions(max_body_lines=cfg.max_body_lines, per_module_cap=cfg.per_module, seed=cfg.seed)
-    encode = lambda text: tok.encode(text, add_special_tokens=False)
+    opts, encode = task_options(cfg), lambda text: tok.encode(text, add_special_tokens=False)
     n_train = _write_jsonl(files["train"], tasks.training_records(mods.train, opts, encode, cfg.prompt_tokens))
-    held = tasks.heldout_records(mods.heldout, opts, encode, cfg.prompt_tokens, limit=cfg.n_heldout)
-    n_held = _write_jsonl(files["heldout"], held)
+    n_held = _write_jsonl(files["heldout"], heldout_records(cfg, tok, mods))
     n_he = _write_jsonl(files["humaneval"], tasks.humaneval_records(encode, cfg.prompt_tokens, limit=cfg.n_humaneval))
     report = {**mods.summary(), "examples": {"train": n_train, "heldout": n_held, "humaneval": n_he}}
     (root / "corpus.json").write_text(json.dumps(report, indent=2))
     log(f"[data] stdlib {len(mods.train)} train / {len(mods.heldout)} held-out modules -> {n_train} training "
         f"functions, {n_held} held-out, {n_he} HumanEval (fingerprint {mods.fingerprint[:12]}) -> {root}")
     return files
+
+
+def task_options(cfg: RealDemoConfig):
+    from .tasks import TaskOptions
+    return TaskOptions(max_body_lines=cfg.max_body_lines, per_module_cap=cfg.per_module, seed=cfg.seed)
+
+
+def heldout_records(cfg: RealDemoConfig, tok: Tokenizer, mods) -> list[dict]:
+    """The held-out functions of corpus `mods` as the data stage writes them (heldout.jsonl's records)."""
+    from .tasks import heldout_records as records
+    encode = lambda text: tok.encode(text, add_special_tokens=False)
+    return records(mods.heldout, task_options(cfg), encode, cfg.prompt_tokens, limit=cfg.n_heldout)
 
 
 def prepared_data(root: Path, spec: dict, log=print) -> dict[str, Path]:
