@@ -40,16 +40,7 @@ pack() {  # what comes back: the logs and the real stage's results (small files)
 }
 trap pack EXIT
 
-stage() {  # stage NAME LIMIT_S CMD...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s): $*"
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
-  local rc=$?
-  echo "=== $name rc=$rc in $((SECONDS - t0))s"
-  tail -n "${TAIL:-25}" "$LOG/$name.log"
-  return $rc
-}
+source bench/stage.sh  # stage NAME LIMIT_S CMD...
 
 take() {  # take N: piece N (its call's carry) into the work directory
   local d=$CARRY/p$1

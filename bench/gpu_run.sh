@@ -19,15 +19,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 
-stage() {  # stage NAME LIMIT_S CMD...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s): $*"
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
-  local rc=$?
-  echo "=== $name rc=$rc in $((SECONDS - t0))s"
-  tail -n "${TAIL:-12}" "$LOG/$name.log"
-}
+source bench/stage.sh  # stage NAME LIMIT_S CMD...
 
 for s in "$@"; do
   case $s in
