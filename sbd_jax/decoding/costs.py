@@ -50,8 +50,10 @@ def measure(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: i
         weights = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), params) if traced else params
         P = max(cache_len - spec.max_new_tokens, 1)
         lengths = jnp.full((batch,), max(P // 2, 1), jnp.int32)
-        env = make_env(weights, cfg, spec, lengths, jnp.full((batch,), 1 << 30, jnp.int32),  # rows never end
+        env = make_env(weights, cfg, spec, lengths, jnp.full((batch,), 1 << 30, jnp.int32),  # rows never end:
                        jnp.zeros((batch,)), jnp.zeros((batch,)), jax.random.split(jax.random.key(0), batch), None)
+        env = dataclasses.replace(env, eos=jnp.full((1,), -1, jnp.int32))  # no cap, no stop id (a finished row
+        # would make the policy fall back to AR calls inside the timed loop)
         state = verify.admit(new_state(env, prompt_seq(jnp.zeros((batch, P), jnp.int32), lengths, spec, env), P), env)
         widths = jnp.arange(len(spec.draft_widths))
 
