@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import sbd_jax
+from sbd_jax.decoding.spec import register_draft_policy
 from sbd_jax.models import param_shapes
 
 CFG = sbd_jax.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -19,6 +20,16 @@ B, P, K, MAX_NEW = 4, 8, 4, 18
 LENGTHS = np.array([8, 5, 3, 6], np.int32)
 BASE = {"max_new_tokens": MAX_NEW, "block_size": K, "finalize_cache": True, "return_cache": True, "pad_id": 0}
 FIELDS = ("tokens", "lengths", "nfe", "stopped_by_eos", "accepted")  # a decoding's per-row results
+
+
+def coin_policy(state, env):
+    """The tests' drafting policy "random": each verify call's kind by a fixed coin on the call count (any sequence
+    of choices must give AR's tokens; tests/brute.py draws the same coins)."""
+    return jax.random.randint(jax.random.fold_in(jax.random.key(0), state.iters), (), 0,
+                              len(env.spec.draft_widths) + 1)
+
+
+register_draft_policy("random", coin_policy)
 
 
 def make_params():

@@ -6,6 +6,7 @@ import pytest
 
 from decoding_fixtures import CFG, LENGTHS, MAX_NEW, make_params, make_prompts, pick_eos
 from sbd_jax.decoding import DecodeError, DecodeSpec, costs, generate, policy
+from sbd_jax.decoding.spec import DRAFT_POLICIES, EXTRA_DRAFT_POLICIES, register_draft_policy
 
 CAPS = np.array([18, 7, 13, 1], np.int32)
 
@@ -27,6 +28,10 @@ def test_tokens_per_wide_call():
         DecodeSpec(verify=True, draft_policy="sometimes")
     with pytest.raises(DecodeError, match="wide_cost"):
         DecodeSpec(verify=True, wide_cost=-1.0)
+    # the tests' coin policy is registered by tests/decoding_fixtures.py, not an option of the library or its CLI
+    assert "random" not in DRAFT_POLICIES and "random" in EXTRA_DRAFT_POLICIES
+    with pytest.raises(ValueError, match="built in"):
+        register_draft_policy("adaptive", lambda state, env: 0)
 
 
 def test_failing_drafts_cost_about_one_call_per_token(model):

@@ -26,9 +26,9 @@ only sets how many calls, and of which width, a row takes.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
+from .spec import EXTRA_DRAFT_POLICIES
 from .state import DecodeEnv, LoopState
 
 DECAY = 0.95  # weight of a row's earlier counts per draft it checks (a memory of about 20 drafts)
@@ -114,8 +114,8 @@ def choose(state: LoopState, env: DecodeEnv):
     policy = env.spec.draft_policy
     if policy in ("always", "never"):
         return jnp.int32(1 if policy == "always" else 0)
-    if policy == "random":
-        return jax.random.randint(jax.random.fold_in(jax.random.key(0), state.iters), (), 0, len(widths) + 1)
+    if policy in EXTRA_DRAFT_POLICIES:
+        return EXTRA_DRAFT_POLICIES[policy](state, env)
     running = ~state.done
     n = jnp.maximum(jnp.sum(running), 1).astype(jnp.float32)
     p = agree_prob(state) * (1.0 - stop_chance(state))

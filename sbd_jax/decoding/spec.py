@@ -10,7 +10,18 @@ import numpy as np
 MODES = ("sbd", "ar")
 RULES = ("eb", "threshold")
 # verify mode's choice per call between a 1-wide AR call and the 2k-wide call that checks and drafts (policy.py)
-DRAFT_POLICIES = ("adaptive", "always", "never", "random")
+DRAFT_POLICIES = ("adaptive", "always", "never")
+# more drafting policies by name: name -> choose(state, env) -> the call's kind (policy.choose's contract);
+# `register_draft_policy` adds one (the tests add a policy that picks by a fixed coin)
+EXTRA_DRAFT_POLICIES: dict = {}
+
+
+def register_draft_policy(name: str, choose) -> None:
+    """Make `DecodeSpec(draft_policy=name)` decide each verify call by `choose(state, env)` (a traced int: 0 = a
+    1-wide AR call, i >= 1 = draft width `spec.draft_widths[i - 1]`). It changes calls only, never tokens."""
+    if name in DRAFT_POLICIES:
+        raise ValueError(f"draft policy {name!r} is built in")
+    EXTRA_DRAFT_POLICIES[name] = choose
 # the defaults of every entry point (generate, DecodeSpec, DecodeOptions, Sampler, decode.py, the demo)
 DEFAULT_GAMMA = 0.35  # acceptance threshold of the rule (the EB rule's middle setting)
 DEFAULT_BLOCK_SIZE = 16  # SBD block size k
@@ -42,8 +53,8 @@ class DecodeSpec:
     # clean queries; the output equals AR mode's for the same key, drafts only decide how many calls it takes
     verify: bool = False
     # verify mode: "adaptive" drafts where the rows' recent acceptance pays for the wider call on this device
-    # (policy.py); "always" / "never" force the 2k-wide / the 1-wide AR call, "random" picks by a fixed coin
-    # (tests: any sequence of choices gives AR's tokens). Never changes a row's tokens, only its calls.
+    # (policy.py); "always" / "never" force the 2k-wide / the 1-wide AR call; or a name given to
+    # `register_draft_policy`. Never changes a row's tokens, only its calls.
     draft_policy: str = "adaptive"
     # verify mode: what a 2k-wide call costs in 1-wide calls at this batch (None: measured once on this device,
     # costs.py); the adaptive policy drafts while the expected tokens per wide call exceed it
@@ -74,8 +85,9 @@ class DecodeSpec:
             raise DecodeError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.rule not in RULES:
             raise DecodeError(f"rule must be one of {RULES}, got {self.rule!r}")
-        if self.draft_policy not in DRAFT_POLICIES:
-            raise DecodeError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}")
+        if self.draft_policy not in DRAFT_POLICIES and self.draft_policy not in EXTRA_DRAFT_POLICIES:
+            raise DecodeError(f"draft_policy must be one of {DRAFT_POLICIES + tuple(EXTRA_DRAFT_POLICIES)}, got "
+                              f"{self.draft_policy!r}")
         if self.wide_cost is not None and not (isinstance(self.wide_cost, (int, float)) and self.wide_cost > 0):
             raise DecodeError(f"wide_cost must be a positive number (a 2k-wide call's cost in 1-wide calls) or None "
                               f"(measured), got {self.wide_cost!r}")
