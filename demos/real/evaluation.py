@@ -86,14 +86,18 @@ def load_models(models: dict[str, Path | tuple[Path, Path]]) -> dict:
     return loaded
 
 
-def evaluate(cfg: RealDemoConfig, models: dict[str, Path | tuple[Path, Path]], files: dict[str, Path], log=print,
-             done: dict[str, dict] | None = None, on_row=None, select=None) -> list[dict]:
+def read_records(path: Path) -> list[dict]:
+    """The records of a data stage's jsonl file (heldout.jsonl, humaneval.jsonl)."""
+    return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+
+
+def evaluate(cfg: RealDemoConfig, models: dict[str, Path | tuple[Path, Path]], held: list[dict],
+             humaneval: list[dict], log=print, done: dict[str, dict] | None = None, on_row=None,
+             select=None) -> list[dict]:
     """Every decoder of `decoders(cfg)` whose model is in `models` (and that `select(decoder)` keeps, when given),
-    in `eval_order`.
-    `done`: rows finished earlier by label (not decoded again); `on_row(row)`: called after each row (e.g. to save
-    it). The tokenizer is the base model's (`models["base"]`)."""
+    in `eval_order`, on the held-out and HumanEval records. `done`: rows finished earlier by label (not decoded
+    again); `on_row(row)`: called after each row (e.g. to save it). The tokenizer is the base model's."""
     tok = Tokenizer.load(models["base"])
-    held, humaneval = ([json.loads(x) for x in files[n].read_text().splitlines()] for n in ("heldout", "humaneval"))
     todo = [d for d in decoders(cfg) if d.model in models and (select is None or select(d))]
     loaded = load_models({k: v for k, v in models.items() if any(d.model == k for d in todo)})
     rows: list[dict | None] = [None] * len(todo)

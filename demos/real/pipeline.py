@@ -27,7 +27,7 @@ from ..toy.report import write_atomic
 from ..toy.stages import stage_train
 from sbd_jax.io.tokenizer import Tokenizer
 from .config import RealDemoConfig
-from .evaluation import compare, evaluate
+from .evaluation import compare, evaluate, read_records
 from .report import acceptance_table, markdown_table, plot
 from .stages import stage_base, stage_data, train_config
 
@@ -70,28 +70,36 @@ def run(cfg: RealDemoConfig, log=print, *, train_only: bool = False) -> list[dic
         log(f"[eval] reusing {res_file}")
         rows = prev["rows"]
     else:
-        store = out / "eval_rows.jsonl"  # every finished row (with its outputs): a stopped run resumes by row
-        done = {}
-        if store.exists():
-            lines = [json.loads(x) for x in store.read_text().splitlines() if x.strip()]
-            if lines and lines[0].get("config") == settings:
-                done = {r["label"]: r for r in lines[1:]}
-                log(f"[eval] reusing {len(done)} finished rows of {store}")
-        if not done:
-            write_atomic(store, json.dumps({"config": settings}) + "\n")
-        finished = list(done.values())
-
-        def on_row(r):
-            with store.open("a") as f:
-                f.write(json.dumps(r) + "\n")
-            finished.append(r)
-            report(finished, final=False)
-
-        rows = report(evaluate(cfg, models, files, log, done=done, on_row=on_row), final=True)
+        rows = report(evaluate_by_row(cfg, models, files, out / "eval_rows.jsonl", settings,
+                                      lambda finished: report(finished, final=False), log), final=True)
     plot(rows, out / "quality_vs_speedup.png")
     log("\n" + (out / "table.md").read_text())
     log(f"table: {out / 'table.md'}  json: {res_file}  plot: {out / 'quality_vs_speedup.png'} ({time.time() - t0:.0f}s)")
     return rows
+
+
+def evaluate_by_row(cfg: RealDemoConfig, models: dict, files: dict[str, Path], store: Path, settings: dict,
+                    progress, log=print) -> list[dict]:
+    """`evaluate`, every finished row (with its outputs) appended to `store` under the run's settings, so that a
+    stopped run resumes by row; `progress(rows so far)` after each."""
+    done = {}
+    if store.exists():
+        lines = [json.loads(x) for x in store.read_text().splitlines() if x.strip()]
+        if lines and lines[0].get("config") == settings:
+            done = {r["label"]: r for r in lines[1:]}
+            log(f"[eval] reusing {len(done)} finished rows of {store}")
+    if not done:
+        write_atomic(store, json.dumps({"config": settings}) + "\n")
+    finished = list(done.values())
+
+    def on_row(r):
+        with store.open("a") as f:
+            f.write(json.dumps(r) + "\n")
+        finished.append(r)
+        progress(finished)
+
+    held, humaneval = (read_records(files[n]) for n in ("heldout", "humaneval"))
+    return evaluate(cfg, models, held, humaneval, log, done=done, on_row=on_row)
 
 
 def training_record(out: Path) -> dict:

@@ -53,13 +53,9 @@ def reproduce(adapter_dir: Path = ADAPTER, out_dir: str = "results/real_eval", l
     base = stage_base(cfg, log)
     tok = Tokenizer.load(base)
     records = heldout_records(cfg, tok, mods)[:limit]
-    out.mkdir(parents=True, exist_ok=True)
-    subset, empty = out / "heldout_subset.jsonl", out / "no_humaneval.jsonl"
-    write_atomic(subset, "".join(json.dumps(r) + "\n" for r in records))
-    write_atomic(empty, "")
     ids = [r["id"] for r in records]
-    rows = evaluate(cfg, {"base": base, "lora": (base, Path(adapter_dir))}, {"heldout": subset, "humaneval": empty},
-                    log, select=lambda d: d.model == "lora" and (select is None or select(d)))
+    rows = evaluate(cfg, {"base": base, "lora": (base, Path(adapter_dir))}, records, [], log,
+                    select=lambda d: d.model == "lora" and (select is None or select(d)))
     gpu = {r["label"]: r for r in rec["rows"]}
     for r in rows:
         outs = [gpu[r["label"]]["outputs"][i] for i in ids]
@@ -67,6 +63,7 @@ def reproduce(adapter_dir: Path = ADAPTER, out_dir: str = "results/real_eval", l
         r["gpu"] = {**metrics.heldout_scores(records, [tok.decode(o) for o in outs]),  # the same functions
                     "tokens_per_forward": gpu[r["label"]]["tokens_per_forward"]}
     rows = compare(rows)
+    out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "compare.json", json.dumps({"adapter": str(adapter_dir), "functions": ids, "rows": rows}, indent=1))
     table = comparison_table(rows, rec["device"])
     write_atomic(out / "compare.md", table)
