@@ -22,12 +22,13 @@ the random model with EB gammas that force --tpf tokens per forward, as bench/be
 Every prompt is --prompt tokens (random ids), --new tokens are generated with EOS ignored, greedy; one batch of
 `slots` prompts per round. Each round runs every decoder once (interleaved), --rounds rounds; tokens/s from the
 median round's seconds (the runner's decoding time: prefill included, compilation apart). Verify starts each run
-with no draft memory (a fresh `decode_prompts` call's cold start). Its one-off call-cost measurement
-(sbd_jax.decoding.costs, once per slot count) is timed apart and its result recorded; --wide-cost states it
-instead (skipping two compiled programs per slot count).
+with no draft memory (a fresh `decode_prompts` call's cold start). Its call costs are the cost model's
+(modes/verify/costs.py) unless --wide-cost states them; with --calibrate, `calibrate` also times the same steps
+once per slot count (apart from the rounds; 4 more programs to compile) and both are recorded, which is how the
+cost model is checked on this device.
 
 Compiled programs per slot count: AR, verify (random and agree share it), SBD (all --tpf share it: gamma is an
-argument), and the cost measurement's two (an AR-step loop and a verify-step loop): 5, or 3 with --wide-cost;
+argument), and with --calibrate its four (an AR-step loop and one verify-step loop per draft width);
 plus once per process init_params and unstack_layers' small slicing programs. (ar-agree, a check that AR on the
 agreeing model gives token 0 everywhere at AR's speed, shares AR's program.)
 
@@ -65,7 +66,8 @@ import numpy as np  # noqa: E402
 
 from shapes import SHAPES, describe  # noqa: E402
 
-from sbd_jax.decoding import DecodeSpec, costs  # noqa: E402
+from sbd_jax.decoding import DecodeSpec  # noqa: E402
+from sbd_jax.decoding.modes.verify import calibrate, costs  # noqa: E402
 from sbd_jax.decoding.checks import check_model  # noqa: E402
 from sbd_jax.decoding.prompts import Prompt  # noqa: E402
 from sbd_jax.decoding.runner import BatchDecoder, DecodeOptions, check_prompts  # noqa: E402
@@ -86,8 +88,10 @@ def parse(argv=None):
     ap.add_argument("--decoders", default="ar,verify,verify-agree,sbd", help=f"comma list of {DECODERS}")
     ap.add_argument("--wide-cost", default=None,
                     help="verify: state DecodeSpec.wide_cost instead of measuring it (the library's default): one "
-                         "number, or per slot count '1=1.2,16=2.1,64=3' (slot counts not named are measured)")
+                         "number, or per slot count '1=1.2,16=2.1,64=3' (slot counts not named: the cost model)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="also time verify's call costs (`calibrate`) per slot count, next to the cost model's")
     ap.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas"],
                     help="attention_impl (auto: Pallas on GPU/TPU, XLA on CPU)")
     ap.add_argument("--cache-dir", default=None,
@@ -181,21 +185,24 @@ def variants(params, agree, cfg, a, slots: int) -> list[Variant]:
 
 
 def verify_spec(a, slots: int) -> DecodeSpec:
-    """Verify mode, the default adaptive policy; wide_cost measured unless --wide-cost states it for `slots`."""
+    """Verify mode, the default adaptive policy; wide_cost the cost model's unless --wide-cost states it for
+    `slots`."""
     return DecodeSpec(mode="sbd", verify=True, block_size=a.block, max_new_tokens=a.new, eos_ids=(),
                       wide_cost=a.wide_cost.get(slots))
 
 
 def measure_costs(params, cfg, a, slots: int) -> dict | None:
-    """The policy's call costs at this slot count (what verify's programs will use), timed: the measurement
-    compiles and runs its own two programs once per process and shape (costs.py)."""
+    """The policy's call costs at this slot count (what verify's programs use: stated, else the cost model's
+    estimate) next to `calibrate`'s timing of the same steps (what validates the cost model on this device)."""
     if "verify" not in {n.split("-")[0] for n in a.decoders}:
         return None
     spec = verify_spec(a, slots)
     t = time.perf_counter()
-    c = costs.call_costs(params, cfg, spec, slots, a.prompt + a.new)
-    return {"widths": list(spec.draft_widths), "costs": [round(float(x), 3) for x in c],
-            "measured": spec.wide_cost is None, "seconds": round(time.perf_counter() - t, 2)}
+    timed = calibrate(params, cfg, spec, slots, a.prompt + a.new) if a.calibrate else None
+    return {"widths": list(spec.draft_widths),
+            "costs": [round(float(x), 3) for x in costs.call_costs(params, cfg, spec, slots, a.prompt + a.new)],
+            "stated": spec.wide_cost is not None, "calibrated": timed and list(timed),
+            "calibrate_seconds": round(time.perf_counter() - t, 2)}
 
 
 def finish(vs: list[Variant], slots: int, a) -> list[dict]:
@@ -264,7 +271,8 @@ def main(argv=None) -> int:
         f"weights (init + unstack {init_s:.1f} s)  ",
         f"Prompts: {a.prompt} random ids each, one batch of `slots` prompts; {a.new} new tokens, EOS ignored, "
         f"greedy; block k={k}; verify: draft widths {DecodeSpec(block_size=k).draft_widths}, wide_cost "
-        f"{'stated ' + str(a.wide_cost) + ', else ' if a.wide_cost else ''}measured (costs.py), each run from no "
+        f"{'stated ' + str(a.wide_cost) + ', else ' if a.wide_cost else ''}the cost model's (costs.py; calibrate's "
+        "timing of the same steps recorded beside it), each run from no "
         "draft memory.  ",
         f"tokens/s: the median of {a.rounds} interleaved rounds (decoding seconds incl. the prefill, compilation "
         "apart). weights \"agree\": the random weights with the final norm's scale 0 (logits 0: every draft agrees "
@@ -289,7 +297,8 @@ def main(argv=None) -> int:
         if c is not None:
             record["costs"][str(slots)] = c
             costs_lines.append(f"slots {slots}: widths {c['widths']} cost {c['costs']} (1-wide calls; "
-                               f"{'measured in ' + str(c['seconds']) + ' s' if c['measured'] else 'stated'})")
+                               f"{'stated' if c['stated'] else 'estimated'}; calibrate timed {c['calibrated']} "
+                               f"in {c['calibrate_seconds']} s)")
             print(f"[slots {slots}] call costs: {costs_lines[-1]}", flush=True)
         for r in range(a.rounds):
             for v in vs:

@@ -21,7 +21,8 @@ import numpy as np
 
 from sbd_jax.attention import clean_meta, concat_meta, copy_meta
 from sbd_jax.config import ModelConfig
-from sbd_jax.decoding import DecodeSpec, GenerateOutput, check_request, costs, sampling
+from sbd_jax.decoding import DecodeSpec, DraftMemory, GenerateOutput, VerifyStats, check_request, sampling
+from sbd_jax.decoding.modes.verify import costs
 from sbd_jax.models.transformer import forward
 
 
@@ -171,9 +172,8 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
     out = np.full((B, max_new_tokens), pad, np.int32)
     for b in range(B):
         out[b, :n_gen[b]] = seq[b, lengths[b]:lengths[b] + n_gen[b]]
-    zeros = jnp.zeros((B,), jnp.int32)
     return GenerateOutput(jnp.asarray(out), jnp.asarray(n_gen), jnp.asarray(nfe), jnp.asarray(stopped_eos),
-                          jnp.int32(calls), jnp.int32(wide), jnp.asarray(accepted), zeros, zeros, None)
+                          jnp.int32(calls), jnp.int32(wide), jnp.asarray(accepted), None, None)
 
 
 EVENTS: set[str] = set()  # how rows of the last brute_force_verify call stopped (for tests to assert coverage)
@@ -202,15 +202,15 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
     proposed, agreed = np.zeros(B, np.int32), np.zeros(B, np.int32)
     trials, hits = np.zeros(B, np.float32), np.zeros(B, np.float32)
     pool = np.zeros(2, np.float32)                               # decayed (trials, hits) over all rows
-    start = np.zeros(5, np.float32) if draft_memory is None else np.asarray(draft_memory, np.float32)
-    pool[:] = start[[1, 0]]
+    start = DraftMemory.empty() if draft_memory is None else draft_memory
+    pool[:] = start.trials, start.hits
     calls = wide_calls = 0
-    since_wide = int(start[4])
+    since_wide = int(start.since_wide)
     costs_w = np.asarray(costs.call_costs(params, cfg, spec, B, prompt_ids.shape[1] + max_new_tokens), np.float32)
     cols = np.broadcast_to(np.arange(W, dtype=np.int32), (B, W))
     while not done.all():
         verified = np.array([n_gen[b] if done[b] else todo[b][0] + 1 for b in range(B)], np.float32)
-        stops = np.float32(start[2] + np.sum(stopped_eos & done)) / np.float32(max(start[3] + verified.sum(), 1.0))
+        stops = np.float32(start.stops + np.sum(stopped_eos & done)) / np.float32(max(start.tokens + verified.sum(), 1.0))
         w = _width_choice(spec, calls, trials, hits, pool, done, since_wide, costs_w, stops,
                           np.maximum(cap - verified, 1))  # 0: AR
         calls += 1
@@ -293,10 +293,11 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
     out = np.full((B, max_new_tokens), pad, np.int32)
     for b in range(B):
         out[b, :n_gen[b]] = seq[b, lengths[b]:lengths[b] + n_gen[b]]
+    memory = DraftMemory(jnp.float32(pool[1]), jnp.float32(pool[0]), jnp.float32(start.stops + np.sum(stopped_eos)),
+                         jnp.float32(start.tokens + np.sum(n_gen)), jnp.int32(since_wide))
     return GenerateOutput(jnp.asarray(out), jnp.asarray(n_gen), jnp.asarray(nfe), jnp.asarray(stopped_eos),
-                          jnp.int32(calls), jnp.int32(wide_calls), jnp.asarray(accepted), jnp.asarray(proposed),
-                          jnp.asarray(agreed), jnp.asarray([pool[1], pool[0], start[2] + np.sum(stopped_eos),
-                                                            start[3] + np.sum(n_gen), since_wide], jnp.float32), None)
+                          jnp.int32(calls), jnp.int32(wide_calls), jnp.asarray(accepted),
+                          VerifyStats(jnp.asarray(proposed), jnp.asarray(agreed), memory), None)
 
 
 def _width_choice(spec: DecodeSpec, calls: int, trials, hits, pool, done, since_wide, costs_w, stops, left) -> int:

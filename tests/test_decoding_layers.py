@@ -1,24 +1,37 @@
-"""The decoding package's structure: continuous batching's per-row reset covers every per-row field of
-the loop state (derived from its type). (Private imports and size limits: tests/test_structure.py, for all of sbd_jax.)"""
+"""The decoding package's structure: continuous batching's per-row reset (`state.put_rows`) covers every per-row
+field of the loop state, a mode's own state included (found by type, not listed). (Private imports and size
+limits: tests/test_structure.py, for all of sbd_jax.)"""
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from decoding_fixtures import CFG
 
 from sbd_jax.decoding import DecodeSpec
-from sbd_jax.decoding.state import ROW_FIELDS, LoopState, make_env, new_state, prompt_seq
+from sbd_jax.decoding.modes import mode_of
+from sbd_jax.decoding.state import make_env, new_state, prompt_seq, put_rows
 
 
-def test_row_fields_are_exactly_the_per_row_fields_of_the_state():
-    B = 3
-    spec = DecodeSpec(max_new_tokens=6, block_size=4)
+@pytest.mark.parametrize("verify", [False, True], ids=["sbd", "verify"])
+def test_put_rows_resets_exactly_the_per_row_fields(verify):
+    spec = DecodeSpec(max_new_tokens=6, block_size=4, verify=verify)
 
-    def build():
+    def build(B):
         lengths = jnp.ones((B,), jnp.int32)
         env = make_env({}, CFG, spec, lengths, lengths, jnp.zeros((B,)), jnp.zeros((B,)),
                        jax.random.split(jax.random.key(0), B), None)
-        return new_state(env, prompt_seq(jnp.zeros((B, 5), jnp.int32), lengths, spec, env), 5)
+        return new_state(env, prompt_seq(jnp.zeros((B, 5), jnp.int32), lengths, spec, env), 5,
+                         mode_of(spec).init_state(env, B, None))
 
-    state = jax.eval_shape(build)
-    per_row = {f for f in LoopState._fields if f != "cache" and getattr(state, f).shape[:1] == (B,)}
-    assert set(ROW_FIELDS) == per_row and {"iters", "wide", "cache"}.isdisjoint(ROW_FIELDS)
-
+    B = 3
+    old = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(lambda: build(B))._replace(cache=None))
+    new = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), jax.eval_shape(lambda: build(2))._replace(cache=None))
+    got = put_rows(old, new, jnp.array([0, 2]))
+    leaves = jax.tree_util.tree_leaves_with_path(got)
+    assert any("mode_state" in jax.tree_util.keystr(p) for p, _ in leaves) == verify
+    for path, x in leaves:
+        x = np.asarray(x)
+        if x.shape[:1] == (B,):  # per row: rows 0 and 2 reset, row 1 kept
+            assert x[[0, 2]].all() and not x[1].any(), jax.tree_util.keystr(path)
+        else:  # over the batch (call counts, the policy's memory): kept
+            assert not x.any(), jax.tree_util.keystr(path)

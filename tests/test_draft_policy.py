@@ -1,11 +1,16 @@
 """Verify mode's drafting policy (sbd_jax/decoding/policy.py): its expected tokens per call, the
 options' checks, and drafts that fail costing about one call per token, like AR. (Every decision giving AR's
 tokens and the no-cache oracle's calls: tests/test_verify.py.)"""
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from decoding_fixtures import CFG, LENGTHS, MAX_NEW, make_params, make_prompts, pick_eos
-from sbd_jax.decoding import DecodeError, DecodeSpec, costs, generate, policy
+from sbd_jax.decoding import DecodeError, DecodeSpec, generate
+from sbd_jax.config import ModelConfig
+from sbd_jax.decoding.modes.verify import calibrate, costs, policy
+from sbd_jax.models.transformer import init_params
 from sbd_jax.decoding.spec import DRAFT_POLICIES, EXTRA_DRAFT_POLICIES, register_draft_policy
 
 CAPS = np.array([18, 7, 13, 1], np.int32)
@@ -26,7 +31,7 @@ def test_tokens_per_wide_call():
         assert (np.diff(tau) >= -1e-6).all()
     with pytest.raises(DecodeError, match="draft_policy"):
         DecodeSpec(verify=True, draft_policy="sometimes")
-    with pytest.raises(DecodeError, match="wide_cost"):
+    with pytest.raises(DecodeError, match="wide_cost must be a positive number"):
         DecodeSpec(verify=True, wide_cost=-1.0)
     # the tests' coin policy is registered by tests/decoding_fixtures.py, not an option of the library or its CLI
     assert "random" not in DRAFT_POLICIES and "random" in EXTRA_DRAFT_POLICIES
@@ -48,11 +53,34 @@ def test_failing_drafts_cost_about_one_call_per_token(model):
     assert int(v.wide_steps) <= int(v.iterations) // every + 1, (int(v.wide_steps), int(v.iterations))
 
 
-def test_cost_measurement_runs_eagerly_on_the_model_weights(model):
-    """`costs.measure` outside any trace (decode.py, the batch runner, the GPU run; inside a user's jit:
-    tests/test_verify.py::test_inside_a_user_jit) measures every draft width, each dearer than an AR call on this
-    CPU (a wider call does more arithmetic)."""
+def test_calibrate_times_every_width_and_its_result_is_stated(model):
+    """`calibrate` (an explicit step, outside any trace) times every draft width, each dearer than an AR call on
+    this CPU (a wider call does more arithmetic); its result is a valid `wide_cost`, used as given. Inside a
+    trace it refuses: it would compile and time programs there."""
     params = model[0]
     spec = DecodeSpec(mode="sbd", verify=True, block_size=16, max_new_tokens=MAX_NEW)
-    got = costs.measure(params, CFG, spec, 2, 128)
+    got = calibrate(params, CFG, spec, 2, 128)
     assert len(got) == len(spec.draft_widths) and all(np.isfinite(got)) and min(got) > 1.0
+    stated = DecodeSpec.make(spec, wide_cost=got)
+    assert stated.stated_call_costs() == got == costs.call_costs(params, CFG, stated, 2, 128)
+    with pytest.raises(DecodeError, match="outside jax.jit"):
+        jax.jit(lambda p: jnp.asarray(calibrate(p, CFG, spec, 2, 128)))(params)
+    for bad in ((2.0, 3.0), (2.0, -1.0, 3.0), "4"):
+        with pytest.raises(DecodeError, match="one per draft width"):
+            DecodeSpec.make(spec, wide_cost=bad)
+
+
+def test_the_cost_model_reads_shapes_only():
+    """The default costs: arithmetic on shapes and a backend's constants (no device work; `jax.ShapeDtypeStruct`
+    weights do). An 8B bf16 model at batch 1 reads 16 GB of weights per call whatever its width, so on a GPU a
+    wide call costs about what a 1-wide one does; at batch 64 the 2k-wide call is compute-bound and costs several.
+    Every width costs more than the next narrower one."""
+    cfg = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                      param_dtype="bfloat16", dtype="bfloat16", mask_token_id=128255)
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    spec = DecodeSpec(mode="sbd", verify=True, block_size=16, max_new_tokens=256)
+    one, many = (costs.estimate(shapes, cfg, spec, b, 1280, backend="gpu") for b in (1, 64))
+    assert max(one) < 1.25 and many[0] > 3.0
+    for c in (one, many, costs.estimate(shapes, cfg, spec, 1, 1280, backend="cpu")):
+        assert all(a > b > 1.0 for a, b in zip(c, c[1:])), c

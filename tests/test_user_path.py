@@ -126,7 +126,7 @@ def test_text_api(export):
         out = sampler(inputs, chat=True, verify=True, wide_cost=1.5, max_new_tokens=64, block_size=16)
         assert [o["text"] for o in out] == [ANSWERS["bye"], ANSWERS["hi"]]
         seen.append(sampler.draft_memory)
-    assert seen[1][3] == seen[0][3] + sum(len(o["tokens"]) for o in out)  # tokens of the rows so far
+    assert seen[1].tokens == seen[0].tokens + sum(len(o["tokens"]) for o in out)  # tokens of the rows so far
     with pytest.raises(sbd_jax.decoding.DecodeError, match="input 0: expected a string"):
         sampler([{"role": "user"}])
 

@@ -10,7 +10,7 @@ import pytest
 
 import brute
 from decoding_fixtures import CFG, LENGTHS, MAX_NEW, make_params, make_prompts, outputs
-from sbd_jax.decoding import DecodeError, DecodeSpec, costs, generate
+from sbd_jax.decoding import DecodeError, DecodeSpec, DraftMemory, generate
 
 B = len(LENGTHS)
 CAPS = np.array([18, 7, 13, 1], np.int32)  # per-row max_new_tokens, not multiples of k (and a 1-token row)
@@ -57,14 +57,12 @@ def test_verify_equals_ar_and_the_no_cache_verifier(params, prompts, eos, how, p
         np.testing.assert_array_equal(got[f], ar[f], err_msg=f"{f} != AR's")
     ref = brute.brute_force_verify(params, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=k,
                                    max_new_tokens=MAX_NEW, row_max_new_tokens=CAPS, **kw)
-    for f in v._fields[:-1]:
-        np.testing.assert_array_equal(np.asarray(getattr(v, f)), np.asarray(getattr(ref, f)),
-                                      err_msg=f"{f} != the oracle's")
+    assert_same_run(v, ref)
     seen[how] |= brute.EVENTS
     # every call of a row is counted once with the tokens it added: never 0, and they sum to the output
     acc = got["accepted"]
     assert (acc.sum(1) == got["nfe"]).all() and (acc @ np.arange(k + 1) == got["lengths"]).all()
-    assert acc[:, 0].sum() == 0 and (np.asarray(v.agreed) <= np.asarray(v.drafts)).all()
+    assert acc[:, 0].sum() == 0 and (np.asarray(v.mode_stats.agreed) <= np.asarray(v.mode_stats.drafts)).all()
     if pol == "never":
         assert int(v.wide_steps) == 0 and (got["nfe"] == ar["nfe"]).all()
     if pol == "always":
@@ -80,19 +78,35 @@ def test_a_batch_starts_from_an_earlier_memory(params, prompts, eos):
     kw = dict(key=jax.random.key(3), eos_ids=(eos,), temperature=0.0, **POLICIES["adaptive"])
     ar = outputs(_ar(params, prompts, key=kw["key"], eos_ids=(eos,)))
     cold = _verify(params, prompts, 16, **kw)
-    told = np.array([1e4, 1e4, 0.0, 1e6, 0.0], np.float32)  # every draft agreed, no row stopped by EOS
+    told = DraftMemory(hits=1e4, trials=1e4, stops=0.0, tokens=1e6, since_wide=0)  # every draft agreed, no EOS
     warm = _verify(params, prompts, 16, draft_memory=told, **kw)
     ref = brute.brute_force_verify(params, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=16,
                                    max_new_tokens=MAX_NEW, row_max_new_tokens=CAPS, draft_memory=told, **kw)
-    for f in warm._fields[:-1]:
-        np.testing.assert_array_equal(np.asarray(getattr(warm, f)), np.asarray(getattr(ref, f)), err_msg=f)
+    assert_same_run(warm, ref)
     np.testing.assert_array_equal(np.asarray(warm.tokens), ar["tokens"])
     assert int(warm.wide_steps) > int(cold.wide_steps)
-    for out, start in ((cold, np.zeros(5)), (warm, told)):
-        np.testing.assert_allclose(np.asarray(out.draft_memory)[2:4], start[2:4] + [ar["stopped_by_eos"].sum(),
-                                                                                     ar["lengths"].sum()])
-    with pytest.raises(DecodeError, match="draft_memory must be an earlier GenerateOutput"):
-        _verify(params, prompts, 16, draft_memory=np.zeros(2), **kw)
+    for out, start in ((cold, DraftMemory.empty()), (warm, told)):
+        m = out.mode_stats.memory
+        np.testing.assert_allclose([m.stops, m.tokens], [start.stops + ar["stopped_by_eos"].sum(),
+                                                         start.tokens + ar["lengths"].sum()])
+    again = _verify(params, prompts, 16, draft_memory=warm.mode_stats.memory.as_dict(), **kw)  # as a summary has it
+    assert_same_run(again, _verify(params, prompts, 16, draft_memory=warm.mode_stats.memory, **kw))
+    with pytest.raises(DecodeError, match="draft_memory must be a DraftMemory"):
+        _verify(params, prompts, 16, draft_memory=np.zeros(5), **kw)
+    with pytest.raises(DecodeError, match="give it to a verify=True run"):
+        _ar(params, prompts, draft_memory=told)
+
+
+def assert_same_run(got, want):
+    """Every output field equal (the mode's stats and memory included), the cache apart."""
+    for path, a in jax.tree_util.tree_leaves_with_path(got._replace(cache=None)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(_at(want, path)), err_msg=jax.tree_util.keystr(path))
+
+
+def _at(tree, path):
+    for p in path:
+        tree = getattr(tree, p.name) if hasattr(p, "name") else tree[p.idx]
+    return tree
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +116,23 @@ def seen():
 
 
 def test_inside_a_user_jit(params, prompts, eos):
-    """The adaptive policy with no stated `wide_cost` inside a user's jit: its costs are measured (costs.py) while
-    the user's function traces, and the tokens are AR's. (The suite's other verify tests state `wide_cost`.)"""
+    """The adaptive policy with no stated `wide_cost` inside a user's jit: its costs come from the cost model
+    (arithmetic on shapes), so tracing and lowering the user's function compiles nothing and times nothing; the
+    compiled function's tokens are AR's. (The suite's other verify tests state `wide_cost`.)"""
     spec = DecodeSpec(mode="sbd", verify=True, block_size=4, max_new_tokens=MAX_NEW, eos_ids=(eos,))
-    for key in [k for k in costs.MEASURED if k[0] == CFG and k[1] == spec.draft_widths]:
-        del costs.MEASURED[key]  # measured here, not by an earlier test of this process
-    f = jax.jit(lambda p, x, t: generate(p, CFG, x, LENGTHS, spec, gamma=t).tokens)  # costs measured while tracing
-    got = f(params, prompts, jnp.float32(2.0))
-    assert any(k[0] == CFG and k[1] == spec.draft_widths for k in costs.MEASURED), "no costs were measured"
+    f = jax.jit(lambda p, x, t: generate(p, CFG, x, LENGTHS, spec, gamma=t).tokens)
+    compiles = []
+
+    def count(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        lowered = f.lower(params, prompts, jnp.float32(2.0))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert compiles == [], f"{len(compiles)} backend compilations while the user's function traced"
+    got = lowered.compile()(params, prompts, jnp.float32(2.0))
     want = generate(params, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=(eos,)).tokens
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(DecodeError, match="verify=True is a mode of SBD decoding"):
@@ -132,7 +155,7 @@ def test_fewer_calls_than_ar_when_drafts_are_right(eos):
         v = generate(p, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=4, max_new_tokens=MAX_NEW,
                      eos_ids=(eos,), **POLICIES[pol])
         np.testing.assert_array_equal(np.asarray(v.tokens), np.asarray(ar.tokens))
-        assert (np.asarray(v.agreed) == np.asarray(v.drafts)).all()  # every draft stood
+        assert (np.asarray(v.mode_stats.agreed) == np.asarray(v.mode_stats.drafts)).all()  # every draft stood
         if pol == "always":  # the first call drafts 3, then each call adds 4 (3 drafts + AR's next)
             assert (np.asarray(v.nfe) <= -(-MAX_NEW // 4) + 1).all()
             assert np.asarray(v.accepted)[:, 4].sum() >= B * (MAX_NEW // 4 - 1)  # whole blocks per call

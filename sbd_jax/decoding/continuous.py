@@ -7,12 +7,12 @@ takes the next prompt without waiting for the others and without recompiling.
   * Device side, three compiled programs per spec and slot layout, kept in a `ProgramCache` (`PROGRAMS`, shared
     by the decoders of a process unless one is given). `run_slots` is the decode loop (the same mode step as
     `generate`), left when every row is done or, while prompts wait, as soon as a row finishes. `admit_slots`
-    puts new prompts into free slots: their rows of the loop state are reset (the fields `state.ROW_FIELDS`
-    derives from `LoopState`'s type), the slot's cache length set to the prompt's (what a previous row left
-    beyond it is never attended again) and the prompt's K/V written in `prefill_chunk` pieces by a forward over
-    those rows and a prompt-wide cache only (one program per power-of-two count of rows, at most `admit_rows`:
-    that cache holds rows x prompt width tokens, 4 GiB for 16 rows of 2048 at 8B, so a larger admission runs in
-    groups with the same prefill work).
+    puts new prompts into free slots: their rows of the loop state are reset (`state.put_rows` finds the fields
+    by their `Row` type, the mode's own state included; the mode's `retire` first takes in the leaving rows), the
+    slot's cache length set to the prompt's (what a previous row left beyond it is never attended again) and the
+    prompt's K/V written in `prefill_chunk` pieces by a forward over those rows and a prompt-wide cache only
+    (one program per power-of-two count of rows, at most `admit_rows`: that cache holds rows x prompt width
+    tokens, 4 GiB for 16 rows of 2048 at 8B, so a larger admission runs in groups with the same prefill work).
   * A new row's first call is then the loop's ordinary step: SBD's first COPY block over the cached prompt;
     AR's prompt is prefilled but for its last token, which the first step runs to yield the first token. So a
     row makes the same calls, draws the same random numbers (fold_in(key_b, nfe)) and counts the same NFE as
@@ -33,14 +33,13 @@ import numpy as np
 from ..config import ModelConfig
 from ..models.transformer import KVCache, init_cache
 from ..sharding import mesh_context
-from . import costs, policy
 from .checks import check_fits, check_stream_prompt
 from .loop import run_loop
 from .modes import mode_of
 from .prefill import write_prompt
-from .results import RowResult, row_result
+from .results import RowResult, row_result, row_stats
 from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
-from .state import ROW_FIELDS, LoopState, make_env, new_state, prompt_seq, with_memory
+from .state import LoopState, make_env, new_state, prompt_seq, put_rows
 
 
 class SlotRows(NamedTuple):
@@ -60,27 +59,27 @@ class Slots(NamedTuple):
     rows: SlotRows
 
 
-def _env(params, cfg, spec, rows: SlotRows, mesh, call_costs=None):
+def _env(params, cfg, spec, rows: SlotRows, mesh):
     return make_env(params, cfg, spec, rows.lengths, rows.max_new, rows.gamma, rows.temp,
-                    jax.random.wrap_key_data(rows.keys), mesh, call_costs)
+                    jax.random.wrap_key_data(rows.keys), mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh", "slots", "width"))
-def empty_slots(params, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None, slots: int, width: int):
-    """The state and rows of `slots` idle slots."""
+def empty_slots(params, memory, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None, slots: int, width: int):
+    """The state and rows of `slots` idle slots (the mode's state starting from `memory`)."""
     rows = SlotRows(jnp.ones((slots,), jnp.int32), jnp.ones((slots,), jnp.int32), jnp.zeros((slots,), jnp.float32),
                  jnp.zeros((slots,), jnp.float32), jnp.zeros((slots, 2), jnp.uint32))
     env = _env(params, cfg, spec, rows, mesh)
     seq = prompt_seq(jnp.zeros((slots, width), jnp.int32), rows.lengths, spec, env)
-    return new_state(env, seq, width, done=jnp.ones((slots,), bool)), rows
+    return new_state(env, seq, width, mode_of(spec).init_state(env, slots, memory), done=jnp.ones((slots,), bool)), rows
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"), donate_argnums=(1,))
-def run_slots(params, state: LoopState, rows: SlotRows, stop_at_finish, call_costs, *, cfg: ModelConfig,
+def run_slots(params, state: LoopState, rows: SlotRows, stop_at_finish, *, cfg: ModelConfig,
               spec: DecodeSpec, mesh=None):
     """Decode until every row is done or (`stop_at_finish`) a row that was running finishes."""
     with mesh_context(mesh):
-        return run_loop(state, _env(params, cfg, spec, rows, mesh, call_costs), mode_of(spec).step, stop_at_finish)
+        return run_loop(state, _env(params, cfg, spec, rows, mesh), mode_of(spec).step, stop_at_finish)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"), donate_argnums=(1,))
@@ -95,7 +94,8 @@ def admit_slots(params, state: LoopState, rows: SlotRows, slot_R, prompt_RP, new
         put = lambda a, v: a.at[slot_R].set(v, mode="drop")  # noqa: E731 - rows of the slots
         rows = SlotRows(*(put(a, v) for a, v in zip(rows, new)))
         env, new_env, mode = _env(params, cfg, spec, rows, mesh), _env(params, cfg, spec, new, None), mode_of(spec)
-        fresh = mode.admit(new_state(new_env, prompt_seq(prompt_RP, new.lengths, spec, env), P), new_env)
+        fresh = mode.admit(new_state(new_env, prompt_seq(prompt_RP, new.lengths, spec, env), P,
+                                     mode.init_state(new_env, R, None)), new_env)
         # the prompts' K/V (AR and verify mode leave the last prompt token to the first step) in a cache of the
         # prompt width only (attention over P slots, not P + max_new), then copied into these rows' slots [0, P)
         C = min(spec.prefill_chunk, P)
@@ -104,8 +104,7 @@ def admit_slots(params, state: LoopState, rows: SlotRows, slot_R, prompt_RP, new
         cache, _ = write_prompt(params, cfg, init_cache(cfg, R, width, state.cache.k.dtype),
                                 jnp.pad(prompt_RP, ((0, 0), (0, width - P))), upto,
                                 -(-jnp.max(upto) // C), C)  # only the pieces these prompts reach
-        state = policy.fold_rows(state, slot_R)  # the rows leaving these slots join verify's counts
-        state = state._replace(**{f: put(getattr(state, f), getattr(fresh, f)) for f in ROW_FIELDS})
+        state = put_rows(mode.retire(state, slot_R), fresh, slot_R)  # the leaving rows retire, the new ones reset
         state = state._replace(
             seq=env.constrain(state.seq),
             cache=env.constrain(KVCache(state.cache.k.at[:, slot_R, :P].set(cache.k[:, :, :P], mode="drop"),
@@ -188,11 +187,9 @@ class ContinuousDecoder:
         self.calls = 0  # batched model calls of the decode loop so far (admissions' prefills apart)
         self._programs: dict = {}  # name -> the compiled program this decoder uses
         self._layout = tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in jax.tree.leaves(params))
-        self.call_costs = np.asarray(costs.call_costs(params, cfg, spec, slots, prompt_width + spec.max_new_tokens),
-                                     np.float32)
-        # verify mode: what the drafting policy learned (`GenerateOutput.draft_memory`); `init` starts from it,
-        # `decode` leaves what it learned here
-        self.draft_memory = draft_memory
+        # verify mode: what the drafting policy learned (`GenerateOutput.mode_stats.memory`; None in the other
+        # modes); `init` starts from it, `decode` leaves what it learned here
+        self.draft_memory = mode_of(spec).start_from(draft_memory)
 
     def _program(self, name: str, fn, *args, **static):
         """`fn` compiled ahead of time (its compile time kept apart from decoding time), once per program cache
@@ -206,8 +203,8 @@ class ContinuousDecoder:
 
     def init(self) -> Slots:
         """Every slot idle (the drafting policy starting from `draft_memory`)."""
-        state, rows = self._program("empty", empty_slots, self.params, slots=self.slots, width=self.width)(self.params)
-        return Slots(state if self.draft_memory is None else with_memory(state, np.asarray(self.draft_memory)), rows)
+        args = (self.params, mode_of(self.spec).start_from(self.draft_memory))
+        return Slots(*self._program("empty", empty_slots, *args, slots=self.slots, width=self.width)(*args))
 
     def admit(self, slots: Slots, entries: list[tuple[int, Request]]) -> Slots:
         """Start each request in its (free) slot, `admit_rows` prompts per admission call."""
@@ -233,18 +230,18 @@ class ContinuousDecoder:
 
     def step(self, slots: Slots, more_waiting: bool) -> Slots:
         """Decode until every row is done or, when `more_waiting` (prompts wait for a slot), a row finishes."""
-        args = (self.params, slots.state, slots.rows, np.bool_(more_waiting), self.call_costs)
+        args = (self.params, slots.state, slots.rows, np.bool_(more_waiting))
         return slots._replace(state=self._program("run", run_slots, *args)(*args))
 
     def harvest(self, slots: Slots, owned) -> list[tuple[int, RowResult]]:
         """The results of the finished rows among the slots `owned` (one device-to-host read)."""
         state = slots.state
-        done, n, nfe, eos, accepted, lengths, seq, iters, drafts, agreed = jax.device_get(
+        done, n, nfe, eos, accepted, lengths, seq, iters, stats = jax.device_get(
             (state.done, state.n_generated, state.nfe, state.eos, state.accepted, slots.rows.lengths, state.seq,
-             state.iters, state.proposed, state.agreed))
+             state.iters, mode_of(self.spec).report(state)))
         self.calls = int(iters)
         return [(b, row_result(seq[b, lengths[b]:lengths[b] + n[b]].tolist(), int(nfe[b]), bool(eos[b]),
-                               accepted[b].tolist(), (drafts[b], agreed[b]) if self.spec.verify else None))
+                               accepted[b].tolist(), row_stats(stats, b)))
                 for b in owned if done[b]]
 
     def decode(self, requests: Iterable[Request]) -> Iterator[tuple[int, RowResult]]:
@@ -267,8 +264,9 @@ class ContinuousDecoder:
             slots = self.step(slots, waiting is not None)
             for b, result in self.harvest(slots, list(owner)):
                 yield owner.pop(b), result
-        if self.spec.verify:
-            self.draft_memory = np.asarray(jax.device_get(policy.memory(slots.state)))
+        memory = mode_of(self.spec).memory(slots.state)
+        if memory is not None:
+            self.draft_memory = jax.device_get(memory)
 
 
 def decode_stream(params, cfg: ModelConfig, prompts: Iterable, spec: DecodeSpec, *, slots: int, prompt_width: int,

@@ -30,6 +30,7 @@ state in state.py, the prompt prefill in prefill.py, the request checks in check
 from __future__ import annotations
 
 import functools
+import typing
 from typing import NamedTuple
 
 import jax
@@ -38,12 +39,12 @@ import jax.numpy as jnp
 from ..config import ModelConfig
 from ..models.transformer import KVCache
 from ..sharding import mesh_context
-from . import costs, policy, sampling
+from . import sampling
 from .checks import check_request
 from .loop import run_loop
 from .modes import mode_of
-from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
-from .state import DRAFT_MEMORY, DecodeEnv, LoopState, gather, make_env, new_state, prompt_seq
+from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeSpec
+from .state import DecodeEnv, LoopState, gather, make_env, new_state, prompt_seq
 
 
 class GenerateOutput(NamedTuple):
@@ -51,10 +52,10 @@ class GenerateOutput(NamedTuple):
     included), nfe [B] model calls, stopped_by_eos [B], iterations (model calls of the batch = loop iterations
     + 1; more than the largest NFE when rows waited for a commit quorum), wide_steps (SBD iterations that used
     the 2k commit window), accepted [B, window + 1]: per row, how many of its model calls decoded 0, 1, ...
-    window tokens of the output (SBD: counted when their block ends; verify mode: when the call ends), drafts
-    [B] verify mode: drafts placed, agreed [B] of them those that stood (0 in the other modes), draft_memory [5]
-    verify mode: what the drafting policy learned (policy.memory), for the next call's `draft_memory`, cache
-    (KVCache or None)."""
+    window tokens of the output (SBD: counted when their block ends; verify mode: when the call ends),
+    mode_stats: what the mode reports of its own state (verify mode: `VerifyStats` - drafts placed and drafts
+    that stood per row, and the policy's `memory` for a later call's `draft_memory`; None in the other modes),
+    cache (KVCache or None)."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -63,9 +64,7 @@ class GenerateOutput(NamedTuple):
     iterations: jax.Array
     wide_steps: jax.Array
     accepted: jax.Array
-    drafts: jax.Array
-    agreed: jax.Array
-    draft_memory: jax.Array
+    mode_stats: typing.Any = None
     cache: KVCache | None = None
 
     @property
@@ -89,9 +88,9 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: D
     key: PRNG key (typed or raw), or one per row [B] (then a row's output does not depend on its
       batch). Default key 0. Unused when every temperature is 0.
     row_max_new_tokens [B] int: each row's own cap, <= the spec's `max_new_tokens` (the static cache size).
-    draft_memory [5]: verify mode's drafting policy starts from what an earlier call learned (its output's
-      `draft_memory`, the same model: a batch then drafts from its first call as the model's drafts earned and
-      keeps its exploration schedule), else from nothing.
+    draft_memory: verify mode's drafting policy starts from what an earlier call learned (a `DraftMemory`:
+      its output's `mode_stats.memory`, the same model: a batch then drafts from its first call as the model's
+      drafts earned and keeps its exploration schedule), else from nothing.
 
     Pure and static-shaped: works eagerly and inside a user's `jax.jit` (then gamma, temperature, keys
     and prompts may be traced).
@@ -116,29 +115,26 @@ def prepare_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths,
         check_request(cfg, spec, prompt_ids.shape, prompt_lengths=prompt_lengths, prompt_ids=prompt_ids,
                       gamma=gamma, temperature=temperature, row_max_new_tokens=row_max_new_tokens)
     B = prompt_ids.shape[0]
-    if draft_memory is not None and jnp.shape(draft_memory) != (len(DRAFT_MEMORY),):
-        raise DecodeError(f"draft_memory must be an earlier GenerateOutput's `draft_memory` (shape "
-                          f"({len(DRAFT_MEMORY)},)), got shape {jnp.shape(draft_memory)}")
+    memory = mode_of(spec).start_from(draft_memory)
     keys = sampling.row_keys(jax.random.key(0) if key is None else key, B)
     args = (params, prompt_ids.astype(jnp.int32), jnp.asarray(prompt_lengths, jnp.int32),
             jnp.broadcast_to(jnp.asarray(gamma, jnp.float32), (B,)),
             jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,)), keys,
             jnp.broadcast_to(jnp.asarray(spec.max_new_tokens if row_max_new_tokens is None else row_max_new_tokens,
                                          jnp.int32), (B,)),
-            jnp.asarray(costs.call_costs(params, cfg, spec, B, prompt_ids.shape[1] + spec.max_new_tokens), jnp.float32),
-            jnp.zeros((len(DRAFT_MEMORY),), jnp.float32) if draft_memory is None
-            else jnp.asarray(draft_memory, jnp.float32))
+            memory)
     return args, {"cfg": cfg, "spec": spec, "mesh": mesh}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"))
-def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, max_new_B, call_costs=None,
-                 draft_memory=None, *, cfg: ModelConfig, spec: DecodeSpec, mesh=None) -> GenerateOutput:
+def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, max_new_B, draft_memory=None, *,
+                 cfg: ModelConfig, spec: DecodeSpec, mesh=None) -> GenerateOutput:
     with mesh_context(mesh):  # ambient while tracing: attention_impl="pallas" then runs per shard
         P = prompt_ids.shape[1]
         mode = mode_of(spec)
-        env = make_env(params, cfg, spec, lengths, max_new_B, gamma_B, temp_B, keys_B, mesh, call_costs)
-        state = new_state(env, prompt_seq(prompt_ids, lengths, spec, env), P, draft_memory=draft_memory)
+        env = make_env(params, cfg, spec, lengths, max_new_B, gamma_B, temp_B, keys_B, mesh)
+        state = new_state(env, prompt_seq(prompt_ids, lengths, spec, env), P,
+                          mode.init_state(env, prompt_ids.shape[0], draft_memory))
         state = mode.first(state, env, prompt_ids)
         state = run_loop(state, env, mode.step)
         cache = mode.finalize(state, env) if spec.finalize_cache else state.cache
@@ -152,7 +148,6 @@ def output(state: LoopState, env: DecodeEnv, cache=None) -> GenerateOutput:
     out = jnp.where(j < state.n_generated[:, None], gather(state.seq, env.lengths[:, None] + j), spec.pad(env.cfg))
     return GenerateOutput(tokens=out, lengths=state.n_generated, nfe=state.nfe, stopped_by_eos=state.eos,
                           iterations=state.iters, wide_steps=state.wide, accepted=state.accepted,
-                          drafts=state.proposed, agreed=state.agreed,
-                          draft_memory=policy.memory(state), cache=cache)
+                          mode_stats=mode_of(spec).report(state), cache=cache)
 
 

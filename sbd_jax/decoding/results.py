@@ -29,14 +29,21 @@ class RowResult(TypedDict):
     ar: NotRequired[RowResult]  # compare_ar: the same prompt decoded by AR
 
 
+def row_stats(stats, b: int) -> dict:
+    """Row `b`'s entries of a mode's report (`GenerateOutput.mode_stats` on the host: its [B] fields, e.g. verify
+    mode's drafts and agreed; {} for a mode with none)."""
+    if stats is None:
+        return {}
+    return {f: int(v[b]) for f, v in stats._asdict().items() if getattr(v, "ndim", 0) == 1}
+
+
 def row_result(tokens: list[int], nfe: int, eos: bool, accepted: list[int] | None = None,
-               drafts: tuple[int, int] | None = None) -> RowResult:
-    """`drafts`: verify mode's (drafts placed, drafts that stood)."""
+               stats: dict | None = None) -> RowResult:
+    """`stats`: the row's entries of its mode's report (`row_stats`)."""
     n = len(tokens)
     row = RowResult(tokens=tokens, n_tokens=n, nfe=nfe, tokens_per_forward=n / max(nfe, 1),
                     stop="eos" if eos else "length")
     if accepted is not None:
         row["accepted"] = accepted
-    if drafts is not None:
-        row["drafts"], row["agreed"] = int(drafts[0]), int(drafts[1])
+    row.update(stats or {})
     return row

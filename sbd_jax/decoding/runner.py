@@ -25,7 +25,8 @@ import numpy as np
 from ..config import ModelConfig
 from .decoder import generate_jit, prepare_generate
 from .prompts import Prompt
-from .results import RowResult, row_result
+from .modes import mode_of
+from .results import RowResult, row_result, row_stats
 from . import checks
 from .checks import check_model, check_rate, max_prompt_width
 from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
@@ -85,7 +86,8 @@ class BatchDecoder:
         self.params, self.cfg, self.opts, self.mesh = params, cfg, opts, mesh
         self._compiled: dict = {}
         self.compile_s = 0.0
-        self.draft_memory = draft_memory  # verify mode: what the drafting policy learned (each batch starts from it)
+        # verify mode: what the drafting policy learned (each batch starts from it; None in the other modes)
+        self.draft_memory = mode_of(opts.spec).start_from(draft_memory)
 
     def arrays(self, batch: list[Prompt]):
         B, P = self.opts.batch_size, prompt_width(self.cfg, self.opts, batch)
@@ -119,12 +121,13 @@ class BatchDecoder:
         t = time.perf_counter()
         out = jax.block_until_ready(self._compiled[sig](*args))
         secs = time.perf_counter() - t
-        if mode == o.spec.mode:
-            self.draft_memory = out.draft_memory
+        stats = jax.tree.map(_host, out.mode_stats)
+        if mode == o.spec.mode and stats is not None:
+            self.draft_memory = stats.memory
         n = len(batch)
-        res = {f: _host(getattr(out, f))[:n] for f in ("tokens", "lengths", "nfe", "stopped_by_eos", "accepted",
-                                                        "drafts", "agreed")}
+        res = {f: _host(getattr(out, f))[:n] for f in ("tokens", "lengths", "nfe", "stopped_by_eos", "accepted")}
         res["calls"] = int(out.iterations)
+        res["stats"] = [row_stats(stats, i) for i in range(n)]
         return res, secs
 
     def decode(self, prompts: list[Prompt], on_row: Callable[[Prompt, dict], None] = lambda p, r: None,
@@ -144,7 +147,7 @@ class BatchDecoder:
                 ares, asecs = self.run(batch, "ar")
                 ar.add(ares, asecs)
             for i, p in enumerate(batch):
-                row = _row(res, i, opts.spec.verify)
+                row = _row(res, i)
                 if with_ar:
                     row["ar"] = _row(ares, i)
                     if row["ar"]["tokens"] != row["tokens"]:
@@ -154,8 +157,8 @@ class BatchDecoder:
                     progress.update(1)
         summary = dict(mode=opts.spec.mode, verify=opts.spec.verify, **main.as_dict(opts.spec),
                        compile_seconds=round(self.compile_s, 3))
-        if opts.spec.verify and self.draft_memory is not None:
-            summary["draft_memory"] = [float(x) for x in _host(self.draft_memory)]
+        if self.draft_memory is not None:
+            summary["draft_memory"] = self.draft_memory.as_dict()
         if with_ar:
             _compare(summary, ar, differ)
         return summary
@@ -196,15 +199,15 @@ class Totals:
     calls: int = 0  # batched model calls of the decode loops (prefill pieces apart)
     seconds: float = 0.0
     accepted: np.ndarray | None = None  # model calls that decoded 0, 1, ... tokens (summed over rows)
-    drafts: int = 0  # verify mode: drafts placed
-    agreed: int = 0  # verify mode: drafts that stood
+    stats: dict = dataclasses.field(default_factory=dict)  # sums of the rows' mode stats (verify: drafts, agreed)
 
     def add(self, res, secs):
         self.rows += len(res["lengths"])
         self.tokens += int(res["lengths"].sum())
         self.nfe += int(res["nfe"].sum())
-        self.drafts += int(np.sum(res.get("drafts", 0)))
-        self.agreed += int(np.sum(res.get("agreed", 0)))
+        for row in res.get("stats", ()):
+            for f, v in row.items():
+                self.stats[f] = self.stats.get(f, 0) + v
         self.calls += res.get("calls", 0)
         self.seconds += secs
         hist = res["accepted"].sum(0)
@@ -212,8 +215,8 @@ class Totals:
 
     def add_row(self, row: dict):
         self.add({"lengths": np.asarray([row["n_tokens"]]), "nfe": np.asarray([row["nfe"]]),
-                  "accepted": np.asarray([row["accepted"]]), "drafts": row.get("drafts", 0),
-                  "agreed": row.get("agreed", 0)}, 0.0)
+                  "accepted": np.asarray([row["accepted"]]),
+                  "stats": [{f: row[f] for f in ("drafts", "agreed") if f in row}]}, 0.0)
 
     def as_dict(self, spec: DecodeSpec | None = None):
         """The totals; for verify mode (`spec`) also the drafts and the ceiling: tokens per forward if every
@@ -224,8 +227,8 @@ class Totals:
                "tokens_per_forward": self.tokens / self.nfe if self.nfe else float("nan"),
                "accepted_per_forward": [] if self.accepted is None else self.accepted.tolist()}
         if spec is not None and spec.verify:
-            out.update(drafts=self.drafts, drafts_agreed=self.agreed,
-                       draft_acceptance=self.agreed / self.drafts if self.drafts else 0.0,
+            drafts, agreed = self.stats.get("drafts", 0), self.stats.get("agreed", 0)
+            out.update(drafts=drafts, drafts_agreed=agreed, draft_acceptance=agreed / drafts if drafts else 0.0,
                        tokens_per_forward_ceiling=float(spec.block_size))
         return out
 
@@ -285,14 +288,14 @@ def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: De
     main = totals[modes[0]]
     summary = dict(mode=opts.spec.mode, verify=opts.spec.verify, **main.as_dict(opts.spec), compile_seconds=round(compile_s, 3),
                    continuous=True)
-    if opts.spec.verify and draft_memory is not None:
-        summary["draft_memory"] = [float(x) for x in np.asarray(draft_memory)]
+    if draft_memory is not None:
+        summary["draft_memory"] = draft_memory.as_dict()
     if len(modes) > 1:
         _compare(summary, totals["ar"], differ)
     return summary
 
 
-def _row(res, i, verify: bool = False) -> RowResult:
+def _row(res, i) -> RowResult:
     n = int(res["lengths"][i])
     return row_result(res["tokens"][i, :n].tolist(), int(res["nfe"][i]), bool(res["stopped_by_eos"][i]),
-                      drafts=(res["drafts"][i], res["agreed"][i]) if verify and "drafts" in res else None)
+                      stats=res["stats"][i] if "stats" in res else None)

@@ -14,6 +14,7 @@ from .prompts import Prompt, row_ids
 from .results import RowResult
 from .runner import DecodeOptions, check_prompts, decode_prompts
 from .checks import check_finite_params, check_model
+from .modes.verify import DraftMemory
 from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
 
 
@@ -119,7 +120,8 @@ class Sampler:
             on_row(p, r)
         summary = decode_prompts(self.params, self.cfg, prompts, opts, mesh=self.mesh, on_row=with_text,
                                  progress=progress, checked=True, draft_memory=self.draft_memory)
-        self.draft_memory = summary.get("draft_memory", self.draft_memory)
+        if "draft_memory" in summary:  # verify mode: what its policy learned, for the next call (a DraftMemory)
+            self.draft_memory = DraftMemory.checked(summary["draft_memory"])
         return summary
 
     def __call__(self, inputs: Sequence, *, chat: bool = False, **options) -> list[RowResult]:

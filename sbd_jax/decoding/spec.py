@@ -37,6 +37,10 @@ class PromptTooLongError(DecodeError):
     """Prompt + max_new_tokens do not fit the cache / the model's positions."""
 
 
+def _is_positive(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and x > 0
+
+
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -56,9 +60,10 @@ class DecodeSpec:
     # (policy.py); "always" / "never" force the 2k-wide / the 1-wide AR call; or a name given to
     # `register_draft_policy`. Never changes a row's tokens, only its calls.
     draft_policy: str = "adaptive"
-    # verify mode: what a 2k-wide call costs in 1-wide calls at this batch (None: measured once on this device,
-    # costs.py); the adaptive policy drafts while the expected tokens per wide call exceed it
-    wide_cost: float | None = None
+    # verify mode: what a 2k-wide call costs in 1-wide calls at this batch (narrower ones in proportion to their
+    # width), or one cost per draft width (`calibrate`'s result); None: the cost model's estimate (modes/verify/
+    # costs.py). The adaptive policy drafts while the expected tokens per unit of cost beat AR's.
+    wide_cost: float | tuple[float, ...] | None = None
     top_k: int = 0  # 0 = off; top_k and top_p shape the sampling distribution, not the entropies
     top_p: float = 1.0  # 1 = off
     tempered_entropy: bool = False  # entropies on the tempered distribution for rows with temperature > 0
@@ -88,9 +93,15 @@ class DecodeSpec:
         if self.draft_policy not in DRAFT_POLICIES and self.draft_policy not in EXTRA_DRAFT_POLICIES:
             raise DecodeError(f"draft_policy must be one of {DRAFT_POLICIES + tuple(EXTRA_DRAFT_POLICIES)}, got "
                               f"{self.draft_policy!r}")
-        if self.wide_cost is not None and not (isinstance(self.wide_cost, (int, float)) and self.wide_cost > 0):
-            raise DecodeError(f"wide_cost must be a positive number (a 2k-wide call's cost in 1-wide calls) or None "
-                              f"(measured), got {self.wide_cost!r}")
+        wc = self.wide_cost
+        if isinstance(wc, (list, tuple)):
+            object.__setattr__(self, "wide_cost", wc := tuple(wc))
+        n = len(self.draft_widths)
+        if wc is not None and not (_is_positive(wc) or (isinstance(wc, tuple) and len(wc) == n
+                                                           and all(map(_is_positive, wc)))):
+            raise DecodeError(f"wide_cost must be a positive number (a 2k-wide call's cost in 1-wide calls), {n} of "
+                              f"them (one per draft width {self.draft_widths}, as `calibrate` returns) or None (the "
+                              f"cost model), got {self.wide_cost!r}")
         if self.verify and self.mode != "sbd":
             raise DecodeError("verify=True is a mode of SBD decoding (mode='sbd'); AR mode is what it reproduces")
         for name, low in (("max_new_tokens", 1), ("block_size", 1), ("top_k", 0), ("prefill_chunk", 1)):
@@ -130,9 +141,11 @@ class DecodeSpec:
         return tuple(sorted({k} | {w for w in (k // 2, k // 4) if w >= 2}, reverse=True))
 
     def stated_call_costs(self) -> tuple[float, ...]:
-        """Per draft width, a 2w-wide call's cost in 1-wide calls from `wide_cost` (the 2k-wide call's; narrower
-        ones in proportion to their width; 1.0 without one)."""
-        c = 1.0 if self.wide_cost is None else float(self.wide_cost)
+        """Per draft width, a 2w-wide call's cost in 1-wide calls from `wide_cost`: as given per width, or from the
+        2k-wide call's (narrower ones in proportion to their width)."""
+        if isinstance(self.wide_cost, tuple):
+            return tuple(float(c) for c in self.wide_cost)
+        c = float(self.wide_cost)
         return tuple(1.0 + (c - 1.0) * w / self.block_size for w in self.draft_widths)
 
     def stop_ids(self, cfg) -> tuple[int, ...]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Callable
-from typing import Annotated, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,19 +44,7 @@ class LoopState(NamedTuple):
     wide: jax.Array           # scalar: calls with the 2k commit window
     accepted: Row             # [B, window + 1] per row: calls that decoded 0, 1, ... tokens (of the output)
     decoded_at: Row           # [B, K] SBD: the call (counted within the block) that decoded each position; K = not yet
-    # verify mode (modes/verify.py, policy.py): drafts placed and drafts that stood; the drafting policy's
-    # decayed counts of checked drafts and of those that agreed, per row and over all rows; EOS stops and tokens
-    # of the rows that left the batch (continuous batching) or came before it (`draft_memory`); calls since the
-    # last drafting call
-    proposed: Row             # [B]
-    agreed: Row               # [B]
-    trials: Row               # [B] float32
-    hits: Row                 # [B] float32
-    pool_trials: jax.Array    # scalar float32: the same counts over every row (a new row's prior)
-    pool_hits: jax.Array      # scalar float32
-    pool_stops: jax.Array     # scalar float32
-    pool_tokens: jax.Array    # scalar float32
-    since_wide: jax.Array     # scalar
+    mode_state: Any           # the mode's own pytree (`Mode.init_state`; verify mode's counts and policy memory), or ()
 
 
 def row_fields(cls=LoopState) -> tuple[str, ...]:
@@ -66,8 +54,16 @@ def row_fields(cls=LoopState) -> tuple[str, ...]:
 
 
 ROW_FIELDS = row_fields()
-# what verify mode's drafting policy learned, which a later call may start from (`GenerateOutput.draft_memory`)
-DRAFT_MEMORY = ("pool_hits", "pool_trials", "pool_stops", "pool_tokens", "since_wide")
+
+
+def put_rows(old, new, rows):
+    """`old` (a NamedTuple of arrays) with its `Row` fields at `rows` (indices; out-of-range ones dropped) taken
+    from `new`, whose rows are those `rows` name; NamedTuple fields (a mode's state) the same way, recursively. A
+    new per-row field is reset without anyone listing it."""
+    rowed = row_fields(type(old))
+    return old._replace(**{f: getattr(old, f).at[rows].set(getattr(new, f), mode="drop") for f in rowed},
+                        **{f: put_rows(getattr(old, f), getattr(new, f), rows) for f in old._fields
+                           if f not in rowed and hasattr(getattr(old, f), "_fields")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,19 +79,15 @@ class DecodeEnv:
     temp: jax.Array           # [B]
     keys: jax.Array           # [B] typed PRNG keys
     eos: jax.Array            # [E] stop ids ([-1] = none)
-    call_costs: jax.Array     # [W] a 2w-wide call's cost in 1-wide calls per draft width (verify's policy.py)
     constrain: Callable       # sharding constraint of per-row arrays and the cache (identity without a mesh)
 
 
 def make_env(params, cfg: ModelConfig, spec: DecodeSpec, lengths, max_new_B, gamma_B, temp_B, keys_B,
-             mesh, call_costs=None) -> DecodeEnv:
-    """`call_costs` None: from the spec's `wide_cost` (1.0 when it has none; costs.call_costs measures them)."""
+             mesh) -> DecodeEnv:
     eos = jnp.asarray(spec.stop_ids(cfg) or (-1,), jnp.int32)  # -1 matches no token
-    if call_costs is None:
-        call_costs = spec.stated_call_costs()
     return DecodeEnv(params=params, cfg=cfg, spec=spec, lengths=lengths,
                      max_new=jnp.minimum(max_new_B, spec.max_new_tokens), gamma=gamma_B, temp=temp_B, keys=keys_B,
-                     eos=eos, call_costs=jnp.asarray(call_costs, jnp.float32),
+                     eos=eos,
                      constrain=constrainer(cfg, mesh, lengths.shape[0]))
 
 
@@ -108,12 +100,12 @@ def prompt_seq(prompt_ids, lengths, spec: DecodeSpec, env: DecodeEnv):
     return seq.at[:, :P].set(jnp.where(jnp.arange(P)[None] < lengths[:, None], prompt_ids, pad))
 
 
-def new_state(env: DecodeEnv, seq, P: int, done=None, draft_memory=None) -> LoopState:
-    """The loop carry before the first call: an empty cache of P + max_new_tokens slots per row; `draft_memory`
-    [5]: the values of the fields DRAFT_MEMORY to start from (zeros by default)."""
+def new_state(env: DecodeEnv, seq, P: int, mode_state=(), done=None) -> LoopState:
+    """The loop carry before the first call: an empty cache of P + max_new_tokens slots per row; `mode_state`: the
+    mode's own (`Mode.init_state`)."""
     B, spec = seq.shape[0], env.spec
     zeros_B, false_B = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool)
-    state = LoopState(
+    return LoopState(
         seq=env.constrain(seq),
         cache=env.constrain(init_cache(env.cfg, B, P + spec.max_new_tokens)),
         block_offset=zeros_B,
@@ -128,22 +120,7 @@ def new_state(env: DecodeEnv, seq, P: int, done=None, draft_memory=None) -> Loop
         wide=jnp.int32(0),
         accepted=jnp.zeros((B, spec.window + 1), jnp.int32),
         decoded_at=jnp.full((B, spec.window), spec.window, jnp.int32),
-        proposed=zeros_B,
-        agreed=zeros_B,
-        trials=jnp.zeros((B,), jnp.float32),
-        hits=jnp.zeros((B,), jnp.float32),
-        pool_hits=jnp.float32(0.0),
-        pool_trials=jnp.float32(0.0),
-        pool_stops=jnp.float32(0.0),
-        pool_tokens=jnp.float32(0.0),
-        since_wide=jnp.int32(0))
-    return state if draft_memory is None else with_memory(state, draft_memory)
-
-
-def with_memory(state: LoopState, draft_memory) -> LoopState:
-    """`state` with the fields DRAFT_MEMORY set from `draft_memory` [5] (an earlier `GenerateOutput.draft_memory`)."""
-    return state._replace(**{f: jnp.asarray(draft_memory[i], getattr(state, f).dtype)
-                             for i, f in enumerate(DRAFT_MEMORY)})
+        mode_state=mode_state)
 
 
 def constrainer(cfg, mesh, B):

@@ -1,5 +1,6 @@
-"""The decoding modes, one module each (first call, loop step, cache finalize): sbd.py (Set Block Decoding),
-verify.py (lossless SBD: drafts checked against AR's tokens) and ar.py (next-token decoding, the baseline)."""
+"""The decoding modes (`Mode`: first call, loop step, cache finalize, and a mode's own state): sbd.py (Set Block
+Decoding), verify/ (lossless SBD: drafts checked against AR's tokens; its state, drafting policy and call costs)
+and ar.py (next-token decoding, the baseline). A new mode is its own module plus one line in `mode_of`."""
 from __future__ import annotations
 
 from ..spec import DecodeSpec

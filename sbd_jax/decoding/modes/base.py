@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from ...attention import clean_meta
 from ...models.transformer import KVCache, forward
+from ..spec import DecodeError
 from ..state import DecodeEnv, LoopState, gather
 
 
@@ -22,6 +23,15 @@ class Mode:
                                                ready for `step` to make its first call
     prefills_last_token                        continuous batching prefills the whole prompt (SBD) or all but its
                                                last token, which the first step runs (AR, verify)
+    A mode with state of its own (carried in `LoopState.mode_state`, its per-row fields annotated `Row` so that
+    continuous batching resets them) also gives:
+    init_state(env, B, memory) -> pytree       that state before the first call; `memory`: what an earlier run
+                                               learned (`memory(state)` of that run; None: nothing)
+    report(state) -> pytree                    what a run reports of it (`GenerateOutput.mode_stats`)
+    memory(state) -> pytree                    what a later run may start from
+    start_from(memory) -> pytree               a caller's `memory` checked and made the pytree `init_state` takes
+                                               (None: from nothing; the same structure either way, one program)
+    retire(state, slots) -> state              the finished rows in `slots` leave (before new prompts take them)
     """
 
     name: str
@@ -30,6 +40,17 @@ class Mode:
     finalize: Callable
     admit: Callable = lambda state, env: state
     prefills_last_token: bool = False
+    init_state: Callable = lambda env, B, memory: ()
+    report: Callable = lambda state: None
+    memory: Callable = lambda state: None
+    retire: Callable = lambda state, slots: state
+    start_from: Callable = lambda memory: no_memory(memory)
+
+
+def no_memory(memory):
+    """A mode without memory takes none."""
+    if memory is not None:
+        raise DecodeError("draft_memory is what verify mode's drafting policy learned: give it to a verify=True run")
 
 
 def finalize_at(state: LoopState, env: DecodeEnv, pos) -> KVCache:

@@ -22,13 +22,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ...attention import clean_meta, concat_meta
-from ...models.transformer import KVCache, forward, lm_head
-from .. import policy, sampling
-from ..prefill import last_prompt_hidden, prefill
-from ..state import DecodeEnv, LoopState, gather, tally
-from . import ar, sbd
-from .base import Mode, finalize_at, last_token_positions
+from ....attention import clean_meta, concat_meta
+from ....models.transformer import KVCache, forward, lm_head
+from ... import sampling
+from ...prefill import last_prompt_hidden, prefill
+from ...state import DecodeEnv, LoopState, gather, tally
+from .. import ar, sbd
+from ..base import finalize_at, last_token_positions
+from . import policy
+from .state import DraftMemory, VerifyState, VerifyStats
 
 
 def ar_tokens(env: DecodeEnv, h_clean, gen):
@@ -76,14 +78,14 @@ def check(state: LoopState, env: DecodeEnv, ar_BC) -> tuple[LoopState, jax.Array
     rows = jnp.arange(state.seq.shape[0])
     seq = state.seq.at[rows, jnp.where(put & (g < max_new), env.lengths + g, state.seq.shape[1])].set(tok, mode="drop")
     moved = running & ~put & ~finished  # every checked draft stood, C < cl: the window moves on by C
+    stood = jnp.where(in_drafts, jnp.argmax(eos_draft, axis=1).astype(jnp.int32) + 1, m)  # none past an EOS
+    vs = state.mode_state._replace(agreed=state.mode_state.agreed + jnp.where(running, m, 0))
     state = state._replace(
         seq=env.constrain(seq), done=state.done | finished, eos=state.eos | eos_hit,
         n_generated=jnp.where(finished, verified, state.n_generated),
         commit_start=jnp.where(moved, cs + m, cs), commit_len=jnp.where(moved, cl - m, cl),
-        agreed=state.agreed + jnp.where(running, m, 0),
-        accepted=tally(state.accepted, jnp.minimum(verified - cs - 1, state.accepted.shape[1] - 1), running))
-    stood = jnp.where(in_drafts, jnp.argmax(eos_draft, axis=1).astype(jnp.int32) + 1, m)  # none past an EOS
-    state = policy.update_counts(state, running & (n_chk > 0), stood, (rejected & ~in_drafts).astype(jnp.int32))
+        accepted=tally(state.accepted, jnp.minimum(verified - cs - 1, state.accepted.shape[1] - 1), running),
+        mode_state=policy.update_counts(vs, running & (n_chk > 0), stood, (rejected & ~in_drafts).astype(jnp.int32)))
     return restart(state, rejected & ~finished, g, env), put & ~rejected & ~finished
 
 
@@ -102,13 +104,25 @@ def open_block(state: LoopState, env: DecodeEnv, logits_BwV, opened) -> LoopStat
                           commit_len=jnp.where(opened, n, state.commit_len),
                           block_offset=jnp.where(opened, b + w, b),
                           masked=jnp.where(opened[:, None], block_mask(b + w, env), state.masked),
-                          proposed=state.proposed + jnp.where(opened, n - 1, 0))
+                          mode_state=drafted(state.mode_state, jnp.where(opened, n - 1, 0)))
+
+
+def drafted(vs: VerifyState, n_B) -> VerifyState:
+    """`n_B` more drafts placed (negative: dropped unchecked)."""
+    return vs._replace(proposed=vs.proposed + n_B)
+
+
+def since_wide(state: LoopState, n) -> LoopState:
+    """The policy's count of calls since the last drafting call, set to `n`."""
+    vs = state.mode_state
+    return state._replace(mode_state=vs._replace(memory=vs.memory._replace(since_wide=jnp.asarray(n, jnp.int32))))
 
 
 def counted(state: LoopState, ran, cache, wide: bool) -> LoopState:
     """A call's counters: NFE for the rows it carried, the batch's calls and wide calls."""
+    state = since_wide(state, 0 if wide else state.mode_state.memory.since_wide + 1)
     return state._replace(cache=cache, nfe=state.nfe + ran.astype(jnp.int32), iters=state.iters + 1,
-                          wide=state.wide + int(wide), since_wide=0 if wide else state.since_wide + 1)
+                          wide=state.wide + int(wide))
 
 
 def shorten(state: LoopState, env: DecodeEnv, w: int) -> LoopState:
@@ -119,7 +133,7 @@ def shorten(state: LoopState, env: DecodeEnv, w: int) -> LoopState:
     return state._replace(commit_len=jnp.where(cut, w, state.commit_len),
                           block_offset=jnp.where(cut, end, state.block_offset),
                           masked=jnp.where(cut[:, None], block_mask(end, env), state.masked),
-                          proposed=state.proposed - jnp.where(cut, state.commit_len - w, 0))
+                          mode_state=drafted(state.mode_state, -jnp.where(cut, state.commit_len - w, 0)))
 
 
 def wide_step(state: LoopState, env: DecodeEnv, w: int) -> LoopState:
@@ -165,7 +179,7 @@ def ar_segment(state: LoopState, env: DecodeEnv) -> LoopState:
 
     state, n = jax.lax.while_loop(more, lambda c: (ar.step(c[0], env), c[1] + 1), (state, jnp.int32(0)))
     b = state.block_offset
-    return restart(state, running & ~state.done, b - 1, env)._replace(since_wide=state.since_wide + n)
+    return since_wide(restart(state, running & ~state.done, b - 1, env), state.mode_state.memory.since_wide + n)
 
 
 def step(state: LoopState, env: DecodeEnv) -> LoopState:
@@ -208,8 +222,8 @@ def first(state: LoopState, env: DecodeEnv, prompt_ids) -> LoopState:
         return state._replace(cache=cache)
 
     state = jax.lax.switch(kind, [lambda s, w=w: call(s, w) for w in (0,) + env.spec.draft_widths], state)
-    return state._replace(nfe=state.nfe + ran.astype(jnp.int32), iters=state.iters + 1,
-                          since_wide=jnp.where(kind > 0, 0, state.since_wide + 1))
+    state = since_wide(state, jnp.where(kind > 0, 0, state.mode_state.memory.since_wide + 1))
+    return state._replace(nfe=state.nfe + ran.astype(jnp.int32), iters=state.iters + 1)
 
 
 def finalize(state: LoopState, env: DecodeEnv) -> KVCache:
@@ -220,4 +234,9 @@ def finalize(state: LoopState, env: DecodeEnv) -> KVCache:
     return env.constrain(KVCache(jnp.where(keep, cache.k, 0), jnp.where(keep, cache.v, 0), total))
 
 
-VERIFY = Mode("verify", first=first, step=step, finalize=finalize, admit=admit, prefills_last_token=False)
+def init_state(env: DecodeEnv, B: int, memory) -> VerifyState:
+    return VerifyState.new(B, DraftMemory.checked(memory))
+
+
+def report(state: LoopState) -> VerifyStats:
+    return VerifyStats(drafts=state.mode_state.proposed, agreed=state.mode_state.agreed, memory=policy.memory(state))

@@ -1,7 +1,7 @@
 """Verify mode's drafting policy (SBD.md "Lossless mode", step 2): before each call, the batch chooses between a
 1-wide AR call (one token per row; the next waiting draft checked for free) and a 2w-wide call [commit CLEAN ;
 next block COPY] for a draft width w of `spec.draft_widths` (k, k/2, k/4), which checks the waiting drafts and
-drafts the next w - 1 positions. Whatever it chooses, every row's tokens are AR's (modes/verify.py); the choice
+drafts the next w - 1 positions. Whatever it chooses, every row's tokens are AR's (step.py); the choice
 only sets how many calls, and of which width, a row takes.
 
   * Per row: the decayed counts of checked drafts (`trials`) and of those that agreed (`hits`) give p, the chance
@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .spec import EXTRA_DRAFT_POLICIES
-from .state import DecodeEnv, LoopState
+from ...spec import EXTRA_DRAFT_POLICIES
+from ...state import DecodeEnv, LoopState
+from . import costs
+from .state import DraftMemory, VerifyState
 
 DECAY = 0.95  # weight of a row's earlier counts per draft it checks (a memory of about 20 drafts)
 PRIOR = 16.0  # weight, in drafts (about a block), of the rate over all rows in a row's estimate
@@ -39,12 +41,12 @@ NEVER = 2 ** 30
 MARGIN = 1.05  # a drafting call must promise this many times AR's tokens per unit of time
 
 
-def agree_prob(state: LoopState):
+def agree_prob(vs: VerifyState):
     """[B] the chance a draft agrees given the drafts before it did: each row's decayed counts with a prior of
     weight PRIOR at the rate over all rows (itself with a prior of 1/2, weight 1), so a new row starts from the
     batch's experience of this model and one rejection does not outweigh it."""
-    pooled = (state.pool_hits + 0.5) / (state.pool_trials + 1.0)
-    return (state.hits + PRIOR * pooled) / (state.trials + PRIOR)
+    pooled = (vs.memory.hits + 0.5) / (vs.memory.trials + 1.0)
+    return (vs.hits + PRIOR * pooled) / (vs.trials + PRIOR)
 
 
 def verified(state: LoopState):
@@ -54,8 +56,8 @@ def verified(state: LoopState):
 
 def ends(state: LoopState):
     """(EOS stops, verified tokens) over the batch's rows and the counts carried in (a row's eos implies done)."""
-    return (state.pool_stops + jnp.sum(state.eos).astype(jnp.float32),
-            state.pool_tokens + jnp.sum(verified(state)).astype(jnp.float32))
+    m = state.mode_state.memory
+    return (m.stops + jnp.sum(state.eos).astype(jnp.float32), m.tokens + jnp.sum(verified(state)).astype(jnp.float32))
 
 
 def stop_chance(state: LoopState):
@@ -64,18 +66,19 @@ def stop_chance(state: LoopState):
     return stops / jnp.maximum(tokens, 1.0)
 
 
-def memory(state: LoopState):
-    """[5] what a later call may start from (the fields state.DRAFT_MEMORY; this batch's rows folded in)."""
+def memory(state: LoopState) -> DraftMemory:
+    """What a later run may start from (this batch's rows folded in)."""
     stops, tokens = ends(state)
-    return jnp.stack([state.pool_hits, state.pool_trials, stops, tokens, state.since_wide.astype(jnp.float32)])
+    return state.mode_state.memory._replace(stops=stops, tokens=tokens)
 
 
-def fold_rows(state: LoopState, slots) -> LoopState:
+def retire(state: LoopState, slots) -> LoopState:
     """The finished rows in `slots` (indices; out-of-range ones ignored) join the counts over all rows before
     their slots take new prompts (continuous batching)."""
     take = lambda a: jnp.sum(a.at[slots].get(mode="fill", fill_value=0)).astype(jnp.float32)  # noqa: E731
-    return state._replace(pool_stops=state.pool_stops + take(state.eos),
-                          pool_tokens=state.pool_tokens + take(state.n_generated))
+    vs = state.mode_state
+    m = vs.memory._replace(stops=vs.memory.stops + take(state.eos), tokens=vs.memory.tokens + take(state.n_generated))
+    return state._replace(mode_state=vs._replace(memory=m))
 
 
 def tokens_per_wide_call(p, w: int):
@@ -85,15 +88,23 @@ def tokens_per_wide_call(p, w: int):
     return (2.0 + jnp.sum(powers, axis=1) - q) / (2.0 - q)
 
 
-def update_counts(state: LoopState, checked, agreed_B, failed_B):
+def update_counts(vs: VerifyState, checked, agreed_B, failed_B) -> VerifyState:
     """Fold one call's checks into the decayed counts: rows that checked drafts (`checked`) saw `agreed_B`
     agree and `failed_B` (0 or 1) not."""
     n = jnp.where(checked, agreed_B + failed_B, 0).astype(jnp.float32)
     decay = DECAY ** n
     a = jnp.where(checked, agreed_B, 0).astype(jnp.float32)
     pool = jnp.where(jnp.any(checked), POOL_DECAY, 1.0)
-    return state._replace(trials=state.trials * decay + n, hits=state.hits * decay + a,
-                          pool_trials=state.pool_trials * pool + jnp.sum(n), pool_hits=state.pool_hits * pool + jnp.sum(a))
+    m = vs.memory
+    return vs._replace(trials=vs.trials * decay + n, hits=vs.hits * decay + a,
+                       memory=m._replace(trials=m.trials * pool + jnp.sum(n), hits=m.hits * pool + jnp.sum(a)))
+
+
+def call_costs(state: LoopState, env: DecodeEnv):
+    """[W] what a 2w-wide call costs in 1-wide calls per draft width at this batch and cache (costs.py: the spec's
+    stated `wide_cost`, else the cost model's estimate; static numbers, no device work)."""
+    return jnp.asarray(costs.call_costs(env.params, env.cfg, env.spec, state.done.shape[0], state.cache.k.shape[2]),
+                       jnp.float32)
 
 
 def explore_every(call_costs):
@@ -105,7 +116,7 @@ def ar_budget(state: LoopState, env: DecodeEnv):
     """AR calls the policy makes before its next drafting call if no row finishes and no draft is checked."""
     if env.spec.draft_policy == "never":
         return jnp.int32(NEVER)
-    return jnp.maximum(explore_every(env.call_costs) - state.since_wide, 1)
+    return jnp.maximum(explore_every(call_costs(state, env)) - state.mode_state.memory.since_wide, 1)
 
 
 def choose(state: LoopState, env: DecodeEnv):
@@ -116,15 +127,15 @@ def choose(state: LoopState, env: DecodeEnv):
         return jnp.int32(1 if policy == "always" else 0)
     if policy in EXTRA_DRAFT_POLICIES:
         return EXTRA_DRAFT_POLICIES[policy](state, env)
-    running = ~state.done
+    running, memory, cost = ~state.done, state.mode_state.memory, call_costs(state, env)
     n = jnp.maximum(jnp.sum(running), 1).astype(jnp.float32)
-    p = agree_prob(state) * (1.0 - stop_chance(state))
+    p = agree_prob(state.mode_state) * (1.0 - stop_chance(state))
     left = jnp.maximum(env.max_new - verified(state), 1).astype(jnp.float32)
     rate = jnp.stack([jnp.float32(MARGIN)] + [
         jnp.sum(jnp.where(running, jnp.minimum(tokens_per_wide_call(p, w), left), 0.0)) / n / c
-        for w, c in zip(widths, env.call_costs)])
-    cheapest = 1 + jnp.argmin(env.call_costs).astype(jnp.int32)
+        for w, c in zip(widths, cost)])
+    cheapest = 1 + jnp.argmin(cost).astype(jnp.int32)
     best = jnp.argmax(rate).astype(jnp.int32)
     # explore: after (c - 1) / EXPLORE_SHARE calls without drafting, or while no draft was ever checked
-    explore = (state.since_wide >= explore_every(env.call_costs)) | (state.pool_trials == 0)
+    explore = (memory.since_wide >= explore_every(cost)) | (memory.trials == 0)
     return jnp.where((best == 0) & explore, cheapest, best)

@@ -1,0 +1,16 @@
+"""Verify mode, lossless SBD (SBD.md "Lossless mode"), all in this package: its loop steps (step.py), its state
+and what it reports (state.py), its drafting policy (policy.py) and the call costs the policy weighs (costs.py).
+SBD and AR runs carry none of it."""
+from __future__ import annotations
+
+from ..base import Mode
+from . import calibrate as calibration, costs, policy
+from .calibrate import calibrate
+from .state import DraftMemory, VerifyState, VerifyStats
+from .step import finalize, first, init_state, report, step, admit
+
+VERIFY = Mode("verify", first=first, step=step, finalize=finalize, admit=admit, prefills_last_token=False,
+              init_state=init_state, report=report, memory=policy.memory, retire=policy.retire,
+              start_from=DraftMemory.checked)
+
+__all__ = ["VERIFY", "DraftMemory", "VerifyState", "VerifyStats", "calibrate", "calibration", "costs", "policy"]

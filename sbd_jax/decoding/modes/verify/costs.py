@@ -1,0 +1,84 @@
+"""What each call of verify mode costs, in 1-wide AR calls, for its drafting policy (policy.py): a 2w-wide loop
+step (w clean + w copy tokens per row, w a draft width) next to a 1-wide one, at the batch's rows and cache.
+
+Three sources, in this order:
+  * stated: the spec's `wide_cost` (a number: the 2k-wide call's cost, narrower ones in proportion to their width;
+    or one cost per draft width, e.g. what `calibrate` measured);
+  * estimated (the default): a cost model from the call's arithmetic - weights and KV cache read once per call,
+    FLOPs per token, a fixed cost per call and layer - and a `Machine` per backend (`MACHINES`). Pure Python
+    on shapes: no device work, also while a user's `jax.jit` traces `generate`;
+  * `calibrate` (calibrate.py): the loop steps timed on this device (it compiles and runs programs: an explicit
+    step whose result the caller keeps and states as `wide_cost`; `generate` never runs it).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ....config import ModelConfig
+from ...spec import DecodeSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """A backend's constants for the cost model: fixed seconds per call and per layer (dispatch, launches),
+    verify's extra fixed seconds in a wide step (its check and drafting), matmul FLOP/s per parameter byte width,
+    memory bytes/s."""
+
+    call_s: float
+    layer_s: float
+    wide_s: float
+    flops: dict  # parameter itemsize (2: bf16/fp16, 4: f32) -> sustained matmul FLOP/s
+    bandwidth: float
+
+
+# cpu: fitted to `calibrate` on a 2-core x86 CPU (bench/bench_costs.py, BENCHMARKS "Verify mode's call costs");
+# gpu: the bare forwards of bench_decode on one H100 (8B: weights at 2.5 TB/s, 410 TFLOP/s at 512 tokens);
+# tpu: stated from the v5e sheet (not measured)
+MACHINES = {
+    "cpu": Machine(call_s=40e-6, layer_s=25e-6, wide_s=60e-6, flops={2: 20e9, 4: 40e9}, bandwidth=20e9),
+    "gpu": Machine(call_s=30e-6, layer_s=15e-6, wide_s=30e-6, flops={2: 4.1e14, 4: 1.0e14}, bandwidth=2.5e12),
+    "tpu": Machine(call_s=30e-6, layer_s=10e-6, wide_s=30e-6, flops={2: 1.6e14, 4: 4e13}, bandwidth=7e11),
+}
+
+
+def call_costs(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: int,
+               backend: str | None = None) -> tuple[float, ...]:
+    """Per draft width of `spec.draft_widths`, a 2w-wide call's cost in 1-wide calls: the spec's stated
+    `wide_cost`, else the estimate."""
+    if spec.wide_cost is not None:
+        return spec.stated_call_costs()
+    return estimate(params, cfg, spec, batch, cache_len, backend)
+
+
+def estimate(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: int,
+             backend: str | None = None) -> tuple[float, ...]:
+    """The cost model's per-width costs (`params` are read for their shapes and dtypes only: concrete, traced or
+    `jax.ShapeDtypeStruct`s). An unknown backend is costed as a GPU."""
+    seconds = step_model(params, cfg, batch, cache_len, MACHINES.get(backend or jax.default_backend(), MACHINES["gpu"]))
+    one = seconds(1)
+    return tuple(seconds(2 * w) / one for w in spec.draft_widths)
+
+
+def step_model(params, cfg: ModelConfig, batch: int, cache_len: int, m: Machine):
+    """-> seconds(tokens): the modelled seconds of a loop step running `tokens` queries per row: fixed costs, then
+    the slower of reading the weights, the KV cache (rows mid-way through it) and the logits, and the matmul
+    arithmetic."""
+    leaves = jax.tree.leaves(params)
+    n_params = sum(int(np.prod(x.shape)) for x in leaves)
+    weight_bytes = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
+    itemsize = 2 if weight_bytes < 3 * n_params else 4
+    context = cache_len / 2
+    L = cfg.num_hidden_layers
+    kv_bytes = batch * context * L * 2 * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    attn_flops = 4 * L * cfg.num_attention_heads * cfg.head_dim * context  # per query: scores and values
+
+    def seconds(tokens: int) -> float:
+        n = batch * tokens
+        memory = (weight_bytes + kv_bytes + n * cfg.vocab_size * 8) / m.bandwidth  # logits written and read
+        compute = n * (2 * n_params + attn_flops) / m.flops[itemsize]
+        return m.call_s + m.layer_s * L + (m.wide_s if tokens > 1 else 0.0) + max(memory, compute)
+    return seconds
