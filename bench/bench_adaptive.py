@@ -7,7 +7,8 @@
   1. A random model (the demo's shape) whose drafts fail: AR vs verify (adaptive policy, the default) vs verify
      with every call 2k-wide (`draft_policy="always"`) at batch 1 and 64; 64 new tokens, EOS ignored.
   2. The demo's SBD fine-tune on its held-out problems: its own AR (what verify reproduces), verify adaptive and
-     every call at one draft width (k, k/2, k/4: the fixed choices the policy picks among), at batch 1 and 100;
+     every call at one draft width (always = k, w8 = k/2, w4 = k/4 at k = 16: the fixed choices the policy picks
+     among), at --demo-batches (default 1 and 100);
      also the NTP fine-tune's AR (the demo's baseline).
   3. Continuous batching (16 and 100 slots) on the same problems: verify adaptive vs AR.
 Every decoder is timed `--rounds` times, interleaved; tokens/s from the median round. Tokens are checked equal to
@@ -40,12 +41,15 @@ K = 16
 
 
 def spec_of(kind: str, max_new: int, eos_ids=None) -> DecodeSpec:
-    """"ar"; "verify" (adaptive, k = K); "always" (every call 2k-wide) or "always<w>" (every call 2w-wide)."""
+    """"ar"; "verify" (adaptive, k = K); "always" (every call 2k-wide); "w<n>" (k = K, every call at draft width
+    n: the fixed choices the adaptive policy picks among, forced by stated costs)."""
     if kind == "ar":
         return DecodeSpec(mode="ar", max_new_tokens=max_new, eos_ids=eos_ids)
-    return DecodeSpec(mode="sbd", verify=True, block_size=int(kind[6:] or K) if kind != "verify" else K,
-                      max_new_tokens=max_new, eos_ids=eos_ids,
-                      draft_policy="adaptive" if kind == "verify" else "always")
+    spec = DecodeSpec(mode="sbd", verify=True, block_size=K, max_new_tokens=max_new, eos_ids=eos_ids,
+                      draft_policy="always" if kind == "always" else "adaptive")
+    if kind.startswith("w"):
+        spec = DecodeSpec.make(spec, wide_cost=tuple(1e-3 if w == int(kind[1:]) else 1e9 for w in spec.draft_widths))
+    return spec
 
 
 def timed(decoders: dict, prompts: list[Prompt], rounds: int, log) -> dict:
@@ -112,10 +116,11 @@ def demo_model(args, log) -> list[dict]:
     cfg, params = from_pretrained(Path(args.demo) / "ft_sbd" / "hf")
     ncfg, nparams = from_pretrained(Path(args.demo) / "ft_ntp" / "hf")
     out = []
-    for batch, n in ((1, args.latency_n), (100, None)):
+    for batch in args.demo_batches:
+        n = args.latency_n if batch == 1 else None
         prompts, width = demo_problems(args, n)
         log(f"demo SBD model, batch {batch}, {len(prompts)} problems x {args.max_new} new tokens")
-        decs = batch_decoders(params, cfg, ("ar", "verify", "always", "always8", "always4"), batch, width,
+        decs = batch_decoders(params, cfg, ("ar", "verify", "always", "w8", "w4"), batch, width,
                               args.max_new)
         decs["ntp_ar"] = batch_decoders(nparams, ncfg, ("ar",), batch, width, args.max_new)["ar"]
         out.append({"section": "demo", "batch": batch, **timed(decs, prompts, args.rounds, log)})
@@ -169,6 +174,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--latency-n", type=int, default=30)
     ap.add_argument("--max-new", type=int, default=48)
+    ap.add_argument("--demo-batches", default="1,100", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "adaptive_cpu"))
     args = ap.parse_args()
     t0 = time.time()

@@ -78,11 +78,12 @@ def error(m, rows, spec) -> float:
 def fit(rows, spec, log) -> costs.Machine:
     """Coordinate search in log space over the five constants (f32 weights: the flops entry for itemsize 4)."""
     m = costs.MACHINES["cpu"]
-    x = {"call_s": m.call_s, "layer_s": m.layer_s, "wide_s": m.wide_s, "flops": m.flops[4], "bandwidth": m.bandwidth}
+    x = {"call_s": max(m.call_s, 1e-6), "layer_s": max(m.layer_s, 1e-6), "wide_s": m.wide_s, "flops": m.flops[4],
+         "bandwidth": m.bandwidth}
 
     def make(x):
         return costs.Machine(call_s=x["call_s"], layer_s=x["layer_s"], wide_s=x["wide_s"],
-                             flops={2: x["flops"] / 2, 4: x["flops"]}, bandwidth=x["bandwidth"])
+                             flops={2: x["flops"] / 2, 4: x["flops"]}, bandwidth=x["bandwidth"], overlap=m.overlap)
     best = error(make(x), rows, spec)
     for step in (2.0, 1.4, 1.15, 1.05):
         improved = True
