@@ -148,7 +148,7 @@ def run(args) -> int:
                            pad_multiple=args.pad_multiple, seed=args.seed, compare_ar=args.compare_ar,
                            continuous=not args.static and jax.process_count() == 1)  # checked before any prompt
     prompts = read_prompts(args.input, sampler.tokenizer, chat=args.chat, vocab_size=sampler.cfg.vocab_size)
-    check_prompts(sampler.cfg, opts, prompts)  # before the output is opened
+    prompts = check_prompts(sampler.cfg, opts, prompts)  # once, before the output is opened
     writer = jax.process_index() == 0
     done, out = open_output(args.output, resume=args.resume, overwrite=args.overwrite) if writer else (set(), None)
     if writer:  # what the rows depend on (not how they are batched or shown)
@@ -165,14 +165,14 @@ def run(args) -> int:
         except DecodeError:
             out.close()
             raise
-    pending = [p for p in prompts if p.id not in done]
+    pending = prompts.where(lambda p: p.id not in done)
     if done:
         print(f"resume: {len(prompts) - len(pending)} of {len(prompts)} prompts already in {args.output}",
               file=sys.stderr)
 
     def on_row(p, r):
         if out is not None:
-            write_row(out, {"id": p.id, "prompt_tokens": len(p.ids), **r})
+            write_row(out, {"id": p.id, **r.to_json()})
         if INTERRUPTED.is_set():
             raise KeyboardInterrupt
 
@@ -187,7 +187,7 @@ def run(args) -> int:
     if summary is None:
         print("nothing to do: every prompt is already in the output")
         return 0
-    summary["command"] = " ".join(["python", "decode.py", *args.argv])
+    summary = {**summary.to_json(), "command": " ".join(["python", "decode.py", *args.argv])}
     if args.bandwidth or jax.default_backend() != "cpu":
         from sbd_jax.decoding.roofline import bandwidth_report, copy_bandwidth
         copy_bw = copy_bandwidth()

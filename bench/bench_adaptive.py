@@ -59,7 +59,7 @@ def timed(decoders: dict, prompts: list[Prompt], rounds: int, log) -> dict:
     for _ in range(rounds):
         for name, dec in decoders.items():
             got = {}
-            s = dec.decode(prompts, lambda p, row: got.__setitem__(p.id, row["tokens"]))
+            s = dec.decode(prompts, lambda p, row: got.__setitem__(p.id, row.tokens)).to_json()
             secs[name].append(s["seconds"])
             out[name], rows[name] = s, got
     ar = rows[next(iter(decoders))]
@@ -140,7 +140,7 @@ def continuous(args, log) -> list[dict]:
         secs = {k: [] for k in kinds}
         for _ in range(args.rounds):  # interleaved, as `timed`
             for kind in kinds:
-                row[kind] = decode_prompts(params, cfg, prompts, opts[kind])
+                row[kind] = decode_prompts(params, cfg, prompts, opts[kind]).to_json()
                 secs[kind].append(row[kind]["seconds"])
         for kind in kinds:
             s = row[kind]

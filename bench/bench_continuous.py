@@ -68,7 +68,7 @@ def main(argv=None) -> int:
                 for continuous in (False, True):
                     opts = DecodeOptions(spec=spec, gamma=args.gamma, batch_size=slots,
                                          pad_multiple=args.pad_multiple, continuous=continuous)
-                    s = decode_prompts(params, cfg, prompts, opts)
+                    s = decode_prompts(params, cfg, prompts, opts).to_json()
                     rate[continuous].append(s["tokens_per_s"])
                     calls[continuous] = s["model_calls"]
                     compile_s += s["compile_seconds"]

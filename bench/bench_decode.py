@@ -44,7 +44,7 @@ import numpy as np
 
 import sbd_jax
 from sbd_jax.attention import clean_meta, concat_meta, copy_meta
-from sbd_jax.decoding import generate_jit, prepare_generate
+from sbd_jax.decoding import GenerateCall
 from sbd_jax.decoding.roofline import copy_bandwidth
 from sbd_jax.models import causal_meta, forward, init_cache, unstack_layers
 from sbd_jax.runtime import use_decode_xla_flags
@@ -118,13 +118,13 @@ def main(argv=None):
 
     runs, compile_s = [], []  # (name, gamma, compiled, args)
     for mode, g in [("ar", None)] + [("sbd", g) for g in gammas]:
-        args, static = prepare_generate(params, cfg, ids, lens, max_new_tokens=N, block_size=k, gamma=g or 0.0,
-                                        mode=mode, eos_ids=())
+        call = GenerateCall.build(params, cfg, ids, lens, max_new_tokens=N, block_size=k, gamma=g or 0.0, mode=mode,
+                                  eos_ids=())
         t = time.perf_counter()
-        compiled = generate_jit.lower(*args, **static).compile()
+        compiled = call.lower().compile()
         compile_s.append(time.perf_counter() - t)
-        out = jax.block_until_ready(compiled(*args))
-        runs.append(("AR" if mode == "ar" else "SBD", g, out, functools.partial(compiled, *args)))
+        out = jax.block_until_ready(compiled(*call.args))
+        runs.append(("AR" if mode == "ar" else "SBD", g, out, functools.partial(compiled, *call.args)))
 
     # bare forwards of each window shape (copy windows at the end of the prompt, ragged rows)
     nb, nb_prefill = 16, 2  # prefill-shaped windows take long: fewer of them

@@ -155,7 +155,7 @@ class Variant:
         d = self.dec  # one BatchDecoder per spec: its compiled program serves every variant of the spec
         d.params, d.opts, d.draft_memory = self.params, dataclasses.replace(d.opts, gamma=self.gamma), None
         got = {}
-        s = d.decode(prompts, lambda p, row: got.__setitem__(p.id, row["tokens"]))
+        s = d.decode(prompts, lambda p, row: got.__setitem__(p.id, row.tokens)).to_json()
         self.secs.append(s["seconds"])
         self.summary, self.tokens = s, got
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from sbd_jax.decoding import DecodeSpec, generate_jit, prepare_generate  # noqa: E402
+from sbd_jax.decoding import DecodeSpec, GenerateCall  # noqa: E402
 from sbd_jax.io.hf import from_pretrained  # noqa: E402
 from demos.real_model import model_dir as smollm2_dir  # noqa: E402
 from sbd_jax.io.tokenizer import Tokenizer  # noqa: E402
@@ -53,9 +53,10 @@ def ours(model_dir: Path, prompts: np.ndarray, new: int, reps: int) -> dict:
     params = unstack_layers(params)
     B, P = prompts.shape
     spec = DecodeSpec(mode="ar", max_new_tokens=new, eos_ids=(), block_size=1)
-    args, static = prepare_generate(params, cfg, prompts, np.full((B,), P, np.int32), spec)
+    call = GenerateCall.build(params, cfg, prompts, np.full((B,), P, np.int32), spec)
+    args = call.args
     t0 = time.perf_counter()
-    compiled = generate_jit.lower(*args, **static).compile()
+    compiled = call.lower().compile()
     compile_s = time.perf_counter() - t0
     jax.block_until_ready(compiled(*args))  # warm-up
     times, out = [], None

@@ -35,7 +35,7 @@ from shapes import SHAPES  # noqa: E402
 from sbd_jax.config import ModelConfig  # noqa: E402
 from sbd_jax.decoding import DecodeSpec  # noqa: E402
 from sbd_jax.decoding import continuous  # noqa: E402
-from sbd_jax.decoding.decoder import generate_jit  # noqa: E402
+from sbd_jax.decoding.decoder import decode_batch  # noqa: E402
 from sbd_jax.models.lora import LORA_TARGETS, AdapterLayout  # noqa: E402
 from sbd_jax.models.transformer import param_specs  # noqa: E402
 from sbd_jax.sharding import MeshConfig, make_mesh, param_shardings  # noqa: E402
@@ -145,7 +145,7 @@ def decode_memory(cfg: ModelConfig, *, batch: int, prompt: int, new: int, mode: 
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
     spec = DecodeSpec(mode=mode, block_size=16, max_new_tokens=new)
     t0 = time.perf_counter()
-    compiled = generate_jit.lower(params, jax.ShapeDtypeStruct((batch, prompt), "int32"), row("int32"),
+    compiled = decode_batch.lower(params, jax.ShapeDtypeStruct((batch, prompt), "int32"), row("int32"),
                                   row("float32"), row("float32"), keys, row("int32"), cfg=cfg, spec=spec,
                                   mesh=mesh).compile()
     ma = compiled.memory_analysis()

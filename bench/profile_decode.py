@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import sbd_jax  # noqa: E402
-from sbd_jax.decoding import generate_jit, prepare_generate  # noqa: E402
+from sbd_jax.decoding import GenerateCall  # noqa: E402
 from sbd_jax.models import unstack_layers  # noqa: E402
 from sbd_jax.runtime import use_decode_xla_flags  # noqa: E402
 from shapes import add_model_args, describe, model_config  # noqa: E402
@@ -116,10 +116,11 @@ def main(argv=None) -> int:
                                   for t in map(int, a.tpf.split(","))]
     out_dir = Path(a.out_dir)
     for title, mode, gamma in runs:
-        args, static = prepare_generate(params, cfg, ids, lens, max_new_tokens=N, block_size=k, gamma=gamma,
-                                        mode=mode, eos_ids=())
+        call = GenerateCall.build(params, cfg, ids, lens, max_new_tokens=N, block_size=k, gamma=gamma, mode=mode,
+                                  eos_ids=())
+        args = call.args
         t = time.perf_counter()
-        fn = generate_jit.lower(*args, **static).compile()
+        fn = call.lower().compile()
         compile_s = time.perf_counter() - t
         for _ in range(2):
             out = jax.block_until_ready(fn(*args))

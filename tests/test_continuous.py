@@ -16,7 +16,7 @@ def test_decode_stream_and_errors(params):
     got = dict(decode_stream(params, CFG, [[1, 2, 3], [4], [5, 6]], spec, slots=2, prompt_width=4, gamma=2.0))
     for i, ids in enumerate([[1, 2, 3], [4], [5, 6]]):
         ref = generate(params, CFG, np.asarray([ids + [0] * (4 - len(ids))]), [len(ids)], spec, gamma=2.0)
-        assert got[i]["tokens"] == np.asarray(ref.tokens)[0].tolist()
+        assert got[i].tokens == np.asarray(ref.tokens)[0].tolist()
     with pytest.raises(DecodeError, match=r"prompt 0 has 5 tokens; this decoder takes 1 to 4"):
         list(decode_stream(params, CFG, [[1, 2, 3, 4, 5]], spec, slots=2, prompt_width=4))
     with pytest.raises(DecodeError, match="admit_rows must be >= 1, got 0"):

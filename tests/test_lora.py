@@ -200,7 +200,7 @@ def test_train_py_lora_export_and_decode_end_to_end(lora_run):
     assert [r["tokens"] for r in rows] == [r["tokens"] for r in merged]
     sampler = sbd_jax.decoding.sampler.Sampler.load(base, adapter=adapter)
     texts = [json.loads(ln)["prompt"] for ln in prompts.read_text().splitlines()]  # all three: decode.py's programs
-    assert sampler.cfg.mask_token_id == 3 and [r["tokens"] for r in sampler(texts, max_new_tokens=8, block_size=4)] \
+    assert sampler.cfg.mask_token_id == 3 and [r.tokens for r in sampler(texts, max_new_tokens=8, block_size=4)] \
         == [r["tokens"] for r in rows]
 
 

@@ -161,7 +161,7 @@ print("RESULT" + json.dumps(dict(one=m1, mesh=m8, grad_rel=gdiff, n_calls=len(ca
 DECODE = PRELUDE + r"""
 from decoding_fixtures import BASE, CFG, LENGTHS, make_params, make_prompts
 from sbd_jax.decoding import generate
-from sbd_jax.decoding.decoder import generate_jit, prepare_generate
+from sbd_jax.decoding import GenerateCall
 from sbd_jax.models import param_shapes
 from sbd_jax.sharding import MeshConfig, batch_sharding, make_mesh, shard_params
 
@@ -174,13 +174,13 @@ lens = jax.device_put(LENGTHS, batch_sharding(mesh, 1, 4))
 kw = dict(gamma=2.0, temperature=0.0, eos_ids=[], **BASE)
 got = generate(params, PCFG, ids, lens, key=jax.random.key(0), mesh=mesh, **kw)
 want = generate(raw, CFG, make_prompts(), LENGTHS, key=jax.random.key(0), **kw)  # one device, "xla"
-args, static = prepare_generate(params, PCFG, ids, lens, key=jax.random.key(0), mesh=mesh, **kw)
-calls = pallas_operands(jax.make_jaxpr(lambda *a: generate_jit(*a, **static))(*args).jaxpr)
+call = GenerateCall.build(params, PCFG, ids, lens, key=jax.random.key(0), mesh=mesh, **kw)
+calls = pallas_operands(jax.make_jaxpr(call)().jaxpr)
 # the per-shard problem, traced unsharded: batch 4 over data 4 -> 1 row; heads 4 / kv 2 over tensor 2 -> 2 / 1
 loc_cfg = dataclasses.replace(PCFG, num_attention_heads=2, num_key_value_heads=1, head_dim=CFG.head_dim)
 loc_params = jax.tree.map(lambda s: jnp.zeros(s, jnp.float32), param_shapes(loc_cfg), is_leaf=lambda x: isinstance(x, tuple))
-args, static = prepare_generate(loc_params, loc_cfg, make_prompts()[:1], LENGTHS[:1], key=jax.random.key(0), **kw)
-loc_calls = pallas_operands(jax.make_jaxpr(lambda *a: generate_jit(*a, **static))(*args).jaxpr)
+call = GenerateCall.build(loc_params, loc_cfg, make_prompts()[:1], LENGTHS[:1], key=jax.random.key(0), **kw)
+loc_calls = pallas_operands(jax.make_jaxpr(call)().jaxpr)
 print("RESULT" + json.dumps(dict(tokens=[np.asarray(o.tokens).tolist() for o in (got, want)],
                                  nfe=[np.asarray(o.nfe).tolist() for o in (got, want)],
                                  kv_diff=float(np.abs(np.asarray(got.cache.k) - np.asarray(want.cache.k)).max()),

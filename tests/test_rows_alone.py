@@ -99,8 +99,8 @@ def _continuous_rows(params, eos, mode, temperature):
         dec = ContinuousDecoder(params, CFG, spec_i, slots=3, prompt_width=8, admit_rows=admit, **kw)
         got = dict(dec.decode(reqs))
         assert sorted(got) == list(range(len(reqs)))
-        assert sum(r["n_tokens"] for r in got.values()) == sum(len(w["tokens"]) for w in want)
-        got_all += [{k: got[i][k] for k in w} for i, w in enumerate(want)]
+        assert sum(r.n_tokens for r in got.values()) == sum(len(w["tokens"]) for w in want)
+        got_all += [{k: getattr(got[i], k) for k in w} for i, w in enumerate(want)]
         want_all += want
         # 13 prompts through 3 slots on one loop program and admission programs for 1, 2 or 4 rows (<= admit)
         allowed = {"empty", "run"} | {f"admit{r}" for r in (1, 2, 4) if r <= admit}

@@ -117,16 +117,16 @@ def test_text_api(export):
     inputs = [[{"role": "user", "content": "Say bye to friend number 11"}], "Say hi to friend number 5"]
     for mode in ("sbd", "ar"):
         out = sampler(inputs, chat=True, mode=mode, max_new_tokens=64, block_size=16, gamma=0.35)
-        assert [o["text"] for o in out] == [ANSWERS["bye"], ANSWERS["hi"]], mode
-        assert all(o["stop"] == "eos" and o["tokens"][-1] == IM_END for o in out)
-        assert out[0]["prompt_tokens"] == len(sampler.tokenizer.apply_chat_template(inputs[0]))
-    assert out[0]["nfe"] == len(out[0]["tokens"])  # AR: one forward per token
+        assert [o.text for o in out] == [ANSWERS["bye"], ANSWERS["hi"]], mode
+        assert all(o.stop == "eos" and o.tokens[-1] == IM_END for o in out)
+        assert out[0].prompt_tokens == len(sampler.tokenizer.apply_chat_template(inputs[0]))
+    assert out[0].nfe == len(out[0].tokens)  # AR: one forward per token
     seen = []  # lossless SBD: AR's answers; what its drafting policy learned carries from call to call
     for _ in range(2):
         out = sampler(inputs, chat=True, verify=True, wide_cost=1.5, max_new_tokens=64, block_size=16)
-        assert [o["text"] for o in out] == [ANSWERS["bye"], ANSWERS["hi"]]
+        assert [o.text for o in out] == [ANSWERS["bye"], ANSWERS["hi"]]
         seen.append(sampler.draft_memory)
-    assert seen[1].tokens == seen[0].tokens + sum(len(o["tokens"]) for o in out)  # tokens of the rows so far
+    assert seen[1].tokens == seen[0].tokens + sum(len(o.tokens) for o in out)  # tokens of the rows so far
     with pytest.raises(sbd_jax.decoding.DecodeError, match="input 0: expected a string"):
         sampler([{"role": "user"}])
 

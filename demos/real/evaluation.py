@@ -46,8 +46,8 @@ def _prompts(records: list[dict], start: int = 0) -> list[Prompt]:
     return [Prompt(r["id"], start + i + 1, tuple(r["prompt_ids"])) for i, r in enumerate(records)]
 
 
-def _texts(tok: Tokenizer, rows: list[dict]) -> list[str]:
-    return [tok.decode(row["tokens"]) for row in rows]
+def _texts(tok: Tokenizer, rows: list) -> list[str]:
+    return [tok.decode(row.tokens) for row in rows]
 
 
 def run_decoder(d: Decoder, params, mcfg, tok: Tokenizer, held: list[dict], humaneval: list[dict],
@@ -66,12 +66,12 @@ def run_decoder(d: Decoder, params, mcfg, tok: Tokenizer, held: list[dict], huma
     passed = metrics.pass_at_1(metrics.humaneval_check(humaneval, cut, timeout=cfg.humaneval_timeout)) \
         if humaneval else float("nan")
     return {**dataclasses.asdict(d), **scores, "humaneval_pass1": passed,
-            "n_heldout": len(held), "n_humaneval": len(humaneval), "outputs": [r["tokens"] for r in rows],
-            "tokens": s["tokens"], "nfe": s["nfe"], "tokens_per_forward": s["tokens_per_forward"],
-            "accepted_per_forward": s["accepted_per_forward"], "tokens_per_s": s["tokens"] / s["seconds"],
-            "compile_seconds": s["compile_seconds"] + (lat["compile_seconds"] if n_lat else 0.0),
-            **{k: s[k] for k in ("drafts", "drafts_agreed", "draft_acceptance") if k in s},
-            "latency_n": n_lat, "latency_tokens_per_s": lat["tokens"] / lat["seconds"] if n_lat else float("nan")}
+            "n_heldout": len(held), "n_humaneval": len(humaneval), "outputs": [r.tokens for r in rows],
+            "tokens": s.tokens, "nfe": s.nfe, "tokens_per_forward": s.tokens_per_forward,
+            "accepted_per_forward": s.accepted.tolist(), "tokens_per_s": s.tokens_per_s,
+            "compile_seconds": s.compile_seconds + (lat.compile_seconds if n_lat else 0.0),
+            **{k: v for k, v in s.to_json().items() if k in ("drafts", "drafts_agreed", "draft_acceptance")},
+            "latency_n": n_lat, "latency_tokens_per_s": lat.tokens_per_s if n_lat else float("nan")}
 
 
 def load_models(models: dict[str, Path | tuple[Path, Path]]) -> dict:

@@ -82,10 +82,10 @@ def main(argv=None):
         dec = batch_decoder(params, cfg, mode=mode, block_size=k, gamma=gamma, rule=rule,
                             max_new_tokens=args.max_new_tokens, batch_size=len(prompts), prompt_width=suite_width(prompts))
         rows, summary = decode_all(dec, prompts)
-        outputs = [r["tokens"] for r in rows]
+        outputs = [r.tokens for r in rows]
         ok = score(tok, outputs, problems)
         errs = error_breakdown(tok, outputs, problems, ok, set(cfg.eos_ids))
-        print(f"{name:24s} accuracy {100 * np.mean(ok):5.1f}%  tokens/forward {summary['tokens_per_forward']:5.2f}  " +
+        print(f"{name:24s} accuracy {100 * np.mean(ok):5.1f}%  tokens/forward {summary.tokens_per_forward:5.2f}  " +
               "  ".join(f"{f} {100 * v:.0f}%" for f, v in per_family(ok, problems).items()), flush=True)
         print(f"{'':24s} first wrong token of the {sum(errs.values())} wrong answers: " +
               ", ".join(f"{kind} {n}" for kind, n in errs.items()), flush=True)

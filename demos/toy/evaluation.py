@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from sbd_jax.decoding.prompts import Prompt
+from sbd_jax.decoding.results import RowResult, RunSummary
 from sbd_jax.decoding.runner import BatchDecoder, DecodeOptions
 from sbd_jax.decoding.spec import DecodeSpec
 from sbd_jax.io.hf import from_pretrained
@@ -80,7 +81,7 @@ def decoder_maker(d: Decoder, params, mcfg, cfg, prompt_width: int):
                              wide_cost=cfg.wide_cost, prompt_width=prompt_width)
 
 
-def decode_all(dec: BatchDecoder, prompts: list[Prompt], desc: str | None = None) -> tuple[list[dict], dict]:
+def decode_all(dec: BatchDecoder, prompts: list[Prompt], desc: str | None = None) -> tuple[list[RowResult], RunSummary]:
     """-> (per-prompt results in prompt order, the runner's summary); a progress bar when `desc` is given."""
     from tqdm import tqdm
     rows = {}
@@ -109,19 +110,19 @@ def run_decoder(d: Decoder, params, mcfg, tok: Tokenizer, problems: list[dict], 
     batched, single = make(batch_size=cfg.eval_batch), make(batch_size=1)
     rows, s = decode_all(batched, prompts, f"eval {d.label}" if progress else None)
     lat_rows, lat = decode_all(single, prompts[:n_lat], f"batch-1 {d.label}" if progress else None)
-    correct = score(tok, [r["tokens"] for r in rows], problems)
+    correct = score(tok, [r.tokens for r in rows], problems)
     # rows decoded alone should match the batch (tested exactly in tests/test_decoding.py); float rounding
     # in other batch shapes can still flip a near-tie, so this is recorded, not asserted
-    same = [a["tokens"] == b["tokens"] for a, b in zip(lat_rows, rows)]
+    same = [a.tokens == b.tokens for a, b in zip(lat_rows, rows)]
 
     def retime():
-        return batched.decode(prompts)["seconds"], single.decode(prompts[:n_lat])["seconds"]
+        return batched.decode(prompts).seconds, single.decode(prompts[:n_lat]).seconds
 
     return {**dataclasses.asdict(d),  # label, model, mode, gamma, rule, verify, policy
-            "outputs": [r["tokens"] for r in rows], "accepted_per_forward": s["accepted_per_forward"],
-            "accuracy": float(np.mean(correct)), "n": len(problems), "tokens": s["tokens"], "nfe": s["nfe"],
-            "tokens_per_forward": s["tokens_per_forward"], "seconds": s["seconds"], "timed_tokens": s["tokens"],
-            "latency_n": n_lat, "latency_seconds": lat["seconds"], "latency_timed_tokens": lat["tokens"],
+            "outputs": [r.tokens for r in rows], "accepted_per_forward": s.accepted.tolist(),
+            "accuracy": float(np.mean(correct)), "n": len(problems), "tokens": s.tokens, "nfe": s.nfe,
+            "tokens_per_forward": s.tokens_per_forward, "seconds": s.seconds, "timed_tokens": s.tokens,
+            "latency_n": n_lat, "latency_seconds": lat.seconds, "latency_timed_tokens": lat.tokens,
             "latency_same_as_batch": float(np.mean(same)) if n_lat else float("nan"),
             "per_family": per_family(correct, problems)}, retime
 

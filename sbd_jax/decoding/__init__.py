@@ -9,19 +9,19 @@
   modes/       sbd.py, ar.py, verify/: each mode's first call, loop step, cache finalize and own state
                (verify/: its counts, `DraftMemory`, drafting policy and call costs)
   loop.py      the one `lax.while_loop` driver
-  decoder.py   `generate` / `prepare_generate` / `generate_jit` -> `GenerateOutput`
+  decoder.py   `generate` -> `GenerateOutput` (`GenerateCall`: the same call, ahead of time)
   continuous.py  the continuous batching engine (init / admit / step / harvest) and its `ProgramCache`
-  results.py   `RowResult`, one finished row (every row-at-a-time entry point)
+  results.py   `RowResult` (one finished row, every row-at-a-time entry point) and `RunSummary` (a batch run)
   runner.py, sampler.py, prompts.py, roofline.py: the batch runner, text in / text out, files, bandwidth
 """
 from .checks import check_request
-from .decoder import GenerateOutput, generate, generate_jit, prepare_generate
+from .decoder import GenerateCall, GenerateOutput, generate
 from .modes.verify import DraftMemory, VerifyStats
-from .results import RowResult
+from .results import RowResult, RunSummary
 from .sampling import accept, accept_eb, accept_threshold, entropy, sample, shape_logits
 from .spec import DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, MODES, RULES, DecodeError, DecodeSpec, PromptTooLongError
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DraftMemory", "VerifyStats", "DEFAULT_GAMMA", "MODES", "RULES", "DecodeError", "DecodeSpec",
-           "GenerateOutput",
+           "GenerateCall", "GenerateOutput", "RunSummary",
            "PromptTooLongError", "RowResult", "accept", "accept_eb", "accept_threshold", "check_request", "entropy",
-           "generate", "generate_jit", "prepare_generate", "sample", "shape_logits"]
+           "generate", "sample", "shape_logits"]

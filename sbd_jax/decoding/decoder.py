@@ -29,6 +29,7 @@ state in state.py, the prompt prefill in prefill.py, the request checks in check
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import typing
 from typing import NamedTuple
@@ -93,41 +94,56 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: D
       drafts earned and keeps its exploration schedule), else from nothing.
 
     Pure and static-shaped: works eagerly and inside a user's `jax.jit` (then gamma, temperature, keys
-    and prompts may be traced).
+    and prompts may be traced; the checks read what is concrete). Ahead of time: `GenerateCall`.
     """
-    args, static = prepare_generate(params, cfg, prompt_ids, prompt_lengths, spec, gamma=gamma,
-                                    temperature=temperature, key=key, row_max_new_tokens=row_max_new_tokens,
-                                    mesh=mesh, draft_memory=draft_memory, **options)
-    return generate_jit(*args, **static)
-
-
-def prepare_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None, *,
-                     gamma=DEFAULT_GAMMA, temperature=DEFAULT_TEMPERATURE, key=None, row_max_new_tokens=None,
-                     mesh=None, check: bool = True, draft_memory=None,
-                     **options) -> tuple[tuple, dict]:
-    """Validate and normalise `generate`'s arguments -> `(args, static)` with
-    `generate(...) == generate_jit(*args, **static)`. For ahead-of-time compilation:
-    `generate_jit.lower(*args, **static).compile()(*args)`. `check=False` skips `check_request`
-    (for callers that checked the whole request once, like the batch runner)."""
     spec = DecodeSpec.make(spec, **options)
     prompt_ids = jnp.asarray(prompt_ids)
-    if check:
-        check_request(cfg, spec, prompt_ids.shape, prompt_lengths=prompt_lengths, prompt_ids=prompt_ids,
-                      gamma=gamma, temperature=temperature, row_max_new_tokens=row_max_new_tokens)
-    B = prompt_ids.shape[0]
-    memory = mode_of(spec).start_from(draft_memory)
-    keys = sampling.row_keys(jax.random.key(0) if key is None else key, B)
-    args = (params, prompt_ids.astype(jnp.int32), jnp.asarray(prompt_lengths, jnp.int32),
-            jnp.broadcast_to(jnp.asarray(gamma, jnp.float32), (B,)),
-            jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,)), keys,
-            jnp.broadcast_to(jnp.asarray(spec.max_new_tokens if row_max_new_tokens is None else row_max_new_tokens,
-                                         jnp.int32), (B,)),
-            memory)
-    return args, {"cfg": cfg, "spec": spec, "mesh": mesh}
+    check_request(cfg, spec, prompt_ids.shape, prompt_lengths=prompt_lengths, prompt_ids=prompt_ids, gamma=gamma,
+                  temperature=temperature, row_max_new_tokens=row_max_new_tokens)
+    return GenerateCall.build(params, cfg, prompt_ids, prompt_lengths, spec, gamma=gamma, temperature=temperature,
+                              key=key, row_max_new_tokens=row_max_new_tokens, mesh=mesh, draft_memory=draft_memory)()
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateCall:
+    """One `generate` call with its arguments normalised and its static part (model config, spec, mesh) apart:
+    run it (`call()`), or lower and compile it ahead of time (`call.lower().compile()(*call.args)`). Building one
+    checks nothing: `generate` checks its request first, the batch runner checks its prompts once per run."""
+
+    args: tuple
+    cfg: ModelConfig
+    spec: DecodeSpec
+    mesh: object = None
+
+    @classmethod
+    def build(cls, params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None, *,
+              gamma=DEFAULT_GAMMA, temperature=DEFAULT_TEMPERATURE, key=None, row_max_new_tokens=None, mesh=None,
+              draft_memory=None, **options) -> GenerateCall:
+        """`generate`'s arguments (the same meaning) as the core's."""
+        spec = DecodeSpec.make(spec, **options)
+        prompt_ids = jnp.asarray(prompt_ids)
+        B = prompt_ids.shape[0]
+        keys = sampling.row_keys(jax.random.key(0) if key is None else key, B)
+        caps = spec.max_new_tokens if row_max_new_tokens is None else row_max_new_tokens
+        args = (params, prompt_ids.astype(jnp.int32), jnp.asarray(prompt_lengths, jnp.int32),
+                jnp.broadcast_to(jnp.asarray(gamma, jnp.float32), (B,)),
+                jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,)), keys,
+                jnp.broadcast_to(jnp.asarray(caps, jnp.int32), (B,)), mode_of(spec).start_from(draft_memory))
+        return cls(args, cfg, spec, mesh)
+
+    @property
+    def static(self) -> dict:
+        return {"cfg": self.cfg, "spec": self.spec, "mesh": self.mesh}
+
+    def __call__(self) -> GenerateOutput:
+        return decode_batch(*self.args, **self.static)
+
+    def lower(self):
+        return decode_batch.lower(*self.args, **self.static)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "mesh"))
-def generate_jit(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, max_new_B, draft_memory=None, *,
+def decode_batch(params, prompt_ids, lengths, gamma_B, temp_B, keys_B, max_new_B, draft_memory=None, *,
                  cfg: ModelConfig, spec: DecodeSpec, mesh=None) -> GenerateOutput:
     with mesh_context(mesh):  # ambient while tracing: attention_impl="pallas" then runs per shard
         P = prompt_ids.shape[1]

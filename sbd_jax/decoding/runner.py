@@ -1,13 +1,20 @@
-"""Offline batch decoding of many prompts (the engine of decode.py and of the demo's evaluation).
+"""Offline batch decoding of many prompts (the engine of decode.py, the `Sampler` and the demos' evaluation).
 
-  * Buckets: prompts sorted by length, cut into batches of `batch_size`; a batch's prompt width is its
-    longest prompt rounded up to `pad_multiple` (fewer shapes, fewer compilations), capped so that
+One run layer over two drivers with one protocol (`Driver`): fixed batches (`BatchDecoder`) and continuous slots
+(`ContinuousDriver`, over continuous.py's engine). `run` hands every finished row to `on_row` and returns one
+`RunSummary`; with compare_ar, AR then decodes the same prompts with the same driver kind and each row is handed
+out with AR's beside it.
+
+  * Prompts are checked once per run: `check_prompts` returns `CheckedPrompts`, which a run of the same model and
+    spec takes as checked.
+  * Buckets (fixed batches): prompts sorted by length, cut into batches of `batch_size`; a batch's prompt width
+    is its longest prompt rounded up to `pad_multiple` (fewer shapes, fewer compilations), capped so that
     width + max_new_tokens fits the model. The last batch is filled with copies of its first prompt that
     generate one token. A prompt's own max_new_tokens caps its row.
   * Randomness: row keys are fold_in(key(seed), crc32(id)): a prompt's output does not depend on its
-    batch, its bucket or on resuming.
-  * Timing: compilation (once per mode and width, ahead of time) is measured apart; tokens/s count the
-    real rows' tokens over decoding time. With `compare_ar`, AR decodes the same batches in turn.
+    batch, its bucket, its slot or on resuming.
+  * Timing: a driver counts its own decoding seconds (fixed batches: the compiled calls; continuous: the
+    engine's loop), compilation (ahead of time, once per program) and the caller's row handling apart.
   * Sharding: params are expected on `mesh` (`shard_params`); prompts are laid out over the batch axes;
     several processes all-gather the outputs.
 """
@@ -16,19 +23,20 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from .decoder import generate_jit, prepare_generate
-from .prompts import Prompt
-from .modes import mode_of
-from .results import RowResult, row_result, row_stats
 from . import checks
 from .checks import check_model, check_rate, max_prompt_width
+from .decoder import GenerateCall
+from .modes import mode_of
+from .prompts import Prompt
+from .results import RowResult, RunSummary, Totals, row_result, row_stats
 from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
 
 
@@ -42,7 +50,7 @@ class DecodeOptions:
     batch_size: int = 8
     pad_multiple: int = 16  # prompt widths are rounded up to a multiple of this (fewer compilations)
     seed: int = 0
-    compare_ar: bool = False  # also decode every batch with AR and report the speedup
+    compare_ar: bool = False  # also decode every prompt with AR and report the speedup
     # batch_size slots, a finished row's slot taking the next prompt at once (continuous.py); False: fixed
     # batches, each waiting for its slowest row
     continuous: bool = False
@@ -54,11 +62,33 @@ class DecodeOptions:
             if getattr(self, name) < 1:
                 raise DecodeError(f"{name} must be >= 1, got {getattr(self, name)}")
 
+    def baseline(self) -> DecodeOptions:
+        """The same run decoded by AR (what compare_ar measures against; a verify run's baseline is plain AR)."""
+        return dataclasses.replace(self, spec=dataclasses.replace(self.spec, mode="ar", verify=False),
+                                   compare_ar=False)
 
-def check_prompts(cfg: ModelConfig, opts: DecodeOptions, prompts: list[Prompt]) -> None:
+
+class CheckedPrompts(tuple):
+    """Prompts that fit a model's positions with a spec's max_new_tokens (`check_prompts`)."""
+
+    def __new__(cls, prompts, against):
+        obj = super().__new__(cls, prompts)
+        obj.against = against
+        return obj
+
+    def where(self, keep: Callable[[Prompt], bool]) -> CheckedPrompts:
+        """The prompts `keep` selects, still checked."""
+        return CheckedPrompts([p for p in self if keep(p)], self.against)
+
+
+def check_prompts(cfg: ModelConfig, opts: DecodeOptions, prompts) -> CheckedPrompts:
     """Every prompt fits the model's positions with max_new_tokens and asks for no more than it (a bad prompt
-    is named by id and line; `checks.check_prompts` with the run's spec)."""
+    is named by id and line; `checks.check_prompts`); prompts already checked for this model and cap pass."""
+    against = (cfg, opts.spec.max_new_tokens)
+    if isinstance(prompts, CheckedPrompts) and prompts.against == against:
+        return prompts
     checks.check_prompts(cfg, opts.spec, prompts)
+    return CheckedPrompts(prompts, against)
 
 
 def row_key(pid) -> int:
@@ -66,12 +96,12 @@ def row_key(pid) -> int:
     return zlib.crc32(repr(pid).encode()) & 0x7FFFFFFF
 
 
-def prompt_keys(seed: int, prompts: list[Prompt]):
+def prompt_keys(seed: int, prompts: Sequence[Prompt]):
     """Typed PRNG keys [len(prompts)]: fold_in(key(seed), row_key(id)), whatever the batch or slot."""
     return jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), jnp.asarray([row_key(p.id) for p in prompts]))
 
 
-def prompt_width(cfg: ModelConfig, opts: DecodeOptions, prompts: list[Prompt]) -> int:
+def prompt_width(cfg: ModelConfig, opts: DecodeOptions, prompts: Sequence[Prompt]) -> int:
     """The padded prompt width for `prompts`: the longest rounded up to pad_multiple (fewer compilations), capped
     so that width + max_new_tokens fits the model."""
     longest = max(len(p.ids) for p in prompts)
@@ -79,14 +109,28 @@ def prompt_width(cfg: ModelConfig, opts: DecodeOptions, prompts: list[Prompt]) -
     return max(longest, min(-(-longest // opts.pad_multiple) * opts.pad_multiple, cap))
 
 
+class Driver(Protocol):
+    """What `run` drives: rows decoded as they finish, and the driver's running counts."""
+
+    opts: DecodeOptions
+    compile_s: float  # seconds compiling so far
+    seconds: float  # seconds decoding so far (compilation and the consumer's time apart)
+    calls: int  # batched model calls of the decode loops so far
+    draft_memory: object  # verify mode: what the drafting policy learned (each pass starts from it); else None
+
+    def rows(self, prompts: Sequence[Prompt]) -> Iterator[tuple[int, RowResult]]:
+        """(index into `prompts`, its row) for every prompt, as rows finish."""
+
+
 class BatchDecoder:
-    """Decodes fixed-shape batches with one compiled program per (mode, prompt width)."""
+    """Fixed batches: one compiled program per prompt width, kept for later runs."""
 
     def __init__(self, params, cfg: ModelConfig, opts: DecodeOptions, mesh=None, draft_memory=None):
         self.params, self.cfg, self.opts, self.mesh = params, cfg, opts, mesh
         self._compiled: dict = {}
-        self.compile_s = 0.0
-        # verify mode: what the drafting policy learned (each batch starts from it; None in the other modes)
+        self._baseline: BatchDecoder | None = None
+        self.compile_s = self.seconds = 0.0
+        self.calls = 0
         self.draft_memory = mode_of(opts.spec).start_from(draft_memory)
 
     def arrays(self, batch: list[Prompt]):
@@ -105,77 +149,136 @@ class BatchDecoder:
             lens, caps = (_global(x, batch_sharding(self.mesh, 1, B)) for x in (lens, caps))
         return ids, lens, keys, caps
 
-    def run(self, batch: list[Prompt], mode: str):
-        """-> (dict of numpy arrays for the real rows, seconds of decoding excluding compilation)."""
+    def run_batch(self, batch: list[Prompt]) -> list[RowResult]:
+        """Decode one batch (compiling its program the first time its width is seen) -> its real rows."""
         o = self.opts
         ids, lens, keys, caps = self.arrays(batch)
-        args, static = prepare_generate(self.params, self.cfg, ids, lens, o.spec, gamma=o.gamma,
-                                        temperature=o.temperature, key=keys, row_max_new_tokens=caps, mesh=self.mesh,
-                                        check=False, draft_memory=self.draft_memory if mode == o.spec.mode else None,
-                                        **_mode(o.spec, mode))
-        sig = (mode, ids.shape)
-        if sig not in self._compiled:
+        call = GenerateCall.build(self.params, self.cfg, ids, lens, o.spec, gamma=o.gamma, temperature=o.temperature,
+                                  key=keys, row_max_new_tokens=caps, mesh=self.mesh, draft_memory=self.draft_memory)
+        if ids.shape not in self._compiled:
             t = time.perf_counter()
-            self._compiled[sig] = generate_jit.lower(*args, **static).compile()
+            self._compiled[ids.shape] = call.lower().compile()
             self.compile_s += time.perf_counter() - t
         t = time.perf_counter()
-        out = jax.block_until_ready(self._compiled[sig](*args))
-        secs = time.perf_counter() - t
+        out = jax.block_until_ready(self._compiled[ids.shape](*call.args))
+        self.seconds += time.perf_counter() - t
+        self.calls += int(out.iterations)
         stats = jax.tree.map(_host, out.mode_stats)
-        if mode == o.spec.mode and stats is not None:
+        if stats is not None:
             self.draft_memory = stats.memory
-        n = len(batch)
-        res = {f: _host(getattr(out, f))[:n] for f in ("tokens", "lengths", "nfe", "stopped_by_eos", "accepted")}
-        res["calls"] = int(out.iterations)
-        res["stats"] = [row_stats(stats, i) for i in range(n)]
-        return res, secs
+        tokens, n, nfe, eos, accepted = (_host(x) for x in (out.tokens, out.lengths, out.nfe, out.stopped_by_eos,
+                                                             out.accepted))
+        return [row_result(tokens[i, :n[i]], nfe[i], eos[i], accepted[i], row_stats(stats, i))
+                for i in range(len(batch))]
 
-    def decode(self, prompts: list[Prompt], on_row: Callable[[Prompt, dict], None] = lambda p, r: None,
-               progress=None) -> dict:
-        """Decode `prompts` in length buckets, call `on_row(prompt, result)` per finished row, return the
-        summary. result: tokens (list, EOS included), n_tokens, nfe, tokens_per_forward, stop ("eos" |
-        "length") and, with compare_ar, "ar": the same for AR. Compiled programs are kept for later calls."""
-        opts = self.opts
-        with_ar = opts.compare_ar and opts.spec.mode != "ar"
-        main, ar = Totals(), Totals()
-        differ: list = []
-        order = sorted(prompts, key=lambda p: len(p.ids))  # length buckets
-        for batch in (order[i:i + opts.batch_size] for i in range(0, len(order), opts.batch_size)):
-            res, secs = self.run(batch, opts.spec.mode)
-            main.add(res, secs)
-            if with_ar:
-                ares, asecs = self.run(batch, "ar")
-                ar.add(ares, asecs)
-            for i, p in enumerate(batch):
-                row = _row(res, i)
-                if with_ar:
-                    row["ar"] = _row(ares, i)
-                    if row["ar"]["tokens"] != row["tokens"]:
-                        differ.append(p.id)
-                on_row(p, row)
-                if progress is not None:
-                    progress.update(1)
-        summary = dict(mode=opts.spec.mode, verify=opts.spec.verify, **main.as_dict(opts.spec),
-                       compile_seconds=round(self.compile_s, 3))
-        if self.draft_memory is not None:
-            summary["draft_memory"] = self.draft_memory.as_dict()
-        if with_ar:
-            _compare(summary, ar, differ)
-        return summary
+    def rows(self, prompts: Sequence[Prompt]) -> Iterator[tuple[int, RowResult]]:
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids))  # length buckets
+        B = self.opts.batch_size
+        for part in (order[i:i + B] for i in range(0, len(order), B)):
+            yield from zip(part, self.run_batch([prompts[i] for i in part]))
+
+    def decode(self, prompts: Sequence[Prompt], on_row: Callable[[Prompt, RowResult], None] = lambda p, r: None,
+               progress=None) -> RunSummary:
+        """`run` with this decoder (and, with compare_ar, an AR one kept beside it)."""
+        with_ar = self.opts.compare_ar and self.opts.spec.mode != "ar"
+        if with_ar and self._baseline is None:
+            self._baseline = BatchDecoder(self.params, self.cfg, self.opts.baseline(), self.mesh)
+        return run(self, check_prompts(self.cfg, self.opts, prompts), on_row, progress,
+                   self._baseline if with_ar else None)
 
 
-def _mode(spec, mode: str) -> dict:
-    """The spec fields of `mode` (the AR baseline of a verify-mode run is plain AR)."""
-    return {"mode": mode, "verify": spec.verify and mode == "sbd"}
+class ContinuousDriver:
+    """Continuous slots (continuous.py's engine, one per prompt width); the longest caps first, so the rows still
+    running when the stream runs dry are short ones (less idle tail)."""
+
+    def __init__(self, params, cfg: ModelConfig, opts: DecodeOptions, mesh=None, draft_memory=None):
+        self.params, self.cfg, self.opts, self.mesh = params, cfg, opts, mesh
+        self._engines: dict = {}
+        self.seconds, self.calls = 0.0, 0
+        self.draft_memory = mode_of(opts.spec).start_from(draft_memory)
+
+    @property
+    def compile_s(self) -> float:
+        return sum(e.compile_s for e in self._engines.values())
+
+    def rows(self, prompts: Sequence[Prompt]) -> Iterator[tuple[int, RowResult]]:
+        from .continuous import ContinuousDecoder, Request
+        o = self.opts
+        width = prompt_width(self.cfg, o, prompts)
+        if width not in self._engines:
+            self._engines[width] = ContinuousDecoder(self.params, self.cfg, o.spec, slots=o.batch_size,
+                                                     prompt_width=width, gamma=o.gamma, temperature=o.temperature,
+                                                     mesh=self.mesh)
+        engine = self._engines[width]
+        engine.draft_memory = self.draft_memory
+        keys = np.asarray(jax.random.key_data(prompt_keys(o.seed, prompts)))
+        order = sorted(range(len(prompts)), key=lambda i: -(prompts[i].max_new_tokens or o.spec.max_new_tokens))
+        stream = engine.decode(Request(prompts[i].ids, keys[i], prompts[i].max_new_tokens) for i in order)
+        while True:
+            t, c = time.perf_counter(), engine.compile_s
+            item = next(stream, None)
+            self.seconds += time.perf_counter() - t - (engine.compile_s - c)
+            if item is None:
+                break
+            yield order[item[0]], item[1]
+        self.calls += engine.calls
+        self.draft_memory = engine.draft_memory
 
 
-def _compare(summary: dict, ar: Totals, differ: list) -> None:
-    """The AR comparison of a summary: AR's totals, the speedup, the rows whose tokens differ from AR's."""
-    summary["ar"] = ar.as_dict()
-    summary["speedup_tokens_per_s"] = summary["tokens_per_s"] / summary["ar"]["tokens_per_s"]
-    summary["same_tokens_as_ar"] = 1 - len(differ) / max(summary["rows"], 1)
-    summary["rows_differing_from_ar"] = differ[:20]
-    summary["n_rows_differing_from_ar"] = len(differ)
+def driver(params, cfg: ModelConfig, opts: DecodeOptions, mesh=None, draft_memory=None) -> Driver:
+    """The driver `opts` asks for: continuous slots or fixed batches."""
+    kind = ContinuousDriver if opts.continuous else BatchDecoder
+    return kind(params, cfg, opts, mesh, draft_memory)
+
+
+def run(main: Driver, prompts: Sequence[Prompt], on_row: Callable[[Prompt, RowResult], None] = lambda p, r: None,
+        progress=None, baseline: Driver | None = None) -> RunSummary:
+    """Decode `prompts` with `main`, each finished row handed to `on_row(prompt, row)`; with `baseline` (AR), the
+    same prompts again, each row handed out once both are done (AR's as `row.ar`). -> the run's summary."""
+    differ: list = []
+
+    def hand(i, row):
+        on_row(prompts[i], row)
+        if progress is not None:
+            progress.update(1)
+
+    held: dict = {}
+    totals = _pass(main, prompts, hand if baseline is None else held.__setitem__)
+    ar = None
+    if baseline is not None:
+        def pair(i, ar_row):
+            row = dataclasses.replace(held.pop(i), ar=ar_row)
+            if row.tokens != ar_row.tokens:
+                differ.append(prompts[i].id)
+            hand(i, row)
+        ar = _pass(baseline, prompts, pair)
+    spec = main.opts.spec
+    return RunSummary(**vars(totals), mode=spec.mode, verify=spec.verify, continuous=main.opts.continuous,
+                      block_size=spec.block_size, draft_memory=main.draft_memory, ar=ar, differing=differ,
+                      compile_seconds=main.compile_s + (baseline.compile_s if baseline is not None else 0.0))
+
+
+def _pass(d: Driver, prompts: Sequence[Prompt], sink: Callable[[int, RowResult], None]) -> Totals:
+    """One driver over the prompts -> its totals (seconds and calls: what the driver counted meanwhile)."""
+    totals = Totals()
+    seconds, calls = d.seconds, d.calls
+    for i, row in d.rows(prompts):
+        totals.add(row)
+        sink(i, row)
+    totals.seconds, totals.model_calls = d.seconds - seconds, d.calls - calls
+    return totals
+
+
+def decode_prompts(params, cfg: ModelConfig, prompts: Sequence[Prompt], opts: DecodeOptions, *, mesh=None,
+                   on_row: Callable[[Prompt, RowResult], None] = lambda p, r: None, progress=None,
+                   draft_memory=None) -> RunSummary:
+    """Decode `prompts` (fixed batches or continuous slots, by `opts`); call `on_row(prompt, row)` for every
+    finished row; return the run's summary. `draft_memory`: verify mode's drafting policy starts from it (an
+    earlier summary's `draft_memory`; the summary has this run's)."""
+    check_model(cfg, opts.spec)
+    prompts = check_prompts(cfg, opts, prompts)
+    baseline = driver(params, cfg, opts.baseline(), mesh) if opts.compare_ar and opts.spec.mode != "ar" else None
+    return run(driver(params, cfg, opts, mesh, draft_memory), prompts, on_row, progress, baseline)
 
 
 def _global(x: np.ndarray, sharding):
@@ -187,115 +290,3 @@ def _host(x) -> np.ndarray:
         from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
-
-
-@dataclasses.dataclass
-class Totals:
-    """Sums over the decoded batches."""
-
-    rows: int = 0
-    tokens: int = 0
-    nfe: int = 0
-    calls: int = 0  # batched model calls of the decode loops (prefill pieces apart)
-    seconds: float = 0.0
-    accepted: np.ndarray | None = None  # model calls that decoded 0, 1, ... tokens (summed over rows)
-    stats: dict = dataclasses.field(default_factory=dict)  # sums of the rows' mode stats (verify: drafts, agreed)
-
-    def add(self, res, secs):
-        self.rows += len(res["lengths"])
-        self.tokens += int(res["lengths"].sum())
-        self.nfe += int(res["nfe"].sum())
-        for row in res.get("stats", ()):
-            for f, v in row.items():
-                self.stats[f] = self.stats.get(f, 0) + v
-        self.calls += res.get("calls", 0)
-        self.seconds += secs
-        hist = res["accepted"].sum(0)
-        self.accepted = hist if self.accepted is None else self.accepted + hist
-
-    def add_row(self, row: dict):
-        self.add({"lengths": np.asarray([row["n_tokens"]]), "nfe": np.asarray([row["nfe"]]),
-                  "accepted": np.asarray([row["accepted"]]),
-                  "stats": [{f: row[f] for f in ("drafts", "agreed") if f in row}]}, 0.0)
-
-    def as_dict(self, spec: DecodeSpec | None = None):
-        """The totals; for verify mode (`spec`) also the drafts and the ceiling: tokens per forward if every
-        draft stood (a block of k per call)."""
-        out = {"rows": self.rows, "tokens": self.tokens, "nfe": self.nfe, "model_calls": self.calls,
-               "seconds": round(self.seconds, 4),
-               "tokens_per_s": self.tokens / self.seconds if self.seconds else float("nan"),
-               "tokens_per_forward": self.tokens / self.nfe if self.nfe else float("nan"),
-               "accepted_per_forward": [] if self.accepted is None else self.accepted.tolist()}
-        if spec is not None and spec.verify:
-            drafts, agreed = self.stats.get("drafts", 0), self.stats.get("agreed", 0)
-            out.update(drafts=drafts, drafts_agreed=agreed, draft_acceptance=agreed / drafts if drafts else 0.0,
-                       tokens_per_forward_ceiling=float(spec.block_size))
-        return out
-
-
-def decode_prompts(params, cfg: ModelConfig, prompts: list[Prompt], opts: DecodeOptions, *, mesh=None,
-                   on_row: Callable[[Prompt, dict], None] = lambda p, r: None, progress=None, checked: bool = False,
-                   draft_memory=None) -> dict:
-    """Decode `prompts` (batched, bucketed); call `on_row(prompt, result)` for every finished row;
-    return the summary (see `BatchDecoder.decode`). `checked`: the caller has run `check_model` and
-    `check_prompts` (decode.py does, before and after reading the prompts). `draft_memory`: verify mode's
-    drafting policy starts from it (an earlier summary's "draft_memory"; the summary has the run's)."""
-    if not checked:
-        check_model(cfg, opts.spec)
-        check_prompts(cfg, opts, prompts)
-    if opts.continuous:
-        return _decode_continuous(params, cfg, prompts, opts, mesh, on_row, progress, draft_memory)
-    return BatchDecoder(params, cfg, opts, mesh, draft_memory).decode(prompts, on_row, progress)
-
-
-def _decode_continuous(params, cfg: ModelConfig, prompts: list[Prompt], opts: DecodeOptions, mesh, on_row,
-                       progress, draft_memory=None) -> dict:
-    """`decode_prompts` with `opts.batch_size` continuous slots; with compare_ar, AR then runs the same prompts
-    on the same slots and each row is handed out once both are done."""
-    from .continuous import ContinuousDecoder, Request
-    width = prompt_width(cfg, opts, prompts)
-    keys = np.asarray(jax.random.key_data(prompt_keys(opts.seed, prompts)))
-    # longest caps first: the rows still running when the stream runs dry are short ones (less idle tail)
-    order = sorted(range(len(prompts)), key=lambda i: -(prompts[i].max_new_tokens or opts.spec.max_new_tokens))
-    reqs = [Request(prompts[i].ids, keys[i], prompts[i].max_new_tokens) for i in order]
-    modes = [opts.spec.mode] + (["ar"] if opts.compare_ar and opts.spec.mode != "ar" else [])
-    totals, results, compile_s, differ = {}, {}, 0.0, []
-    for mode in modes:
-        dec = ContinuousDecoder(params, cfg, dataclasses.replace(opts.spec, **_mode(opts.spec, mode)), slots=opts.batch_size,
-                                prompt_width=width, gamma=opts.gamma, temperature=opts.temperature, mesh=mesh,
-                                draft_memory=draft_memory if mode == modes[0] else None)
-        totals[mode] = t = Totals()
-        start = time.perf_counter()
-        for i, row in dec.decode(reqs):
-            i = order[i]
-            t.add_row(row)
-            del row["accepted"]  # in the summary's histogram; a row reads as in static batches
-            if mode == modes[-1]:
-                if len(modes) > 1:
-                    row = dict(results.pop(i), ar=row)
-                    if row["ar"]["tokens"] != row["tokens"]:
-                        differ.append(prompts[i].id)
-                on_row(prompts[i], row)
-                if progress is not None:
-                    progress.update(1)
-            else:
-                results[i] = row
-        t.seconds = time.perf_counter() - start - dec.compile_s
-        t.calls = dec.calls
-        compile_s += dec.compile_s
-        if mode == modes[0] and dec.draft_memory is not None:
-            draft_memory = dec.draft_memory
-    main = totals[modes[0]]
-    summary = dict(mode=opts.spec.mode, verify=opts.spec.verify, **main.as_dict(opts.spec), compile_seconds=round(compile_s, 3),
-                   continuous=True)
-    if draft_memory is not None:
-        summary["draft_memory"] = draft_memory.as_dict()
-    if len(modes) > 1:
-        _compare(summary, totals["ar"], differ)
-    return summary
-
-
-def _row(res, i) -> RowResult:
-    n = int(res["lengths"][i])
-    return row_result(res["tokens"][i, :n].tolist(), int(res["nfe"][i]), bool(res["stopped_by_eos"][i]),
-                      stats=res["stats"][i] if "stats" in res else None)

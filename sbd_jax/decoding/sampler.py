@@ -11,10 +11,9 @@ from pathlib import Path
 from ..config import ModelConfig
 from ..io.tokenizer import Tokenizer
 from .prompts import Prompt, row_ids
-from .results import RowResult
-from .runner import DecodeOptions, check_prompts, decode_prompts
+from .results import RowResult, RunSummary
+from .runner import DecodeOptions, decode_prompts
 from .checks import check_finite_params, check_model
-from .modes.verify import DraftMemory
 from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
 
 
@@ -107,30 +106,25 @@ class Sampler:
     def text(self, tokens) -> str | None:
         return self.tokenizer.decode(tokens) if self.tokenizer is not None and self.tokenizer.can_decode else None
 
-    def decode(self, prompts: list[Prompt], opts: DecodeOptions, *, on_row: Callable[[Prompt, dict], None] = lambda p, r: None,
-               progress=None) -> dict:
-        """The token level (decode.py): every row handed to `on_row(prompt, row)` as it finishes, with its "text"
-        when the model has a tokenizer; returns the run's summary."""
-        check_prompts(self.cfg, opts, prompts)
-
+    def decode(self, prompts, opts: DecodeOptions, *,
+               on_row: Callable[[Prompt, RowResult], None] = lambda p, r: None, progress=None) -> RunSummary:
+        """The token level (decode.py): `decode_prompts` (prompts checked there, unless they come as its
+        `CheckedPrompts`), every row handed to `on_row(prompt, row)` as it finishes with its text and prompt
+        length; verify mode's policy starts from what it learned in this sampler's earlier calls."""
         def with_text(p, r):
-            for row in (r, r.get("ar")):
-                if row is not None and (text := self.text(row["tokens"])) is not None:
-                    row["text"] = text
-            on_row(p, r)
+            ar = r.ar and dataclasses.replace(r.ar, text=self.text(r.ar.tokens), prompt_tokens=len(p.ids))
+            on_row(p, dataclasses.replace(r, text=self.text(r.tokens), prompt_tokens=len(p.ids), ar=ar))
         summary = decode_prompts(self.params, self.cfg, prompts, opts, mesh=self.mesh, on_row=with_text,
-                                 progress=progress, checked=True, draft_memory=self.draft_memory)
-        if "draft_memory" in summary:  # verify mode: what its policy learned, for the next call (a DraftMemory)
-            self.draft_memory = DraftMemory.checked(summary["draft_memory"])
+                                 progress=progress, draft_memory=self.draft_memory)
+        self.draft_memory = summary.draft_memory
         return summary
 
     def __call__(self, inputs: Sequence, *, chat: bool = False, **options) -> list[RowResult]:
         """Complete every input (see `prompts`); `options` as in `options` (SBD by default, mode="ar" for the
-        baseline). Returns one `RowResult` per input, in order, with its "text" ("" without a tokenizer) and
-        "prompt_tokens"; `self.last_summary` holds the run's summary."""
+        baseline). Returns one `RowResult` per input, in order, with its text ("" without a tokenizer) and prompt
+        length; `self.last_summary` holds the run's summary."""
         opts = self.options(**options)
         prompts = self.prompts(inputs, chat=chat)
         rows: dict = {}
-        self.last_summary = self.decode(prompts, opts, on_row=lambda p, r: rows.__setitem__(p.id, (p, r)))
-        return [RowResult(**{**r, "text": r.get("text", ""), "prompt_tokens": len(p.ids)})
-                for p, r in (rows[i] for i in range(len(prompts)))]
+        self.last_summary = self.decode(prompts, opts, on_row=lambda p, r: rows.__setitem__(p.id, r))
+        return [dataclasses.replace(rows[i], text=rows[i].text or "") for i in range(len(prompts))]
