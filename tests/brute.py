@@ -22,7 +22,7 @@ import numpy as np
 from sbd_jax.attention import clean_meta, concat_meta, copy_meta
 from sbd_jax.config import ModelConfig
 from sbd_jax.decoding import DecodeSpec, DraftMemory, GenerateOutput, VerifyStats, check_request, sampling
-from sbd_jax.decoding.modes.verify import costs
+from sbd_jax.decoding.modes.verify import costs, policy
 from sbd_jax.models.transformer import forward
 
 
@@ -188,7 +188,7 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
     w - 1 waiting drafts (drops the others) and checks them all (the agreeing prefix stays, AR's token corrects
     the first wrong one or opens the next block, whose other positions the copy queries draft at once); an AR call
     checks the next waiting draft only (or takes AR's token when none waits). Wide or AR per call: the spec's draft
-    policy, re-implemented here."""
+    policy, re-implemented here (its rule written out per row and offset; its constants are policy.py's)."""
     spec, lengths, cap, eos, pad, keys, gam, temp, score, seq = _setup(
         cfg, prompt_ids, prompt_lengths, spec, options, gamma, temperature, key, row_max_new_tokens)
     B, W = seq.shape
@@ -200,10 +200,11 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
     n_gen, nfe = np.zeros(B, np.int32), np.zeros(B, np.int32)
     accepted = np.zeros((B, k + 1), np.int32)
     proposed, agreed = np.zeros(B, np.int32), np.zeros(B, np.int32)
-    trials, hits = np.zeros(B, np.float32), np.zeros(B, np.float32)
-    pool = np.zeros(2, np.float32)                               # decayed (trials, hits) over all rows
-    start = DraftMemory.empty() if draft_memory is None else draft_memory
-    pool[:] = start.trials, start.hits
+    J = k - 1                                                    # draft offsets 1 .. k - 1
+    trials, hits = np.zeros((B, J), np.float32), np.zeros((B, J), np.float32)
+    opened = np.zeros(B, np.int32)                               # the waiting drafts' block starts here
+    start = DraftMemory.empty(J) if draft_memory is None else draft_memory
+    pool = np.stack([np.asarray(start.trials, np.float32), np.asarray(start.hits, np.float32)])  # [2, J] all rows
     calls = wide_calls = 0
     since_wide = int(start.since_wide)
     costs_w = np.asarray(costs.call_costs(params, cfg, spec, B, prompt_ids.shape[1] + max_new_tokens), np.float32)
@@ -233,8 +234,7 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
         drawn = np.asarray(score(logits[:, W:], keys, jnp.asarray(pos_c - lengths[:, None]), temp,
                                  suppress=cfg.mask_token_id)[1])
         C = max(w, 1)                                           # clean queries this call: AR 1, a width w
-        call_n = call_a = 0
-        any_checked = False
+        call_n, call_a = np.zeros(J, np.float32), np.zeros(J, np.float32)
         for b in range(B):
             if done[b]:
                 continue
@@ -248,14 +248,14 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
             agreed[b] += m
             stood = list(range(first + 1, first + m + 1))       # the drafts that stand (first itself stood before)
             hit = next((i for i in stood if int(seq[b, L + i]) in eos), None)
-            if checkable:  # the policy's counts: none past a standing EOS
+            if checkable:  # the policy's counts per draft offset: none past a standing EOS
                 good, bad = (m, int(m < checkable)) if hit is None else (hit - first, 0)
-                decay = np.float32(0.95) ** np.float32(good + bad)  # per draft checked
-                trials[b] = trials[b] * decay + np.float32(good + bad)
-                hits[b] = hits[b] * decay + np.float32(good)
-                call_n += good + bad
-                call_a += good
-                any_checked = True
+                for i in range(good + bad):
+                    o = first + i - opened[b]                   # the offset (1-based) of draft first + 1 + i, - 1
+                    trials[b, o] = trials[b, o] * np.float32(policy.DECAY) + np.float32(1.0)
+                    hits[b, o] = hits[b, o] * np.float32(policy.DECAY) + np.float32(i < good)
+                    call_n[o] += 1
+                    call_a[o] += i < good
             if hit is not None:
                 EVENTS.add("eos_in_prefix")
             if m == checkable and C < count:                    # every checked draft stood; the others wait
@@ -286,14 +286,15 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
             n = int(min(w, cap[b] - g))                         # AR's token opens the block, the copy drafts it
             seq[b, L + g + 1:L + g + n] = drawn[b, 1:n]
             proposed[b] += n - 1
+            opened[b] = g
             todo[b], blk[b] = (g, n), g + w
-        if any_checked:  # the counts over all rows: a new row's prior
-            pool[0] = pool[0] * np.float32(0.9) + np.float32(call_n)
-            pool[1] = pool[1] * np.float32(0.9) + np.float32(call_a)
+        seen = call_n > 0  # the counts over all rows, per offset checked this call: a new row's prior
+        pool[0] = np.where(seen, pool[0] * np.float32(policy.POOL_DECAY), pool[0]) + call_n
+        pool[1] = np.where(seen, pool[1] * np.float32(policy.POOL_DECAY), pool[1]) + call_a
     out = np.full((B, max_new_tokens), pad, np.int32)
     for b in range(B):
         out[b, :n_gen[b]] = seq[b, lengths[b]:lengths[b] + n_gen[b]]
-    memory = DraftMemory(jnp.float32(pool[1]), jnp.float32(pool[0]), jnp.float32(start.stops + np.sum(stopped_eos)),
+    memory = DraftMemory(jnp.asarray(pool[1]), jnp.asarray(pool[0]), jnp.float32(start.stops + np.sum(stopped_eos)),
                          jnp.float32(start.tokens + np.sum(n_gen)), jnp.int32(since_wide))
     return GenerateOutput(jnp.asarray(out), jnp.asarray(n_gen), jnp.asarray(nfe), jnp.asarray(stopped_eos),
                           jnp.int32(calls), jnp.int32(wide_calls), jnp.asarray(accepted),
@@ -302,8 +303,8 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
 
 def _width_choice(spec: DecodeSpec, calls: int, trials, hits, pool, done, since_wide, costs_w, stops, left) -> int:
     """The draft policy's choice for the batch's call number `calls`: 0 (a 1-wide AR call) or a draft width
-    (policy.py's rule, written out; `costs_w`: the costs `generate` used, the spec's or those measured once per
-    process; `stops`: the chance a verified token is an EOS; `left`: each row's tokens before its cap)."""
+    (policy.py's rule, written out per row and offset; `costs_w`: the costs `generate` used, the spec's or the cost
+    model's; `stops`: the chance a verified token is an EOS; `left`: each row's tokens before its cap)."""
     widths = spec.draft_widths
     if spec.draft_policy in ("always", "never"):
         return widths[0] if spec.draft_policy == "always" else 0
@@ -311,18 +312,22 @@ def _width_choice(spec: DecodeSpec, calls: int, trials, hits, pool, done, since_
         i = int(jax.random.randint(jax.random.fold_in(jax.random.key(0), calls), (), 0, len(widths) + 1))
         return 0 if i == 0 else widths[i - 1]
     run = np.flatnonzero(~done)
-    rates = [np.float32(1.05)]  # policy.MARGIN
+    pooled, prev = np.zeros(len(pool[0]), np.float32), np.float32(1.0)
+    for j in range(len(pooled)):  # each offset's prior: the rate of the one before it
+        prev = pooled[j] = (pool[1][j] + prev) / (pool[0][j] + np.float32(1.0))
+    prior = np.float32(policy.PRIOR)
+    rates = [np.float32(policy.MARGIN)]
     for w, c in zip(widths, costs_w):
         taus = []
         for b in run:
-            pooled = np.float32((pool[1] + np.float32(0.5)) / (pool[0] + np.float32(1.0)))
-            p = np.float32((hits[b] + np.float32(16.0) * pooled) / (trials[b] + np.float32(16.0)))  # policy.PRIOR
-            p = np.float32(p * (np.float32(1.0) - stops))
-            powers = [np.float32(p ** i) for i in range(1, w)]
-            q = powers[-1] if powers else np.float32(1.0)
-            taus.append(min((np.float32(2.0) + np.float32(sum(powers)) - q) / (np.float32(2.0) - q), np.float32(left[b])))
+            p = (hits[b] + prior * pooled) / (trials[b] + prior) * (np.float32(1.0) - stops)
+            chain = np.cumprod(p[:w - 1], dtype=np.float32)
+            q = chain[-1] if w > 1 else np.float32(1.0)
+            taus.append(min((np.float32(2.0) + np.float32(chain.sum(dtype=np.float32)) - q) / (np.float32(2.0) - q),
+                            np.float32(left[b])))
         rates.append(np.float32(sum(taus)) / np.float32(max(len(run), 1)) / c)
     best = int(np.argmax(rates))
-    if best == 0 and (since_wide >= int(np.ceil(max(float(np.min(costs_w)) - 1.0, 0.0) / 0.03)) or pool[0] == 0):
+    every = int(np.ceil(max(float(np.min(costs_w)) - 1.0, 0.0) / policy.EXPLORE_SHARE))
+    if best == 0 and (since_wide >= every or pool[0].sum() == 0):
         best = 1 + int(np.argmin(costs_w))
     return 0 if best == 0 else widths[best - 1]

@@ -23,10 +23,10 @@ def test_put_rows_resets_exactly_the_per_row_fields(verify):
         return new_state(env, prompt_seq(jnp.zeros((B, 5), jnp.int32), lengths, spec, env), 5,
                          mode_of(spec).init_state(env, B, None))
 
-    B = 3
+    B = 5  # not block_size - 1 (the policy memory's per-offset length)
     old = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(lambda: build(B))._replace(cache=None))
     new = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), jax.eval_shape(lambda: build(2))._replace(cache=None))
-    got = put_rows(old, new, jnp.array([0, 2]))
+    got = put_rows(old, new, jnp.array([0, 2]))  # new rows 0 and 1 into slots 0 and 2
     leaves = jax.tree_util.tree_leaves_with_path(got)
     assert any("mode_state" in jax.tree_util.keystr(p) for p, _ in leaves) == verify
     for path, x in leaves:

@@ -2,16 +2,15 @@
 options' checks, and drafts that fail costing about one call per token, like AR. (Every decision giving AR's
 tokens and the no-cache oracle's calls: tests/test_verify.py.)"""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from decoding_fixtures import CFG, LENGTHS, MAX_NEW, make_params, make_prompts, pick_eos
-from sbd_jax.decoding import DecodeError, DecodeSpec, generate
+from sbd_jax.decoding import DecodeSpec, generate
 from sbd_jax.config import ModelConfig
 from sbd_jax.decoding.modes.verify import calibrate, costs, policy
 from sbd_jax.models.transformer import init_params
-from sbd_jax.decoding.spec import DRAFT_POLICIES, EXTRA_DRAFT_POLICIES, register_draft_policy
+from sbd_jax.decoding.spec import DRAFT_POLICIES, EXTRA_DRAFT_POLICIES
 
 CAPS = np.array([18, 7, 13, 1], np.int32)
 
@@ -24,19 +23,21 @@ def model():
 
 
 def test_tokens_per_wide_call():
+    """Drafts never / always standing make 1 / w tokens per wide call; more agreement never makes fewer; one
+    agreement rate at every offset gives the closed form (2 + E[m] - q) / (2 - q), E[m] = p + ... + p^(w-1); a far
+    draft that never agrees makes a wider call worth no more than the narrower one that stops before it."""
     p = np.linspace(0.0, 1.0, 11, dtype=np.float32)
     for k in (1, 4, 16):
-        tau = np.asarray(policy.tokens_per_wide_call(p, k))
-        np.testing.assert_allclose(tau[[0, -1]], [1.0, k], rtol=1e-6)  # drafts never / always stand
+        tau = np.asarray(policy.tokens_per_wide_call(np.repeat(p[:, None], 15, 1), k))
+        np.testing.assert_allclose(tau[[0, -1]], [1.0, k], rtol=1e-6)
         assert (np.diff(tau) >= -1e-6).all()
-    with pytest.raises(DecodeError, match="draft_policy"):
-        DecodeSpec(verify=True, draft_policy="sometimes")
-    with pytest.raises(DecodeError, match="wide_cost must be a positive number"):
-        DecodeSpec(verify=True, wide_cost=-1.0)
+        powers = p[:, None] ** np.arange(1, k)[None]
+        q = powers[:, -1] if k > 1 else 1.0
+        np.testing.assert_allclose(tau, (2 + powers.sum(1) - q) / (2 - q), rtol=1e-5)
+    near = np.array([[1.0] * 3 + [0.0] * 12], np.float32)  # offsets 1-3 always agree, 4 and on never
+    assert float(policy.tokens_per_wide_call(near, 8)[0]) < float(policy.tokens_per_wide_call(near, 4)[0]) == 4.0
     # the tests' coin policy is registered by tests/decoding_fixtures.py, not an option of the library or its CLI
     assert "random" not in DRAFT_POLICIES and "random" in EXTRA_DRAFT_POLICIES
-    with pytest.raises(ValueError, match="built in"):
-        register_draft_policy("adaptive", lambda state, env: 0)
 
 
 def test_failing_drafts_cost_about_one_call_per_token(model):
@@ -56,18 +57,14 @@ def test_failing_drafts_cost_about_one_call_per_token(model):
 def test_calibrate_times_every_width_and_its_result_is_stated(model):
     """`calibrate` (an explicit step, outside any trace) times every draft width, each dearer than an AR call on
     this CPU (a wider call does more arithmetic); its result is a valid `wide_cost`, used as given. Inside a
-    trace it refuses: it would compile and time programs there."""
+    trace it refuses (tests/test_decoding_errors.py): it would compile and time programs there."""
     params = model[0]
     spec = DecodeSpec(mode="sbd", verify=True, block_size=16, max_new_tokens=MAX_NEW)
     got = calibrate(params, CFG, spec, 2, 128)
     assert len(got) == len(spec.draft_widths) and all(np.isfinite(got)) and min(got) > 1.0
     stated = DecodeSpec.make(spec, wide_cost=got)
     assert stated.stated_call_costs() == got == costs.call_costs(params, CFG, stated, 2, 128)
-    with pytest.raises(DecodeError, match="outside jax.jit"):
-        jax.jit(lambda p: jnp.asarray(calibrate(p, CFG, spec, 2, 128)))(params)
-    for bad in ((2.0, 3.0), (2.0, -1.0, 3.0), "4"):
-        with pytest.raises(DecodeError, match="one per draft width"):
-            DecodeSpec.make(spec, wide_cost=bad)
+
 
 
 def test_the_cost_model_reads_shapes_only():

@@ -127,8 +127,6 @@ def test_text_api(export):
         assert [o.text for o in out] == [ANSWERS["bye"], ANSWERS["hi"]]
         seen.append(sampler.draft_memory)
     assert seen[1].tokens == seen[0].tokens + sum(len(o.tokens) for o in out)  # tokens of the rows so far
-    with pytest.raises(sbd_jax.decoding.DecodeError, match="input 0: expected a string"):
-        sampler([{"role": "user"}])
 
 
 def test_decode_verify_mode_equals_ar_in_fewer_forwards(export, tmp_path, capsys):

@@ -10,7 +10,7 @@ import pytest
 
 import brute
 from decoding_fixtures import CFG, LENGTHS, MAX_NEW, make_params, make_prompts, outputs
-from sbd_jax.decoding import DecodeError, DecodeSpec, DraftMemory, generate
+from sbd_jax.decoding import DecodeSpec, DraftMemory, generate
 
 B = len(LENGTHS)
 CAPS = np.array([18, 7, 13, 1], np.int32)  # per-row max_new_tokens, not multiples of k (and a 1-token row)
@@ -78,23 +78,20 @@ def test_a_batch_starts_from_an_earlier_memory(params, prompts, eos):
     kw = dict(key=jax.random.key(3), eos_ids=(eos,), temperature=0.0, **POLICIES["adaptive"])
     ar = outputs(_ar(params, prompts, key=kw["key"], eos_ids=(eos,)))
     cold = _verify(params, prompts, 16, **kw)
-    told = DraftMemory(hits=1e4, trials=1e4, stops=0.0, tokens=1e6, since_wide=0)  # every draft agreed, no EOS
+    many = np.full(15, 1e4, np.float32)
+    told = DraftMemory(hits=many, trials=many, stops=0.0, tokens=1e6, since_wide=0)  # every draft agreed, no EOS
     warm = _verify(params, prompts, 16, draft_memory=told, **kw)
     ref = brute.brute_force_verify(params, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=16,
                                    max_new_tokens=MAX_NEW, row_max_new_tokens=CAPS, draft_memory=told, **kw)
     assert_same_run(warm, ref)
     np.testing.assert_array_equal(np.asarray(warm.tokens), ar["tokens"])
     assert int(warm.wide_steps) > int(cold.wide_steps)
-    for out, start in ((cold, DraftMemory.empty()), (warm, told)):
+    for out, start in ((cold, DraftMemory.empty(15)), (warm, told)):
         m = out.mode_stats.memory
         np.testing.assert_allclose([m.stops, m.tokens], [start.stops + ar["stopped_by_eos"].sum(),
                                                          start.tokens + ar["lengths"].sum()])
     again = _verify(params, prompts, 16, draft_memory=warm.mode_stats.memory.as_dict(), **kw)  # as a summary has it
     assert_same_run(again, _verify(params, prompts, 16, draft_memory=warm.mode_stats.memory, **kw))
-    with pytest.raises(DecodeError, match="draft_memory must be a DraftMemory"):
-        _verify(params, prompts, 16, draft_memory=np.zeros(5), **kw)
-    with pytest.raises(DecodeError, match="give it to a verify=True run"):
-        _ar(params, prompts, draft_memory=told)
 
 
 def assert_same_run(got, want):
@@ -135,8 +132,6 @@ def test_inside_a_user_jit(params, prompts, eos):
     got = lowered.compile()(params, prompts, jnp.float32(2.0))
     want = generate(params, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=(eos,)).tokens
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    with pytest.raises(DecodeError, match="verify=True is a mode of SBD decoding"):
-        generate(params, CFG, prompts, LENGTHS, mode="ar", verify=True)
 
 
 def test_fewer_calls_than_ar_when_drafts_are_right(eos):

@@ -189,7 +189,7 @@ class ContinuousDecoder:
         self._layout = tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in jax.tree.leaves(params))
         # verify mode: what the drafting policy learned (`GenerateOutput.mode_stats.memory`; None in the other
         # modes); `init` starts from it, `decode` leaves what it learned here
-        self.draft_memory = mode_of(spec).start_from(draft_memory)
+        self.draft_memory = mode_of(spec).start_from(draft_memory, spec)
 
     def _program(self, name: str, fn, *args, **static):
         """`fn` compiled ahead of time (its compile time kept apart from decoding time), once per program cache
@@ -203,7 +203,7 @@ class ContinuousDecoder:
 
     def init(self) -> Slots:
         """Every slot idle (the drafting policy starting from `draft_memory`)."""
-        args = (self.params, mode_of(self.spec).start_from(self.draft_memory))
+        args = (self.params, mode_of(self.spec).start_from(self.draft_memory, self.spec))
         return Slots(*self._program("empty", empty_slots, *args, slots=self.slots, width=self.width)(*args))
 
     def admit(self, slots: Slots, entries: list[tuple[int, Request]]) -> Slots:

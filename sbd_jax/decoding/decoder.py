@@ -128,7 +128,7 @@ class GenerateCall:
         args = (params, prompt_ids.astype(jnp.int32), jnp.asarray(prompt_lengths, jnp.int32),
                 jnp.broadcast_to(jnp.asarray(gamma, jnp.float32), (B,)),
                 jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,)), keys,
-                jnp.broadcast_to(jnp.asarray(caps, jnp.int32), (B,)), mode_of(spec).start_from(draft_memory))
+                jnp.broadcast_to(jnp.asarray(caps, jnp.int32), (B,)), mode_of(spec).start_from(draft_memory, spec))
         return cls(args, cfg, spec, mesh)
 
     @property

@@ -131,7 +131,7 @@ class BatchDecoder:
         self._baseline: BatchDecoder | None = None
         self.compile_s = self.seconds = 0.0
         self.calls = 0
-        self.draft_memory = mode_of(opts.spec).start_from(draft_memory)
+        self.draft_memory = mode_of(opts.spec).start_from(draft_memory, opts.spec)
 
     def arrays(self, batch: list[Prompt]):
         B, P = self.opts.batch_size, prompt_width(self.cfg, self.opts, batch)
@@ -195,7 +195,7 @@ class ContinuousDriver:
         self.params, self.cfg, self.opts, self.mesh = params, cfg, opts, mesh
         self._engines: dict = {}
         self.seconds, self.calls = 0.0, 0
-        self.draft_memory = mode_of(opts.spec).start_from(draft_memory)
+        self.draft_memory = mode_of(opts.spec).start_from(draft_memory, opts.spec)
 
     @property
     def compile_s(self) -> float:

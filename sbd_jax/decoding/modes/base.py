@@ -29,7 +29,7 @@ class Mode:
                                                learned (`memory(state)` of that run; None: nothing)
     report(state) -> pytree                    what a run reports of it (`GenerateOutput.mode_stats`)
     memory(state) -> pytree                    what a later run may start from
-    start_from(memory) -> pytree               a caller's `memory` checked and made the pytree `init_state` takes
+    start_from(memory, spec) -> pytree         a caller's `memory` checked and made the pytree `init_state` takes
                                                (None: from nothing; the same structure either way, one program)
     retire(state, slots) -> state              the finished rows in `slots` leave (before new prompts take them)
     """
@@ -44,7 +44,7 @@ class Mode:
     report: Callable = lambda state: None
     memory: Callable = lambda state: None
     retire: Callable = lambda state, slots: state
-    start_from: Callable = lambda memory: no_memory(memory)
+    start_from: Callable = lambda memory, spec: no_memory(memory)
 
 
 def no_memory(memory):

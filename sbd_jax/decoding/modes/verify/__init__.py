@@ -7,10 +7,10 @@ from ..base import Mode
 from . import calibrate as calibration, costs, policy
 from .calibrate import calibrate
 from .state import DraftMemory, VerifyState, VerifyStats
-from .step import finalize, first, init_state, report, step, admit
+from .step import admit, finalize, first, init_state, report, start_from, step
 
 VERIFY = Mode("verify", first=first, step=step, finalize=finalize, admit=admit, prefills_last_token=False,
               init_state=init_state, report=report, memory=policy.memory, retire=policy.retire,
-              start_from=DraftMemory.checked)
+              start_from=start_from)
 
 __all__ = ["VERIFY", "DraftMemory", "VerifyState", "VerifyStats", "calibrate", "calibration", "costs", "policy"]

@@ -4,17 +4,19 @@ next block COPY] for a draft width w of `spec.draft_widths` (k, k/2, k/4), which
 drafts the next w - 1 positions. Whatever it chooses, every row's tokens are AR's (step.py); the choice
 only sets how many calls, and of which width, a row takes.
 
-  * Per row: the decayed counts of checked drafts (`trials`) and of those that agreed (`hits`) give p, the chance
-    that a draft agrees given the drafts before it did, with a prior of weight PRIOR at the rate over all rows (so a
+  * Per row and draft offset (a draft's place in its block after the block's first token, 1 .. k - 1): the decayed
+    counts of checked drafts (`trials`) and of those that agreed (`hits`) give p_j, the chance that a draft at
+    offset j agrees given the drafts before it did, with a prior of weight PRIOR at the rate over all rows (so a
     row admitted by continuous batching, or the first row of a batch that started from an earlier output's
-    `draft_memory`, starts from what the model's drafts did for the others). A check's drafts after a standing EOS
-    are not counted (the row ends there).
+    `draft_memory`, starts from what the model's drafts did for the others). Far drafts agree less often than
+    near ones, so a width is judged by the offsets it drafts; an offset no draft has reached takes the rate of the
+    one before it. A check's drafts after a standing EOS are not counted (the row ends there).
   * A token is useful only up to the row's end: h, the chance that a verified token is an EOS (EOS stops over
-    tokens, over the finished rows and those before them), makes a draft useful with chance p (1 - h), and no row
+    tokens, over the finished rows and those before them), makes a draft useful with chance p_j (1 - h), and no row
     makes more tokens per call than it has left before its cap.
   * A row that drafts w - 1 positions per call alternates between calls that check them (1 + E[m] tokens; the
-    chain goes on when all stand, probability q = p^(w-1)) and, after a rejection, one call with nothing to check
-    (1 token): tokens per call tau_w(p) = (2 + E[m] - q) / (2 - q), E[m] = p + p^2 + ... + p^(w-1).
+    chain goes on when all stand, probability q = c_(w-1)) and, after a rejection, one call with nothing to check
+    (1 token): tokens per call tau_w = (2 + E[m] - q) / (2 - q), E[m] = c_1 + ... + c_(w-1), c_i = p_1 ... p_i.
   * The call that makes the most tokens per unit of time: AR gives 1 per running row at cost 1 (counted as
     MARGIN: drafting must promise a clear gain); width w gives the running rows' mean tau_w at `call_costs[w]`
     (what a 2w-wide call's loop step costs in AR steps at this batch on this device, costs.py).
@@ -33,20 +35,32 @@ from ...state import DecodeEnv, LoopState
 from . import costs
 from .state import DraftMemory, VerifyState
 
-DECAY = 0.95  # weight of a row's earlier counts per draft it checks (a memory of about 20 drafts)
-PRIOR = 16.0  # weight, in drafts (about a block), of the rate over all rows in a row's estimate
-POOL_DECAY = 0.9  # weight of the counts over all rows at each call that checks drafts
+DECAY = 0.9  # weight of a row's earlier counts at an offset per draft it checks there (a memory of ~10 blocks)
+PRIOR = 16.0  # weight, in drafts, of the rate over all rows in a row's estimate at an offset
+POOL_DECAY = 0.9  # weight of the counts over all rows at an offset at each call that checks drafts there
 EXPLORE_SHARE = 0.03  # the share of the run's cost spent on drafting calls the estimate did not ask for
 NEVER = 2 ** 30
 MARGIN = 1.05  # a drafting call must promise this many times AR's tokens per unit of time
 
 
+def pooled_prob(memory: DraftMemory):
+    """[J] per draft offset, the rate over all rows with a prior of weight 1 at the rate of the offset before it
+    (1 before offset 1): drafts count as agreeing until shown otherwise, and an offset few drafts reached as good as
+    the nearer ones, so the policy tries drafting, and a wider call when the drafts it makes agree (learning the
+    far offsets' rate there); drafts that fail bring the rates down within a few checks."""
+    rates, prev = [], jnp.float32(1.0)
+    for j in range(memory.hits.shape[0]):  # the (few, static) offsets in order
+        prev = (memory.hits[j] + prev) / (memory.trials[j] + 1.0)
+        rates.append(prev)
+    return jnp.stack(rates) if rates else jnp.zeros((0,), jnp.float32)
+
+
 def agree_prob(vs: VerifyState):
-    """[B] the chance a draft agrees given the drafts before it did: each row's decayed counts with a prior of
-    weight PRIOR at the rate over all rows (itself with a prior of 1/2, weight 1), so a new row starts from the
-    batch's experience of this model and one rejection does not outweigh it."""
-    pooled = (vs.memory.hits + 0.5) / (vs.memory.trials + 1.0)
-    return (vs.hits + PRIOR * pooled) / (vs.trials + PRIOR)
+    """[B, J] the chance a draft at each offset agrees given the drafts before it in its block did: the row's
+    decayed counts with a prior of weight PRIOR at the rate over all rows, so a new row starts from the batch's
+    experience of this model and one rejection does not outweigh it. Far drafts agree less often than near ones;
+    per offset, a width is judged by the drafts it would make."""
+    return (vs.hits + PRIOR * pooled_prob(vs.memory)[None]) / (vs.trials + PRIOR)
 
 
 def verified(state: LoopState):
@@ -81,23 +95,28 @@ def retire(state: LoopState, slots) -> LoopState:
     return state._replace(mode_state=vs._replace(memory=m))
 
 
-def tokens_per_wide_call(p, w: int):
-    """[B] expected tokens per 2w-wide call of a row that drafts w - 1 positions with agreement chance p."""
-    powers = p[:, None] ** jnp.arange(1, w, dtype=jnp.float32)[None]  # p^1 .. p^(w-1)
-    q = powers[:, -1] if w > 1 else jnp.ones_like(p)
-    return (2.0 + jnp.sum(powers, axis=1) - q) / (2.0 - q)
+def tokens_per_wide_call(p_BJ, w: int):
+    """[B] expected tokens per 2w-wide call of a row that drafts w - 1 positions, p_BJ[:, j - 1] the chance the
+    draft at offset j agrees given the earlier ones did: c_i = p_1 ... p_i the chance the first i stand, E[m] =
+    c_1 + ... + c_(w-1), q = c_(w-1)."""
+    chain = jnp.cumprod(p_BJ[:, :w - 1], axis=1)
+    q = chain[:, -1] if w > 1 else jnp.ones(p_BJ.shape[:1], p_BJ.dtype)
+    return (2.0 + jnp.sum(chain, axis=1) - q) / (2.0 - q)
 
 
-def update_counts(vs: VerifyState, checked, agreed_B, failed_B) -> VerifyState:
-    """Fold one call's checks into the decayed counts: rows that checked drafts (`checked`) saw `agreed_B`
-    agree and `failed_B` (0 or 1) not."""
-    n = jnp.where(checked, agreed_B + failed_B, 0).astype(jnp.float32)
-    decay = DECAY ** n
-    a = jnp.where(checked, agreed_B, 0).astype(jnp.float32)
-    pool = jnp.where(jnp.any(checked), POOL_DECAY, 1.0)
+def update_counts(vs: VerifyState, checked, first_B, agreed_B, failed_B) -> VerifyState:
+    """Fold one call's checks into the decayed counts: rows that checked drafts (`checked`), the first at offset
+    `first_B`, saw `agreed_B` agree and `failed_B` (0 or 1) not (the draft after the agreeing ones)."""
+    j = jnp.arange(1, vs.hits.shape[1] + 1, dtype=jnp.int32)[None]
+    start, end = first_B[:, None], (first_B + agreed_B)[:, None]
+    hit = checked[:, None] & (j >= start) & (j < end)
+    seen = hit | (checked & (failed_B > 0))[:, None] & (j == end)
     m = vs.memory
-    return vs._replace(trials=vs.trials * decay + n, hits=vs.hits * decay + a,
-                       memory=m._replace(trials=m.trials * pool + jnp.sum(n), hits=m.hits * pool + jnp.sum(a)))
+    pool = jnp.any(seen, axis=0)
+    return vs._replace(trials=jnp.where(seen, vs.trials * DECAY + 1.0, vs.trials),
+                       hits=jnp.where(seen, vs.hits * DECAY + hit, vs.hits),
+                       memory=m._replace(trials=jnp.where(pool, m.trials * POOL_DECAY, m.trials) + jnp.sum(seen, 0),
+                                         hits=jnp.where(pool, m.hits * POOL_DECAY, m.hits) + jnp.sum(hit, 0)))
 
 
 def call_costs(state: LoopState, env: DecodeEnv):
@@ -137,5 +156,5 @@ def choose(state: LoopState, env: DecodeEnv):
     cheapest = 1 + jnp.argmin(cost).astype(jnp.int32)
     best = jnp.argmax(rate).astype(jnp.int32)
     # explore: after (c - 1) / EXPLORE_SHARE calls without drafting, or while no draft was ever checked
-    explore = (memory.since_wide >= explore_every(cost)) | (memory.trials == 0)
+    explore = (memory.since_wide >= explore_every(cost)) | (jnp.sum(memory.trials) == 0)
     return jnp.where((best == 0) & explore, cheapest, best)

@@ -13,36 +13,42 @@ from ...state import Row
 
 
 class DraftMemory(NamedTuple):
-    """What the drafting policy learned over all rows, which a later run of the same model may start from (a
-    run's `GenerateOutput.mode_stats.memory`; the batch runner and the continuous engine hand it on). Scalars."""
+    """What the drafting policy learned over all rows, which a later run of the same model and block size may start
+    from (a run's `GenerateOutput.mode_stats.memory`; the batch runner and the continuous engine hand it on).
+    J = block_size - 1 draft offsets: a draft's offset is its place in its block after the block's first token."""
 
-    hits: jax.Array        # float32: decayed count of checked drafts that agreed
-    trials: jax.Array      # float32: decayed count of checked drafts
+    hits: jax.Array        # [J] float32: per offset, decayed count of checked drafts that agreed
+    trials: jax.Array      # [J] float32: per offset, decayed count of checked drafts (their earlier ones agreed)
     stops: jax.Array       # float32: rows stopped by an EOS, among the rows counted in `tokens`
     tokens: jax.Array      # float32: verified tokens of the rows that finished (this run's once it reports)
     since_wide: jax.Array  # int32: calls since the last drafting call (the exploration schedule)
 
     @classmethod
-    def empty(cls) -> DraftMemory:
+    def empty(cls, offsets: int) -> DraftMemory:
         """Nothing learned yet."""
-        return cls(*(np.float32(0.0),) * 4, np.int32(0))
+        zeros = np.zeros((offsets,), np.float32)
+        return cls(zeros, zeros, np.float32(0.0), np.float32(0.0), np.int32(0))
 
     @classmethod
-    def checked(cls, memory) -> DraftMemory:
-        """`memory` as the decoder's argument (the policy starts from nothing when it is None): a DraftMemory or
-        its `as_dict()`; anything else is a DecodeError naming what was given."""
+    def checked(cls, memory, offsets: int) -> DraftMemory:
+        """`memory` as the decoder's argument for `offsets` draft offsets (block_size - 1; the policy starts from
+        nothing when it is None): a DraftMemory or its `as_dict()`; anything else is a DecodeError naming it."""
         if memory is None:
-            return cls.empty()
+            return cls.empty(offsets)
         if isinstance(memory, dict) and set(memory) == set(cls._fields):  # `as_dict`, e.g. from a JSON summary
-            memory = cls(**memory)
-        if not isinstance(memory, DraftMemory) or any(jnp.shape(x) != () for x in memory):
-            raise DecodeError(f"draft_memory must be a DraftMemory (an earlier run's `mode_stats.memory`) or its "
-                              f"as_dict() {list(cls._fields)}, got {type(memory).__name__} {memory!r:.200}")
+            memory = cls(**{f: np.asarray(v) for f, v in memory.items()})
+        shapes = ((offsets,), (offsets,), (), (), ())
+        if not isinstance(memory, DraftMemory) or tuple(jnp.shape(x) for x in memory) != shapes:
+            raise DecodeError(f"draft_memory must be a DraftMemory of a run with block_size {offsets + 1} (an "
+                              f"earlier run's `mode_stats.memory`, or its as_dict() {list(cls._fields)}; shapes "
+                              f"{shapes}), got {type(memory).__name__} {memory!r:.200}")
         return cls(*(jnp.asarray(x, jnp.float32) for x in memory[:4]), jnp.asarray(memory.since_wide, jnp.int32))
 
     def as_dict(self) -> dict:
-        """Plain floats and ints, for a JSON summary."""
-        return {f: float(v) if f != "since_wide" else int(v) for f, v in zip(self._fields, jax.device_get(self))}
+        """Plain numbers and lists, for a JSON summary."""
+        host = jax.device_get(self)
+        return {"hits": np.asarray(host.hits).tolist(), "trials": np.asarray(host.trials).tolist(),
+                "stops": float(host.stops), "tokens": float(host.tokens), "since_wide": int(host.since_wide)}
 
 
 class VerifyState(NamedTuple):
@@ -50,14 +56,15 @@ class VerifyState(NamedTuple):
 
     proposed: Row          # [B] drafts placed
     agreed: Row            # [B] drafts that stood
-    trials: Row            # [B] float32: the row's decayed count of checked drafts
-    hits: Row              # [B] float32: of those, the decayed count that agreed
+    trials: Row            # [B, J] float32: per draft offset, the row's decayed count of checked drafts
+    hits: Row              # [B, J] float32: of those, the decayed count that agreed
+    opened: Row            # [B] generated index of the first token of the block the waiting drafts belong to
     memory: DraftMemory    # over all rows
 
     @classmethod
     def new(cls, B: int, memory: DraftMemory) -> VerifyState:
-        zeros = jnp.zeros((B,), jnp.int32)
-        return cls(zeros, zeros, jnp.zeros((B,), jnp.float32), jnp.zeros((B,), jnp.float32), memory)
+        zeros, counts = jnp.zeros((B,), jnp.int32), jnp.zeros((B, memory.hits.shape[0]), jnp.float32)
+        return cls(zeros, zeros, counts, counts, zeros, memory)
 
 
 class VerifyStats(NamedTuple):

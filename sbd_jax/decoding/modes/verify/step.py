@@ -85,7 +85,8 @@ def check(state: LoopState, env: DecodeEnv, ar_BC) -> tuple[LoopState, jax.Array
         n_generated=jnp.where(finished, verified, state.n_generated),
         commit_start=jnp.where(moved, cs + m, cs), commit_len=jnp.where(moved, cl - m, cl),
         accepted=tally(state.accepted, jnp.minimum(verified - cs - 1, state.accepted.shape[1] - 1), running),
-        mode_state=policy.update_counts(vs, running & (n_chk > 0), stood, (rejected & ~in_drafts).astype(jnp.int32)))
+        mode_state=policy.update_counts(vs, running & (n_chk > 0), cs + 1 - vs.opened, stood,
+                                        (rejected & ~in_drafts).astype(jnp.int32)))
     return restart(state, rejected & ~finished, g, env), put & ~rejected & ~finished
 
 
@@ -104,7 +105,8 @@ def open_block(state: LoopState, env: DecodeEnv, logits_BwV, opened) -> LoopStat
                           commit_len=jnp.where(opened, n, state.commit_len),
                           block_offset=jnp.where(opened, b + w, b),
                           masked=jnp.where(opened[:, None], block_mask(b + w, env), state.masked),
-                          mode_state=drafted(state.mode_state, jnp.where(opened, n - 1, 0)))
+                          mode_state=drafted(state.mode_state, jnp.where(opened, n - 1, 0))._replace(
+                              opened=jnp.where(opened, b, state.mode_state.opened)))
 
 
 def drafted(vs: VerifyState, n_B) -> VerifyState:
@@ -235,7 +237,11 @@ def finalize(state: LoopState, env: DecodeEnv) -> KVCache:
 
 
 def init_state(env: DecodeEnv, B: int, memory) -> VerifyState:
-    return VerifyState.new(B, DraftMemory.checked(memory))
+    return VerifyState.new(B, DraftMemory.checked(memory, env.spec.block_size - 1))
+
+
+def start_from(memory, spec) -> DraftMemory:
+    return DraftMemory.checked(memory, spec.block_size - 1)
 
 
 def report(state: LoopState) -> VerifyStats:
