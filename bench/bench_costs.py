@@ -28,8 +28,8 @@ from sbd_jax.decoding.modes.verify import calibration, costs  # noqa: E402
 from sbd_jax.models.transformer import init_params  # noqa: E402
 
 # (name, hidden, layers, intermediate, vocab, batches)
-SHAPES = [("demo", 128, 4, 384, 1024, (1, 16, 64)), ("small", 256, 4, 768, 2048, (1, 16)),
-          ("medium", 512, 8, 1536, 4096, (1, 4))]
+SHAPES = [("demo", 128, 4, 384, 192, (1, 16, 64)), ("tiny-1k", 128, 4, 384, 1024, (1, 16, 64)),
+          ("small", 256, 4, 768, 2048, (1, 16)), ("medium", 512, 8, 1536, 4096, (1, 4))]
 CACHE, NEW = 128, 48
 
 

@@ -314,7 +314,7 @@ def _width_choice(spec: DecodeSpec, calls: int, trials, hits, pool, done, since_
     run = np.flatnonzero(~done)
     pooled, prev = np.zeros(len(pool[0]), np.float32), np.float32(1.0)
     for j in range(len(pooled)):  # each offset's prior: the rate of the one before it
-        prev = pooled[j] = (pool[1][j] + prev) / (pool[0][j] + np.float32(1.0))
+        prev = pooled[j] = (pool[1][j] + np.float32(policy.POOL_PRIOR) * prev) / (pool[0][j] + np.float32(policy.POOL_PRIOR))
     prior = np.float32(policy.PRIOR)
     rates = [np.float32(policy.MARGIN)]
     for w, c in zip(widths, costs_w):
@@ -327,7 +327,7 @@ def _width_choice(spec: DecodeSpec, calls: int, trials, hits, pool, done, since_
                             np.float32(left[b])))
         rates.append(np.float32(sum(taus)) / np.float32(max(len(run), 1)) / c)
     best = int(np.argmax(rates))
-    every = int(np.ceil(max(float(np.min(costs_w)) - 1.0, 0.0) / policy.EXPLORE_SHARE))
+    every = int(np.ceil(max(float(np.max(costs_w)) - 1.0, 0.0) / policy.EXPLORE_SHARE))
     if best == 0 and (since_wide >= every or pool[0].sum() == 0):
-        best = 1 + int(np.argmin(costs_w))
+        best = 1 + int(np.argmax(rates[1:]))
     return 0 if best == 0 else widths[best - 1]

@@ -73,19 +73,20 @@ def test_verify_equals_ar_and_the_no_cache_verifier(params, prompts, eos, how, p
 
 def test_a_batch_starts_from_an_earlier_memory(params, prompts, eos):
     """`draft_memory` carries what the policy learned from one call to the next (the batch runner does): a batch
-    told that drafts always agreed drafts from its first call, its tokens stay AR's and its calls the oracle's,
+    told that drafts always failed drafts less than one starting from nothing (which counts drafts as agreeing until
+    checks show otherwise), its tokens stay AR's and its calls the oracle's,
     and the counts it returns add its EOS stops and tokens. (The grid's greedy adaptive k = 16 program.)"""
     kw = dict(key=jax.random.key(3), eos_ids=(eos,), temperature=0.0, **POLICIES["adaptive"])
     ar = outputs(_ar(params, prompts, key=kw["key"], eos_ids=(eos,)))
     cold = _verify(params, prompts, 16, **kw)
-    many = np.full(15, 1e4, np.float32)
-    told = DraftMemory(hits=many, trials=many, stops=0.0, tokens=1e6, since_wide=0)  # every draft agreed, no EOS
+    told = DraftMemory(hits=np.zeros(15, np.float32), trials=np.full(15, 1e4, np.float32), stops=0.0, tokens=1e6,
+                       since_wide=0)  # every draft failed, no EOS
     warm = _verify(params, prompts, 16, draft_memory=told, **kw)
     ref = brute.brute_force_verify(params, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=16,
                                    max_new_tokens=MAX_NEW, row_max_new_tokens=CAPS, draft_memory=told, **kw)
     assert_same_run(warm, ref)
     np.testing.assert_array_equal(np.asarray(warm.tokens), ar["tokens"])
-    assert int(warm.wide_steps) > int(cold.wide_steps)
+    assert int(warm.wide_steps) < int(cold.wide_steps)
     for out, start in ((cold, DraftMemory.empty(15)), (warm, told)):
         m = out.mode_stats.memory
         np.testing.assert_allclose([m.stops, m.tokens], [start.stops + ar["stopped_by_eos"].sum(),

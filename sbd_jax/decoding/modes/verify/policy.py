@@ -17,12 +17,13 @@ only sets how many calls, and of which width, a row takes.
   * A row that drafts w - 1 positions per call alternates between calls that check them (1 + E[m] tokens; the
     chain goes on when all stand, probability q = c_(w-1)) and, after a rejection, one call with nothing to check
     (1 token): tokens per call tau_w = (2 + E[m] - q) / (2 - q), E[m] = c_1 + ... + c_(w-1), c_i = p_1 ... p_i.
-  * The call that makes the most tokens per unit of time: AR gives 1 per running row at cost 1 (counted as
-    MARGIN: drafting must promise a clear gain); width w gives the running rows' mean tau_w at `call_costs[w]`
+  * The call that makes the most tokens per unit of time: AR gives 1 per running row at cost 1 (MARGIN); width w
+    gives the running rows' mean tau_w at `call_costs[w]`
     (what a 2w-wide call's loop step costs in AR steps at this batch on this device, costs.py).
-    Every (c - 1) / EXPLORE_SHARE calls without drafting (c: the cheapest width's cost), and while no draft was
-    ever checked (a batch that started without `draft_memory`), the cheapest width drafts anyway, so rows whose
-    drafts start to agree are noticed at a bounded cost (the AR calls after it check those drafts for nothing).
+    Every (c - 1) / EXPLORE_SHARE calls without drafting (c: the dearest width's cost), and while no draft was
+    ever checked (a batch that started without `draft_memory`), the most promising width drafts anyway, so rows
+    whose drafts start to agree, and far offsets the estimate has few checks of, are noticed at a bounded cost
+    (the AR calls after it check those drafts for nothing).
   * The first call chooses too: its copy queries (the first block's drafts) are as wide as the chosen width, none
     for an AR call (a prompt-wide call is compute-bound, and k copy tokens per row add to it).
 """
@@ -38,19 +39,21 @@ from .state import DraftMemory, VerifyState
 DECAY = 0.9  # weight of a row's earlier counts at an offset per draft it checks there (a memory of ~10 blocks)
 PRIOR = 16.0  # weight, in drafts, of the rate over all rows in a row's estimate at an offset
 POOL_DECAY = 0.9  # weight of the counts over all rows at an offset at each call that checks drafts there
+POOL_PRIOR = 4.0  # weight, in drafts, of the rate at the offset before in the rate over all rows at an offset
 EXPLORE_SHARE = 0.03  # the share of the run's cost spent on drafting calls the estimate did not ask for
 NEVER = 2 ** 30
-MARGIN = 1.05  # a drafting call must promise this many times AR's tokens per unit of time
+MARGIN = 1.0  # AR's tokens per unit of time; a drafting call is made when it promises more
 
 
 def pooled_prob(memory: DraftMemory):
-    """[J] per draft offset, the rate over all rows with a prior of weight 1 at the rate of the offset before it
-    (1 before offset 1): drafts count as agreeing until shown otherwise, and an offset few drafts reached as good as
-    the nearer ones, so the policy tries drafting, and a wider call when the drafts it makes agree (learning the
-    far offsets' rate there); drafts that fail bring the rates down within a few checks."""
+    """[J] per draft offset, the rate over all rows with a prior of weight POOL_PRIOR at the rate of the offset
+    before it (1 before offset 1): drafts count as agreeing until shown otherwise, and an offset few drafts reached
+    as good as the nearer ones, so the policy tries drafting, and a wider call when the drafts it makes agree
+    (learning the far offsets' rate there); drafts that fail bring the rates down within a few checks, and one
+    failure does not rule a width out."""
     rates, prev = [], jnp.float32(1.0)
     for j in range(memory.hits.shape[0]):  # the (few, static) offsets in order
-        prev = (memory.hits[j] + prev) / (memory.trials[j] + 1.0)
+        prev = (memory.hits[j] + POOL_PRIOR * prev) / (memory.trials[j] + POOL_PRIOR)
         rates.append(prev)
     return jnp.stack(rates) if rates else jnp.zeros((0,), jnp.float32)
 
@@ -127,8 +130,9 @@ def call_costs(state: LoopState, env: DecodeEnv):
 
 
 def explore_every(call_costs):
-    """Calls without drafting between two drafting calls the estimate did not ask for."""
-    return jnp.ceil(jnp.maximum(jnp.min(call_costs) - 1.0, 0.0) / EXPLORE_SHARE).astype(jnp.int32)
+    """Calls without drafting between two drafting calls the estimate did not ask for (at most the dearest width's
+    extra cost per EXPLORE_SHARE of the calls' cost)."""
+    return jnp.ceil(jnp.maximum(jnp.max(call_costs) - 1.0, 0.0) / EXPLORE_SHARE).astype(jnp.int32)
 
 
 def ar_budget(state: LoopState, env: DecodeEnv):
@@ -153,8 +157,8 @@ def choose(state: LoopState, env: DecodeEnv):
     rate = jnp.stack([jnp.float32(MARGIN)] + [
         jnp.sum(jnp.where(running, jnp.minimum(tokens_per_wide_call(p, w), left), 0.0)) / n / c
         for w, c in zip(widths, cost)])
-    cheapest = 1 + jnp.argmin(cost).astype(jnp.int32)
     best = jnp.argmax(rate).astype(jnp.int32)
-    # explore: after (c - 1) / EXPLORE_SHARE calls without drafting, or while no draft was ever checked
+    # explore with the most promising width: after (c - 1) / EXPLORE_SHARE calls without drafting, or while no
+    # draft was ever checked
     explore = (memory.since_wide >= explore_every(cost)) | (jnp.sum(memory.trials) == 0)
-    return jnp.where((best == 0) & explore, cheapest, best)
+    return jnp.where((best == 0) & explore, 1 + jnp.argmax(rate[1:]).astype(jnp.int32), best)
