@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from sbd_jax.decoding import DecodeSpec  # noqa: E402
-from sbd_jax.decoding.modes.verify import costs  # noqa: E402
+from sbd_jax.decoding.modes.verify import calibrate, costs  # noqa: E402
 from sbd_jax.decoding.prompts import Prompt  # noqa: E402
 from sbd_jax.decoding.runner import BatchDecoder, DecodeOptions, decode_prompts  # noqa: E402
 from sbd_jax.io.hf import from_pretrained  # noqa: E402
@@ -73,13 +73,23 @@ def timed(decoders: dict, prompts: list[Prompt], rounds: int, log) -> dict:
     return out
 
 
-COSTS: dict = {}  # batch -> the call costs verify's policy used (the cost model's estimate, recorded)
+COSTS: dict = {}  # batch -> the call costs verify's policy used (the cost model's estimate) and calibrate's
 
 
 def batch_decoders(params, cfg, kinds, batch, width, max_new, eos_ids=None) -> dict:
-    COSTS[batch] = costs.call_costs(params, cfg, spec_of("verify", max_new), batch, width + max_new)
-    return {kind: BatchDecoder(params, cfg, DecodeOptions(spec=spec_of(kind, max_new, eos_ids), batch_size=batch,
-                                                          pad_multiple=width)) for kind in kinds}
+    """A decoder per kind; "verify-calibrated": verify with the costs `calibrate` times on this machine, stated."""
+    spec = spec_of("verify", max_new, eos_ids)
+    if "verify" in kinds:
+        COSTS[batch] = {"model": costs.call_costs(params, cfg, spec, batch, width + max_new)}
+    if "verify-calibrated" in kinds:
+        COSTS[batch]["calibrated"] = calibrate(params, cfg, spec, batch, width + max_new)
+
+    def spec_for(kind):
+        if kind == "verify-calibrated":
+            return DecodeSpec.make(spec, wide_cost=COSTS[batch]["calibrated"])
+        return spec_of(kind, max_new, eos_ids)
+    return {kind: BatchDecoder(params, cfg, DecodeOptions(spec=spec_for(kind), batch_size=batch, pad_multiple=width))
+            for kind in kinds}
 
 
 def random_model(args, log) -> list[dict]:
@@ -120,7 +130,7 @@ def demo_model(args, log) -> list[dict]:
         n = args.latency_n if batch == 1 else None
         prompts, width = demo_problems(args, n)
         log(f"demo SBD model, batch {batch}, {len(prompts)} problems x {args.max_new} new tokens")
-        decs = batch_decoders(params, cfg, ("ar", "verify", "always", "w8", "w4"), batch, width,
+        decs = batch_decoders(params, cfg, ("ar", "verify", "verify-calibrated", "always", "w8", "w4"), batch, width,
                               args.max_new)
         decs["ntp_ar"] = batch_decoders(nparams, ncfg, ("ar",), batch, width, args.max_new)["ar"]
         out.append({"section": "demo", "batch": batch, **timed(decs, prompts, args.rounds, log)})
@@ -181,12 +191,12 @@ def main():
     sections = set(args.sections.split(",")) - ({"demo", "continuous"} if args.skip_demo else set())
     results = [r for name, run in (("random", random_model), ("demo", demo_model), ("continuous", continuous))
                if name in sections for r in run(args, print)]
-    used = {f"batch={b}": [round(c, 2) for c in v] for b, v in COSTS.items()}
-    print("the policy's call costs (2w-wide call / 1-wide call, w = 16 / 8 / 4; the cost model's):", used)
+    used = {f"batch={b}": {k: [round(c, 2) for c in x] for k, x in v.items()} for b, v in COSTS.items()}
+    print("the policy's call costs (2w-wide call / 1-wide call, w = 16 / 8 / 4; the cost model's, calibrate's):", used)
     Path(args.out + ".json").write_text(json.dumps({"results": results, "call_costs": used,
                                                     "device": str(jax.devices()[0]), "seconds": time.time() - t0},
                                                    indent=1, default=float))
-    Path(args.out + ".md").write_text(table(results) + "\n\nthe policy's call costs (the cost model's): "
+    Path(args.out + ".md").write_text(table(results) + "\n\nthe policy's call costs (the cost model's; calibrate's): "
                                       + json.dumps(used) + "\n")
     print(table(results))
 
