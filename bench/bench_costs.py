@@ -76,14 +76,15 @@ def error(m, rows, spec) -> float:
 
 
 def fit(rows, spec, log) -> costs.Machine:
-    """Coordinate search in log space over the five constants (f32 weights: the flops entry for itemsize 4)."""
+    """Coordinate search in log space over the constants (f32 weights: the flops entry for itemsize 4)."""
     m = costs.MACHINES["cpu"]
     x = {"call_s": max(m.call_s, 1e-6), "layer_s": max(m.layer_s, 1e-6), "wide_s": m.wide_s, "flops": m.flops[4],
-         "bandwidth": m.bandwidth}
+         "bandwidth": m.bandwidth, "row_layer_s": max(m.row_layer_s, 1e-7), "wide_row_s": max(m.wide_row_s, 1e-7)}
 
     def make(x):
         return costs.Machine(call_s=x["call_s"], layer_s=x["layer_s"], wide_s=x["wide_s"],
-                             flops={2: x["flops"] / 2, 4: x["flops"]}, bandwidth=x["bandwidth"], overlap=m.overlap)
+                             flops={2: x["flops"] / 2, 4: x["flops"]}, bandwidth=x["bandwidth"], overlap=m.overlap,
+                             row_layer_s=x["row_layer_s"], wide_row_s=x["wide_row_s"])
     best = error(make(x), rows, spec)
     for step in (2.0, 1.4, 1.15, 1.05):
         improved = True

@@ -24,10 +24,10 @@ from ...spec import DecodeSpec
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-    """A backend's constants for the cost model: fixed seconds per call and per layer (dispatch, launches),
-    verify's extra fixed seconds in a wide step (its check and drafting), matmul FLOP/s per parameter byte width,
-    memory bytes/s, and whether memory traffic and arithmetic overlap (a step then takes the slower of the two,
-    else their sum)."""
+    """A backend's constants for the cost model: fixed seconds per call, per layer and per row and layer (dispatch,
+    launches, per-row bookkeeping), verify's extra seconds in a wide step (its check and drafting: fixed and per
+    row), matmul FLOP/s per parameter byte width, memory bytes/s, and whether memory traffic and arithmetic overlap
+    (a step then takes the slower of the two, else their sum)."""
 
     call_s: float
     layer_s: float
@@ -35,15 +35,17 @@ class Machine:
     flops: dict  # parameter itemsize (2: bf16/fp16, 4: f32) -> sustained matmul FLOP/s
     bandwidth: float
     overlap: bool = True
+    row_layer_s: float = 0.0
+    wide_row_s: float = 0.0
 
 
-# cpu: fitted to `calibrate`'s timings on a 2-core x86 CPU, 3 model shapes x 2-3 batch sizes (bench/bench_costs.py,
-# BENCHMARKS "Verify mode's call costs": a fit, not a datasheet - the wide step's fixed cost stands in for XLA:CPU's
+# cpu: fitted to `calibrate`'s timings on a 2-core x86 CPU, 4 model shapes x 2-3 batch sizes (bench/bench_costs.py,
+# BENCHMARKS "Verify mode's call costs": a fit, not a datasheet - the fixed and per-row terms stand in for XLA:CPU's
 # per-op overhead); gpu: bench_decode's bare forwards on one H100 (8B bf16: weights at 2.5 TB/s, 410 TFLOP/s at
 # 512 tokens per call); tpu: stated from the v5e sheet, not measured
 MACHINES = {
-    "cpu": Machine(call_s=0.0, layer_s=0.0, wide_s=3.2e-4, flops={2: 2e11, 4: 3.9e11}, bandwidth=2.4e10,
-                   overlap=False),
+    "cpu": Machine(call_s=0.0, layer_s=3.5e-6, wide_s=2.3e-4, flops={2: 1.9e11, 4: 3.8e11}, bandwidth=3.3e10,
+                   overlap=False, row_layer_s=3.3e-6, wide_row_s=2e-5),
     "gpu": Machine(call_s=30e-6, layer_s=20e-6, wide_s=100e-6, flops={2: 4.1e14, 4: 1.0e14}, bandwidth=2.5e12),
     "tpu": Machine(call_s=30e-6, layer_s=10e-6, wide_s=100e-6, flops={2: 1.6e14, 4: 4e13}, bandwidth=7e11),
 }
@@ -68,9 +70,9 @@ def estimate(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: 
 
 
 def step_model(params, cfg: ModelConfig, batch: int, cache_len: int, m: Machine):
-    """-> seconds(tokens): the modelled seconds of a loop step running `tokens` queries per row: fixed costs, then
-    reading the weights, the KV cache (rows mid-way through it) and the logits, and the matmul arithmetic (the
-    slower of the two where they overlap, else both)."""
+    """-> seconds(tokens): the modelled seconds of a loop step running `tokens` queries per row: fixed and per-row
+    costs, then reading the weights, the KV cache (rows mid-way through it) and the logits, and the matmul
+    arithmetic (the slower of the two where they overlap, else both)."""
     leaves = jax.tree.leaves(params)
     n_params = sum(int(np.prod(x.shape)) for x in leaves)
     weight_bytes = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
@@ -85,5 +87,6 @@ def step_model(params, cfg: ModelConfig, batch: int, cache_len: int, m: Machine)
         memory = (weight_bytes + kv_bytes + n * cfg.vocab_size * 8) / m.bandwidth  # logits written and read
         compute = n * (2 * n_params + attn_flops) / m.flops[itemsize]
         body = max(memory, compute) if m.overlap else memory + compute
-        return m.call_s + m.layer_s * L + (m.wide_s if tokens > 1 else 0.0) + body
+        wide = m.wide_s + m.wide_row_s * batch if tokens > 1 else 0.0
+        return m.call_s + (m.layer_s + m.row_layer_s * batch) * L + wide + body
     return seconds
