@@ -40,12 +40,11 @@ GPU = dict(DATA, seq_len=512, batch_size=16, steps=1200, lr=2e-4, warmup_steps=5
            latency_n=8, latency_lossy=False, lossless_policies=("adaptive",), gammas=(0.35, 1.0, 3.0),
            threshold_gammas=(0.35,))
 # the dry run: the GPU settings' stages and options (lossy rows at batch 32 only, one checkpoint, the adapter) with
-# two HumanEval problems (the harness) and one admission of all 5 prompts; a stated verify cost and no threshold
-# row (both decoder paths are tested in tests/test_verify.py and tests/test_decoding.py), to keep the suite's time
+# two HumanEval problems (the harness) and one admission of all 5 prompts; no threshold row (that decoder path is
+# tested in tests/test_decoding.py), to keep the suite's time
 TINY = dict(prompt_tokens=96, n_heldout=3, n_humaneval=2, max_body_lines=8, per_module=4, seq_len=160, batch_size=2,
             steps=2, warmup_steps=1, remat="none", checkpoints=1, lora_rank=2, max_new_tokens=16, eval_batch=8,
-            latency_n=1, latency_lossy=False, lossless_policies=("adaptive",), gammas=(0.35,), threshold_gammas=(),
-            wide_cost=4.0)
+            latency_n=1, latency_lossy=False, lossless_policies=("adaptive",), gammas=(0.35,), threshold_gammas=())
 
 
 def config(size: str, **kw):

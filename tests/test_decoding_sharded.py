@@ -40,8 +40,7 @@ CASES = {"greedy": {"gamma": 2.0, "temperature": 0.0, "seed": 0, "eos_ids": []},
          # the decoders' layout (`unstack_layers`): one buffer per layer, sharded as the stacked weight
          "sampled_per_layer": {"gamma": 1.0, "temperature": 1.0, "seed": 7, "eos_ids": [], "per_layer": True},
          "ar_per_layer": {"mode": "ar", "temperature": 1.0, "seed": 3, "eos_ids": [], "per_layer": True},
-         # the adaptive policy at a stated cost: no per-shape measurement (in the 8-device process and here), and
-         # both processes' calls follow the same costs
+         # the adaptive policy at a stated cost: both processes' calls follow the same costs
          "verify_per_layer": {"verify": True, "gamma": 1.0, "temperature": 1.0, "seed": 3, "eos_ids": [],
                               "wide_cost": 1.2, "per_layer": True}}
 

@@ -17,7 +17,7 @@ def out(tmp_path_factory):
 
 def test_the_committed_adapter_decodes_as_on_the_gpu(out):
     rows = reproduce.reproduce(out_dir=str(out), limit=2, batch=2, latency=False, log=lambda *_: None,
-                               select=lambda d: d.mode == "ar" or d.verify, wide_cost=4.0)
+                               select=lambda d: d.mode == "ar" or d.verify)
     by = {(r["mode"], r["verify"]): r for r in rows}
     assert set(by) == {("ar", False), ("sbd", True)}
     for r in rows:

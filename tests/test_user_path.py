@@ -132,7 +132,7 @@ def test_text_api(export):
 def test_decode_verify_mode_equals_ar_in_fewer_forwards(export, tmp_path, capsys):
     """decode.py --verify --compare-ar on the fine-tuned model, sampled: every row identical to AR's (the summary
     counts and shows them), in fewer forwards than AR (a stated cost of the wide call, so the policy's choices do
-    not hang on this machine's timing), with the drafts placed and agreed."""
+    not move with the cost model's constants), with the drafts placed and agreed."""
     prompts = [{"id": f"{w}{i}", "messages": [{"role": "user", "content": f"Say {w} to friend number {i}"}]}
                for i in (3, 8, 21, 40) for w in ANSWERS]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))

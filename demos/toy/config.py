@@ -43,7 +43,7 @@ class DemoConfig:
     # lossless (verify) rows, one per drafting policy (DecodeSpec.draft_policy; gamma and rule play no part):
     # the default "adaptive", and "always" (every call 2k-wide: the drafts' quality, the ceiling of drafting)
     lossless_policies: tuple[str, ...] = ("adaptive", "always")
-    wide_cost: float | None = None  # lossless rows: a 2k-wide call's cost in AR calls (None: measured here)
+    wide_cost: float | None = None  # lossless rows: a 2k-wide call's cost in AR calls (None: the cost model's)
     max_new_tokens: int = 48
     eval_batch: int = 100
     latency_n: int = 100  # problems also decoded one at a time (batch 1) for the latency-bound tokens/s
