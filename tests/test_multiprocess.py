@@ -91,7 +91,9 @@ def test_two_processes_decode_like_one(runs, tmp_path):
     prompts.write_text("".join(json.dumps({"id": i, "prompt_ids": ids}) + "\n" for i, ids in
                                enumerate([[1, 30, 25, 9], [1, 5, 27], [1, 22, 33, 40, 12, 7], [1, 18]])))
     outs = {}
-    for name, n, flags in (("one", 1, ["--static"]), ("two", 2, []), ("continuous", 1, [])):
+    runs_ = (("one", 1, ["--static"]), ("two", 2, []), ("continuous", 1, []),
+             ("one_verify", 1, ["--static", "--verify"]), ("two_verify", 2, ["--verify"]))
+    for name, n, flags in runs_:
         outs[name] = tmp_path / f"{name}.jsonl"
         finish(start_processes(["decode.py", "--model", str(runs / "one" / "hf"), "--input", str(prompts),
                                 "--output", str(outs[name]), "--max-new-tokens", "8", "--block-size", "4",
@@ -101,6 +103,8 @@ def test_two_processes_decode_like_one(runs, tmp_path):
     assert outs["one"].read_text() == outs["two"].read_text() and len(outs["one"].read_text().splitlines()) == 4
     rows = lambda p: sorted(p.read_text().splitlines())  # noqa: E731 - continuous writes in finishing order
     assert rows(outs["continuous"]) == rows(outs["one"])
+    # verify mode over two processes (its policy's counts replicated, its rows gathered): the same file as one
+    assert outs["one_verify"].read_text() == outs["two_verify"].read_text()
 
 
 PACK = """
