@@ -1,9 +1,10 @@
 """The decode loop's state and environment, built by name.
 
-  * `LoopState` is the while-loop carry. A field annotated `Row` holds one entry per batch row (axis 0): those
-    are what continuous batching resets when a slot takes a new prompt (`ROW_FIELDS`, derived from the type, so
-    a new per-row field is reset without anyone listing it). The cache is per row along its batch axis and is
-    reset by writing the new prompt's K/V (continuous.py); `iters` and `wide` count the batch's calls.
+  * `LoopState` is the while-loop carry (a mode's own state in `mode_state`). A field annotated `Row` holds one
+    entry per batch row (axis 0): those are what continuous batching resets when a slot takes a new prompt
+    (`put_rows` finds them by type, so a new per-row field is reset without anyone listing it). The cache is per
+    row along its batch axis and is reset by writing the new prompt's K/V (continuous.py); `iters` and `wide`
+    count the batch's calls.
   * `DecodeEnv` is what the loop body reads and never changes: the model, the spec and the per-row inputs.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ class LoopState(NamedTuple):
     """The while-loop carry. B = rows, W = token buffer width, K = block_size (SBD)."""
 
     seq: Row                  # [B, W] tokens by position
-    cache: KVCache            # per row along its batch axis (reset by writing a prompt's K/V, not by ROW_FIELDS)
+    cache: KVCache            # per row along its batch axis (reset by writing a prompt's K/V, not by put_rows)
     block_offset: Row         # [B] generated tokens before the current block (AR: generated tokens)
     masked: Row               # [B, K] still-masked positions of the current block (SBD)
     # the tokens at generated indices [commit_start, commit_start + commit_len) still need their clean causal
@@ -51,9 +52,6 @@ def row_fields(cls=LoopState) -> tuple[str, ...]:
     """The fields of `cls` annotated `Row` (one entry per batch row)."""
     hints = typing.get_type_hints(cls, include_extras=True)
     return tuple(f for f in cls._fields if PER_ROW in getattr(hints[f], "__metadata__", ()))
-
-
-ROW_FIELDS = row_fields()
 
 
 def put_rows(old, new, rows):
