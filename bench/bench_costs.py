@@ -57,14 +57,8 @@ def measure(log) -> list[dict]:
 
 def predicted(m: costs.Machine, r: dict, spec: DecodeSpec):
     """(AR-step seconds, per-width ratios) of the cost model with constants `m`."""
-    old = costs.MACHINES["cpu"]
-    costs.MACHINES["cpu"] = m
-    try:
-        ratios = costs.estimate(r["params"], r["cfg"], spec, r["batch"], CACHE, backend="cpu")
-        one = costs.step_model(r["params"], r["cfg"], r["batch"], CACHE, m)(1)
-    finally:
-        costs.MACHINES["cpu"] = old
-    return one, ratios
+    return (costs.step_model(r["params"], r["cfg"], r["batch"], CACHE, m)(1),
+            costs.estimate(r["params"], r["cfg"], spec, r["batch"], CACHE, machine=m))
 
 
 def error(m, rows, spec) -> float:

@@ -61,10 +61,11 @@ def call_costs(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len
 
 
 def estimate(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: int,
-             backend: str | None = None) -> tuple[float, ...]:
+             backend: str | None = None, machine: Machine | None = None) -> tuple[float, ...]:
     """The cost model's per-width costs (`params` are read for their shapes and dtypes only: concrete, traced or
-    `jax.ShapeDtypeStruct`s). An unknown backend is costed as a GPU."""
-    seconds = step_model(params, cfg, batch, cache_len, MACHINES.get(backend or jax.default_backend(), MACHINES["gpu"]))
+    `jax.ShapeDtypeStruct`s), with `machine`'s constants or the backend's (an unknown backend is costed as a GPU)."""
+    m = machine or MACHINES.get(backend or jax.default_backend(), MACHINES["gpu"])
+    seconds = step_model(params, cfg, batch, cache_len, m)
     one = seconds(1)
     return tuple(seconds(2 * w) / one for w in spec.draft_widths)
 

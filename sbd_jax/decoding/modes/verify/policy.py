@@ -9,8 +9,9 @@ only sets how many calls, and of which width, a row takes.
     offset j agrees given the drafts before it did, with a prior of weight PRIOR at the rate over all rows (so a
     row admitted by continuous batching, or the first row of a batch that started from an earlier output's
     `draft_memory`, starts from what the model's drafts did for the others). Far drafts agree less often than
-    near ones, so a width is judged by the offsets it drafts; an offset no draft has reached takes the rate of the
-    one before it. A check's drafts after a standing EOS are not counted (the row ends there).
+    near ones, so a width is judged by the offsets it drafts. Over all rows, offset 1 starts at 1 (drafts agree
+    until checks show otherwise) and each later offset has a prior of weight POOL_PRIOR at the rate of the one
+    before it. A check's drafts after a standing EOS are not counted (the row ends there).
   * A token is useful only up to the row's end: h, the chance that a verified token is an EOS (EOS stops over
     tokens, over the finished rows and those before them), makes a draft useful with chance p_j (1 - h), and no row
     makes more tokens per call than it has left before its cap.
