@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "where the rows' acceptance pays for the wider call on this device ('always' / 'never' force "
                          "it). Speed only: the tokens are AR's whatever it chooses")
     ap.add_argument("--wide-cost", type=float, default=None,
-                    help="--verify: a 2k-wide call's cost in 1-wide calls (default: measured once on this device)")
+                    help="--verify: a 2k-wide call's cost in 1-wide calls (default: the cost model's estimate for this "
+                         "model, batch and device; sbd_jax.decoding.calibrate measures it)")
     ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="SBD block size k")
     ap.add_argument("--batch-size", type=int, default=8, help="rows decoded at once (continuous slots)")
     ap.add_argument("--static", action="store_true",
@@ -83,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pad-multiple", type=int, default=16, help="prompt widths are rounded up to this")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                     help="weights and compute dtype (default float32, whatever the checkpoint stores)")
+    ap.add_argument("--quantize", default=None, metavar="SCHEME",
+                    help="weight-only quantization of the projections at load: int8 | fp8 | int4 (groups of 32 "
+                         "inputs; int4-g<N> for N) - less memory and weight traffic per step, tokens near the "
+                         "full-precision model's (BENCHMARKS.md: quality per scheme); --verify stays exactly the "
+                         "quantized model's AR")
     ap.add_argument("--mesh-data", type=int, default=None, help="mesh data axis (-1 = the remaining devices)")
     ap.add_argument("--mesh-fsdp", type=int, default=None)
     ap.add_argument("--mesh-tensor", type=int, default=None, help="tensor-parallel degree")
@@ -130,6 +136,7 @@ def run(args) -> int:
     from sbd_jax.decoding.resume import model_fingerprint
     from sbd_jax.decoding.runner import check_prompts
     from sbd_jax.decoding.sampler import Sampler
+    from sbd_jax.models.quant import Quantization
     from sbd_jax.sharding import make_mesh, maybe_initialize_distributed
 
     if args.resume and args.overwrite:
@@ -139,11 +146,13 @@ def run(args) -> int:
                       draft_policy=args.draft_policy, wide_cost=args.wide_cost,
                       top_k=args.top_k, top_p=args.top_p, tempered_entropy=args.tempered_entropy,
                       eos_ids=() if args.ignore_eos else (tuple(args.eos_id) if args.eos_id else None))
+    quantization = Quantization.of(args.quantize)  # a bad scheme is refused before anything loads
     mesh_cfg = mesh_config(args)
     check_summary_path(args.summary)
     maybe_initialize_distributed()
     mesh = make_mesh(mesh_cfg)
-    sampler = Sampler.load(args.model, dtype=args.dtype, mesh=mesh, adapter=args.adapter)  # each process: its shards
+    sampler = Sampler.load(args.model, dtype=args.dtype, mesh=mesh, adapter=args.adapter,  # each process: its shards
+                           quantize=args.quantize)
     opts = sampler.options(spec=spec, gamma=args.gamma, temperature=args.temperature, batch_size=args.batch_size,
                            pad_multiple=args.pad_multiple, seed=args.seed, compare_ar=args.compare_ar,
                            continuous=not args.static and jax.process_count() == 1)  # checked before any prompt
@@ -159,6 +168,8 @@ def run(args) -> int:
                     "seed": args.seed, "compare_ar": args.compare_ar, "chat": args.chat, "dtype": args.dtype,
                     "model_files": model_fingerprint(args.model),
                     "adapter_files": args.adapter and model_fingerprint(args.adapter)}
+        if quantization is not None:  # (absent when not quantized: outputs written before the option still resume)
+            settings["quantize"] = quantization.name
         try:
             check_output_settings(args.output, settings, resume=args.resume, allowed=tuple(args.allow_change),
                                   prompts=prompts, done=done)

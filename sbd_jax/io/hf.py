@@ -9,11 +9,14 @@ import os
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from safetensors import SafetensorError, safe_open
 
 from ..config import ConfigError, ModelConfig
 from ..models.hf_config import KNOWN_KEYS, config_from_hf
+from ..models.quant import QUANTIZED, Quantization, quantize_weight
 from ..models.transformer import ParamSpec, param_specs
 from .hf_layout import CheckpointError, hf_names, hf_shape
 from .hf_save import atomic_write, host_value, save_generation_files, save_pretrained
@@ -90,20 +93,23 @@ def _hf_slices(s: ParamSpec, shape: tuple[int, ...], box: list[tuple[int, int]])
 
 def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = None, dtype: str | None = None,
                     mesh=None, rules=None, allow_unknown_keys: bool = False, gguf_file: str | None = None,
-                    **config_overrides) -> tuple[ModelConfig, dict]:
+                    quantize=None, **config_overrides) -> tuple[ModelConfig, dict]:
     """Load a local HF-layout Llama-3.x/Qwen3 checkpoint -> (ModelConfig, params pytree). `param_dtype`
     (storage) and `dtype` (compute) default to float32, whatever the checkpoint stores. With `mesh`, every
     weight is built in its shards (`sbd_jax.sharding.param_shardings(cfg, mesh, rules)`): each process reads
     from the safetensors only the slices its own devices hold, one device's slice of one layer at a time;
     without, the weights land on the default device. With `gguf_file` (a name in `model_dir`, or a path), as in
     transformers: that llama.cpp file is converted once into the model cache (`sbd_jax.io.gguf.cached_convert`,
-    float32) and the conversion is loaded."""
+    float32) and the conversion is loaded. `quantize` ("int8", "fp8", "int4", "int4-g<N>"; sbd_jax/models/quant.py):
+    the projections are quantized as they load, one layer's weight at a time, so the device never holds more than
+    one layer's full-precision weight beside the quantized model."""
     from ..sharding import param_shardings  # (sharding imports the model; a module-level import would cycle)
 
     if gguf_file is not None:
         from .gguf import cached_convert
         model_dir = cached_convert(Path(model_dir) / gguf_file)
     model_dir = Path(model_dir)
+    quantization = Quantization.of(quantize)
     dtypes = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v}
     cfg = load_hf_config(model_dir, allow_unknown_keys=allow_unknown_keys, **{**config_overrides, **dtypes})
     files = _weight_files(model_dir)
@@ -137,8 +143,22 @@ def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = N
             ws = [read(names[i], hf_index, hf_dims) for i in layers]
             ws = [(w.T if s.hf_t else w).reshape(our_shape)[cut].astype(cfg.param_dtype) for w in ws]
             return np.stack(ws) if s.stacked else ws[0]
-        return jax.make_array_from_callback(shape, sharding, block)
+        name = s.name.removeprefix("layers/")
+        if quantization is None or name not in QUANTIZED:
+            return jax.make_array_from_callback(shape, sharding, block)
+        spec = sharding.spec if isinstance(sharding, jax.sharding.NamedSharding) else None
+        layer = sharding if spec is None else jax.sharding.NamedSharding(sharding.mesh, P(*spec[1:]))
+        parts = []
+        for i in range(shape[0]):
+            w = jax.make_array_from_callback(shape[1:], layer,
+                                             lambda index, i=i: block((slice(i, i + 1), *index))[0])
+            parts.append(quantize_one(w, name))
+            w.delete()
+        return stack(*parts)
 
+    quantize_one = jax.jit(lambda w, name: quantize_weight(w, name, quantization, where=f"{model_dir}: {name}"),
+                       static_argnums=1)
+    stack = jax.jit(lambda *parts: jax.tree.map(lambda *xs: jnp.stack(xs), *parts))
     specs = param_specs(cfg)
     if mesh is None:
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])

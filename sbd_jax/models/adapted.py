@@ -1,7 +1,8 @@
 """Weights with an adapter attached, and the three ops of the forward that read weights (`project`, `embed_rows`,
-`head_logits`). A plain array is read as before; a `LoRAWeight` adds its low-rank path and a `RowPatch` swaps one
-vocabulary row, both without building the merged weight (sbd_jax/models/lora.py attaches them to the parameter
-tree). Both are pytrees, so the layer scan, remat and dtype casts treat their arrays like any weight."""
+`head_logits`). A plain array is read as before; a quantized projection (sbd_jax/models/quant.py) through qwix; a
+`LoRAWeight` adds its low-rank path and a `RowPatch` swaps one vocabulary row, both without building the merged
+weight (sbd_jax/models/lora.py attaches them to the parameter tree). All are pytrees, so the layer scan, remat and
+dtype casts treat their arrays like any weight."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import qwix
+
+from .quant import QArray
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("w", "a", "b"), meta_fields=("scale",))
@@ -49,11 +53,14 @@ def _lora_specs(spec: str) -> tuple[str, str]:
 
 
 def project(spec: str, x, w):
-    """`jnp.einsum(spec, x, w)`, with a `LoRAWeight`'s low-rank path added (spec: activations first, weight second)."""
-    if not isinstance(w, LoRAWeight):
-        return jnp.einsum(spec, x, w)
-    spec_a, spec_b = _lora_specs(spec)
-    return jnp.einsum(spec, x, w.w) + jnp.einsum(spec_b, jnp.einsum(spec_a, x, w.a), w.b) * w.scale
+    """`jnp.einsum(spec, x, w)` (spec: activations first, weight second); a quantized weight (`quant.QArray`) is
+    multiplied by qwix in its quantized form, and a `LoRAWeight`'s low-rank path is added to its base's product."""
+    if isinstance(w, LoRAWeight):
+        spec_a, spec_b = _lora_specs(spec)
+        return project(spec, x, w.w) + jnp.einsum(spec_b, jnp.einsum(spec_a, x, w.a), w.b) * w.scale
+    if isinstance(w, QArray):
+        return qwix.einsum(spec, x, w, preferred_element_type=x.dtype)
+    return jnp.einsum(spec, x, w)
 
 
 def embed_rows(w, tokens_BT):

@@ -17,6 +17,7 @@ from ..attention.mask import CLEAN
 from ..config import ModelConfig
 from .adapted import embed_rows, head_logits, project
 from .layers import apply_rope, rms_norm, rope_inv_freq, swiglu
+from .quant import cast_floats
 
 
 def axis_sizes(cfg: ModelConfig) -> dict[str, int]:
@@ -149,7 +150,7 @@ _REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_
 def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, write_slot_BT,
            kv_meta: tuple[TokenMeta, TokenMeta, TokenMeta] | None, clean_prefix: int | None = None):
     dt = jnp.dtype(cfg.dtype)
-    p = jax.tree.map(lambda a: a.astype(dt), lp)
+    p = cast_floats(lp, dt)
     with jax.named_scope("attention"):
         x = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
         q, k, v = (project("btd,dhk->bthk", x, p[w]) for w in ("wq", "wk", "wv"))

@@ -1,0 +1,159 @@
+"""Weight-only quantization of the projections for decoding, with google's qwix (`qwix.quantize` -> `qwix.QArray`,
+read by `qwix.einsum` in `adapted.project`).
+
+Schemes (`Quantization.scheme`):
+  * "int8": symmetric int8, one scale per output channel (and layer);
+  * "fp8": float8_e4m3fn values (what Hopper multiplies natively), one scale per output channel;
+  * "int4": int4 with a scale and a zero point per group of `group_size` input elements of each output channel
+    (asymmetric: llama.cpp's 4-bit formats are too; symmetric int4 loses far more on small models).
+The seven projections (q, k, v, o, gate, up, down) are quantized; embeddings, the LM head and norms stay as they
+are. A `QArray` is a pytree (values, scales, zero points), so the layer scan, `unstack_layers` and sharding treat
+its arrays like any weight; `cast_floats` casts only its scales.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import qwix
+
+from ..config import ConfigError, ModelConfig
+
+QArray = qwix.QArray
+SCHEMES = ("int8", "fp8", "int4")
+QUANTIZED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the per-layer weights that are quantized
+DEFAULT_INT4_GROUP = 32  # divides every hidden / head / MLP size of the supported families (llama.cpp's Q4 too)
+_QTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """How the projections are quantized: `scheme` of SCHEMES; `group_size` (int4 only) input elements per scale."""
+
+    scheme: str
+    group_size: int | None = None
+
+    def __post_init__(self):
+        if self.scheme not in SCHEMES:
+            raise ConfigError(f"quantize={self.scheme!r} is not a known scheme (choose from {', '.join(SCHEMES)})")
+        if self.scheme == "int4":
+            g = self.group_size if self.group_size is not None else DEFAULT_INT4_GROUP
+            if isinstance(g, bool) or not isinstance(g, int) or g < 2:
+                raise ConfigError(f"quantize group_size={self.group_size!r} must be an integer >= 2")
+            object.__setattr__(self, "group_size", g)
+        elif self.group_size is not None:
+            raise ConfigError(f"quantize group_size={self.group_size!r} is for int4 only ({self.scheme} has one "
+                              "scale per output channel)")
+
+    @classmethod
+    def of(cls, value) -> Quantization | None:
+        """None, a Quantization, a scheme name ("int8", "fp8", "int4", "int4-g64": groups of 64) or its JSON dict."""
+        if value is None or isinstance(value, Quantization):
+            return value
+        if isinstance(value, str):
+            scheme, _, group = value.partition("-g")
+            if group and not group.isdigit():
+                raise ConfigError(f"quantize={value!r}: write the int4 group size as int4-g<N>, e.g. int4-g64")
+            return cls(scheme, int(group) if group else None)
+        if isinstance(value, dict):
+            unknown = set(value) - {"scheme", "group_size"}
+            if unknown or "scheme" not in value:
+                raise ConfigError(f"quantization {value!r} needs 'scheme' (and for int4 'group_size') and nothing "
+                                  f"else{f'; unknown: {sorted(unknown)}' if unknown else ''}")
+            return cls(value["scheme"], value.get("group_size"))
+        raise ConfigError(f"quantize={value!r} must be a scheme name ({', '.join(SCHEMES)}) or None")
+
+    @property
+    def qtype(self):
+        return _QTYPES[self.scheme]
+
+    @property
+    def name(self) -> str:
+        return self.scheme if self.scheme != "int4" else f"int4-g{self.group_size}"
+
+    def to_json(self) -> dict:
+        return {"scheme": self.scheme, "group_size": self.group_size}
+
+
+def weight_axes(name: str, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(input axes, the other axes) of projection `name` as an array of `ndim` dims (a leading layer axis when
+    stacked): its first spec group is what the einsum contracts (`transformer.PARAM_SPECS`)."""
+    from .transformer import PARAM_SPECS  # (transformer imports adapted, which imports this module)
+    spec = next(s for s in PARAM_SPECS if s.name == f"layers/{name}")
+    n_in = len(spec.axes.split()[0].split("*"))
+    lead = ndim - len(spec.logical_axes) + 1  # 1 when stacked, 0 for one layer
+    ins = tuple(range(lead, lead + n_in))
+    return ins, tuple(a for a in range(ndim) if a not in ins)
+
+
+def _tiles(w, name: str, q: Quantization, where: str) -> dict | None:
+    """qwix's tiled axes for projection `name`'s weight `w` (int4: groups along its last input axis), after checking
+    that `w` can be quantized: errors name the weight."""
+    if isinstance(w, QArray):
+        raise ConfigError(f"{where or name} is already quantized ({jnp.dtype(w.qtype).name}); quantize a "
+                          "full-precision model")
+    if not hasattr(w, "shape") or not jnp.issubdtype(w.dtype, jnp.floating):
+        raise ConfigError(f"{where or name} is {getattr(w, 'dtype', type(w).__name__)}: only floating-point "
+                          "weight arrays can be quantized")
+    if q.scheme != "int4":
+        return None
+    axis = weight_axes(name, w.ndim)[0][-1]
+    n = w.shape[axis]
+    if n % q.group_size:
+        fits = next(g for g in (128, 64, 32, 16, 8, 4, 2) if n % g == 0 and g < q.group_size)
+        raise ConfigError(f"int4 group size {q.group_size} does not divide {where or name}'s input dim of {n} "
+                          f"(shape {tuple(w.shape)}): pick one that does, e.g. quantize='int4-g{fits}'")
+    return {axis: q.group_size}
+
+
+def quantize_weight(w, name: str, q: Quantization, *, where: str = "") -> QArray:
+    """Projection `name`'s weight (one layer or stacked) as a QArray: per output channel (and layer) scales, int4 in
+    groups along its last input axis (refused, naming the weight, where the group does not divide that axis)."""
+    tiles = _tiles(w, name, q, where)
+    return qwix.quantize(w, q.qtype, channelwise_axes=weight_axes(name, w.ndim)[1], tiled_axes=tiles,
+                         calibration_method="minmax" if q.scheme == "int4" else "absmax", scale_dtype=jnp.float32)
+
+
+def quantize_params(params: dict, cfg: ModelConfig, q: Quantization | str, *, delete: bool = False) -> dict:
+    """`params` with the projections of every layer quantized (stacked or `unstack_layers`' per-layer layout);
+    `delete`: free each full-precision weight once quantized (the device then holds the quantized weights plus one
+    full-precision weight at most)."""
+    q = Quantization.of(q)
+    fn = jax.jit(lambda w, name: quantize_weight(w, name, q), static_argnums=1)
+
+    def one(layer: dict, where: str) -> dict:
+        out = dict(layer)
+        for name in QUANTIZED:
+            w = layer[name]
+            _tiles(w, name, q, f"{where}{name}")  # errors before tracing
+            out[name] = fn(w, name)
+            if delete and isinstance(w, jax.Array):
+                w.delete()
+        return out
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):
+        return {**params, "layers": tuple(one(lp, f"layers[{i}].") for i, lp in enumerate(layers))}
+    return {**params, "layers": one(layers, "layers.")}
+
+
+def quantization_of(params: dict) -> Quantization | None:
+    """The scheme `params` were quantized with (None: full precision)."""
+    layers = params["layers"]
+    w = (layers[0] if isinstance(layers, (tuple, list)) else layers)["wq"]
+    w = getattr(w, "w", w)  # a LoRA adapter's base
+    if not isinstance(w, QArray):
+        return None
+    scheme = next(s for s, t in _QTYPES.items() if jnp.dtype(t) == jnp.dtype(w.qtype))
+    return Quantization(scheme, max(w.scale_tile_shape) if scheme == "int4" else None)
+
+
+def is_array(x) -> bool:
+    """A leaf for `cast_floats`: an array or a QArray (whose values keep their dtype)."""
+    return isinstance(x, QArray)
+
+
+def cast_floats(tree, dtype):
+    """Every weight in `tree` in `dtype`; a QArray keeps its quantized values and casts its scales (so its product
+    comes out in `dtype`)."""
+    return jax.tree.map(lambda a: a.astype(dtype), tree, is_leaf=is_array)
