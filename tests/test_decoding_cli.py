@@ -231,6 +231,8 @@ def test_decode_cli_errors(model_dir, tmp_path, capsys):
     good = _write_jsonl(tmp_path / "good.jsonl", PROMPTS[:2])
     assert "gamma must be >= 0" in _err(capsys, base + ["--input", str(good), "--gamma", "-0.5"])
     assert "block_size must be >= 1" in _err(capsys, base + ["--input", str(good), "--block-size", "0"])
+    assert "quantize='int5' is not a known scheme" in _err(capsys, base + ["--input", str(good), "--quantize", "int5"])
+    assert "int4 group size 3 does not divide" in _err(capsys, base + ["--input", str(good), "--quantize", "int4-g3"])
     long = _write_jsonl(tmp_path / "long.jsonl", [{"id": "big", "prompt_ids": [1] * 120}])
     msg = _err(capsys, base + ["--input", str(long), "--max-new-tokens", "18"])
     assert "prompt 'big' (line 1) has 120 tokens" in msg and "max_position_embeddings 128" in msg

@@ -18,19 +18,22 @@ import jax, numpy as np
 from decoding_fixtures import BASE, CFG, LENGTHS, make_params, make_prompts
 from sbd_jax.decoding import generate
 from sbd_jax.models import unstack_layers
+from sbd_jax.models.quant import quantize_params
 from sbd_jax.sharding import MeshConfig, batch_sharding, make_mesh, shard_params
 mesh = make_mesh(MeshConfig(data=4, fsdp=1, tensor=2))
 stacked = shard_params(make_params(), CFG, mesh)
 per_layer = unstack_layers(stacked)
+quantized = unstack_layers(quantize_params(stacked, CFG, "int8"))
 ids = jax.device_put(make_prompts(), batch_sharding(mesh, 2, 4))
 lens = jax.device_put(LENGTHS, batch_sharding(mesh, 1, 4))
 res = {}
 for name, kw in json.loads(sys.argv[2]).items():
-    params = per_layer if kw.pop("per_layer", False) else stacked
+    params = quantized if kw.pop("int8", False) else per_layer if kw.pop("per_layer", False) else stacked
     out = generate(params, CFG, ids, lens, key=jax.random.key(kw.pop("seed")), mesh=mesh, **kw, **BASE)
     res[name] = dict(tokens=np.asarray(out.tokens).tolist(), nfe=np.asarray(out.nfe).tolist(),
                      cache_spec=list(out.cache.k.sharding.spec), wq_spec=list(stacked["layers"]["wq"].sharding.spec),
-                     wq0_spec=list(per_layer["layers"][0]["wq"].sharding.spec))
+                     wq0_spec=list(per_layer["layers"][0]["wq"].sharding.spec),
+                     wq_int8_spec=list(quantized["layers"][0]["wq"].qvalue.sharding.spec))
 print("RESULT" + json.dumps(res))
 """
 
@@ -42,7 +45,12 @@ CASES = {"greedy": {"gamma": 2.0, "temperature": 0.0, "seed": 0, "eos_ids": []},
          "ar_per_layer": {"mode": "ar", "temperature": 1.0, "seed": 3, "eos_ids": [], "per_layer": True},
          # the adaptive policy at a stated cost: both processes' calls follow the same costs
          "verify_per_layer": {"verify": True, "gamma": 1.0, "temperature": 1.0, "seed": 3, "eos_ids": [],
-                              "wide_cost": 1.2, "per_layer": True}}
+                              "wide_cost": 1.2, "per_layer": True},
+         # int8 weights (sbd_jax/models/quant.py), sharded as the full-precision ones: verify == AR on them
+         "verify_int8": {"verify": True, "gamma": 1.0, "temperature": 1.0, "seed": 3, "eos_ids": [],
+                         "wide_cost": 1.2, "int8": True},
+         "ar_int8": {"mode": "ar", "temperature": 1.0, "seed": 3, "eos_ids": [], "int8": True}}
+QUANTIZED = ("verify_int8", "ar_int8")
 
 
 def test_sharded_tokens_equal_single_device():
@@ -50,6 +58,8 @@ def test_sharded_tokens_equal_single_device():
     params = make_params()
     refs = {}  # the oracle's decodings by request (a per-layer case's is its stacked case's)
     for name, kw in CASES.items():
+        if name in QUANTIZED:
+            continue
         kw = {k: v for k, v in kw.items() if k != "per_layer"}
         if repr(kw) not in refs:
             oracle = brute_force_verify if kw.get("verify") else brute_force_generate
@@ -66,3 +76,6 @@ def test_sharded_tokens_equal_single_device():
         assert (res[name]["wq_spec"] + [None] * 4)[:4] == [None, None, "tensor", None], res[name]
         assert (res[name]["wq0_spec"] + [None] * 3)[:3] == [None, "tensor", None], res[name]
     assert res["verify_per_layer"]["tokens"] == res["ar_per_layer"]["tokens"]  # lossless: AR's tokens, same key
+    assert res["verify_int8"]["tokens"] == res["ar_int8"]["tokens"]  # and on the int8 model, its own AR's
+    assert res["ar_int8"]["tokens"] != res["ar_per_layer"]["tokens"]  # (which is not the float model's)
+    assert (res["ar_int8"]["wq_int8_spec"] + [None] * 3)[:3] == [None, "tensor", None]  # int8 values sharded

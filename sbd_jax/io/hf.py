@@ -91,6 +91,23 @@ def _hf_slices(s: ParamSpec, shape: tuple[int, ...], box: list[tuple[int, int]])
     return tuple(hf_index[::-1] if s.hf_t else hf_index), our_shape, tuple(cut)
 
 
+_quantize_one = jax.jit(quantize_weight, static_argnames=("name", "q", "where"))
+_stack = jax.jit(lambda *parts: jax.tree.map(lambda *xs: jnp.stack(xs), *parts))
+
+
+def _load_quantized(shape, sharding, block, name: str, q: Quantization, where: str):
+    """Stacked projection `name` quantized as it loads: each layer's weight is read (`block` of the stacked shape),
+    quantized and freed before the next, so one layer's full precision is on the device at a time."""
+    spec = sharding.spec if isinstance(sharding, jax.sharding.NamedSharding) else None
+    layer = sharding if spec is None else jax.sharding.NamedSharding(sharding.mesh, P(*spec[1:]))
+    parts = []
+    for i in range(shape[0]):
+        w = jax.make_array_from_callback(shape[1:], layer, lambda index, i=i: block((slice(i, i + 1), *index))[0])
+        parts.append(_quantize_one(w, name=name, q=q, where=where))
+        w.delete()
+    return _stack(*parts)
+
+
 def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = None, dtype: str | None = None,
                     mesh=None, rules=None, allow_unknown_keys: bool = False, gguf_file: str | None = None,
                     quantize=None, **config_overrides) -> tuple[ModelConfig, dict]:
@@ -100,16 +117,14 @@ def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = N
     from the safetensors only the slices its own devices hold, one device's slice of one layer at a time;
     without, the weights land on the default device. With `gguf_file` (a name in `model_dir`, or a path), as in
     transformers: that llama.cpp file is converted once into the model cache (`sbd_jax.io.gguf.cached_convert`,
-    float32) and the conversion is loaded. `quantize` ("int8", "fp8", "int4", "int4-g<N>"; sbd_jax/models/quant.py):
-    the projections are quantized as they load, one layer's weight at a time, so the device never holds more than
-    one layer's full-precision weight beside the quantized model."""
+    float32) and the conversion is loaded. `quantize` (sbd_jax/models/quant.py): the projections quantized as they
+    load, one layer's weight at a time (`_load_quantized`)."""
     from ..sharding import param_shardings  # (sharding imports the model; a module-level import would cycle)
 
     if gguf_file is not None:
         from .gguf import cached_convert
         model_dir = cached_convert(Path(model_dir) / gguf_file)
-    model_dir = Path(model_dir)
-    quantization = Quantization.of(quantize)
+    model_dir, quantization = Path(model_dir), Quantization.of(quantize)
     dtypes = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v}
     cfg = load_hf_config(model_dir, allow_unknown_keys=allow_unknown_keys, **{**config_overrides, **dtypes})
     files = _weight_files(model_dir)
@@ -146,19 +161,8 @@ def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = N
         name = s.name.removeprefix("layers/")
         if quantization is None or name not in QUANTIZED:
             return jax.make_array_from_callback(shape, sharding, block)
-        spec = sharding.spec if isinstance(sharding, jax.sharding.NamedSharding) else None
-        layer = sharding if spec is None else jax.sharding.NamedSharding(sharding.mesh, P(*spec[1:]))
-        parts = []
-        for i in range(shape[0]):
-            w = jax.make_array_from_callback(shape[1:], layer,
-                                             lambda index, i=i: block((slice(i, i + 1), *index))[0])
-            parts.append(quantize_one(w, name))
-            w.delete()
-        return stack(*parts)
+        return _load_quantized(shape, sharding, block, name, quantization, f"{model_dir}: {name}")
 
-    quantize_one = jax.jit(lambda w, name: quantize_weight(w, name, quantization, where=f"{model_dir}: {name}"),
-                       static_argnums=1)
-    stack = jax.jit(lambda *parts: jax.tree.map(lambda *xs: jnp.stack(xs), *parts))
     specs = param_specs(cfg)
     if mesh is None:
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -12,8 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import qwix
-
-from .quant import QArray
+from qwix import QArray
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("w", "a", "b"), meta_fields=("scale",))
@@ -78,3 +77,9 @@ def head_logits(spec: str, h_BTD, w, dtype):
     logits = jnp.einsum(spec, h_BTD, w.w, preferred_element_type=dtype)
     own = jnp.einsum("btd,d->bt", h_BTD, w.value, preferred_element_type=dtype)
     return logits.at[..., w.index].set(own)
+
+
+def cast_floats(tree, dtype):
+    """Every weight in `tree` in `dtype`; a quantized one (QArray) keeps its values and casts its scales, so its
+    product comes out in `dtype`."""
+    return jax.tree.map(lambda a: a.astype(dtype), tree, is_leaf=lambda x: isinstance(x, QArray))

@@ -8,7 +8,7 @@ Schemes (`Quantization.scheme`):
     (asymmetric: llama.cpp's 4-bit formats are too; symmetric int4 loses far more on small models).
 The seven projections (q, k, v, o, gate, up, down) are quantized; embeddings, the LM head and norms stay as they
 are. A `QArray` is a pytree (values, scales, zero points), so the layer scan, `unstack_layers` and sharding treat
-its arrays like any weight; `cast_floats` casts only its scales.
+its arrays like any weight; `adapted.cast_floats` casts only its scales.
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import qwix
 
 from ..config import ConfigError, ModelConfig
+from .transformer import PARAM_SPECS
 
-QArray = qwix.QArray
+QArray = qwix.QArray  # (adapted.py reads it as qwix.QArray: the forward does not import this module)
 SCHEMES = ("int8", "fp8", "int4")
 QUANTIZED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the per-layer weights that are quantized
 DEFAULT_INT4_GROUP = 32  # divides every hidden / head / MLP size of the supported families (llama.cpp's Q4 too)
@@ -79,7 +80,6 @@ class Quantization:
 def weight_axes(name: str, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(input axes, the other axes) of projection `name` as an array of `ndim` dims (a leading layer axis when
     stacked): its first spec group is what the einsum contracts (`transformer.PARAM_SPECS`)."""
-    from .transformer import PARAM_SPECS  # (transformer imports adapted, which imports this module)
     spec = next(s for s in PARAM_SPECS if s.name == f"layers/{name}")
     n_in = len(spec.axes.split()[0].split("*"))
     lead = ndim - len(spec.logical_axes) + 1  # 1 when stacked, 0 for one layer
@@ -146,14 +146,3 @@ def quantization_of(params: dict) -> Quantization | None:
         return None
     scheme = next(s for s, t in _QTYPES.items() if jnp.dtype(t) == jnp.dtype(w.qtype))
     return Quantization(scheme, max(w.scale_tile_shape) if scheme == "int4" else None)
-
-
-def is_array(x) -> bool:
-    """A leaf for `cast_floats`: an array or a QArray (whose values keep their dtype)."""
-    return isinstance(x, QArray)
-
-
-def cast_floats(tree, dtype):
-    """Every weight in `tree` in `dtype`; a QArray keeps its quantized values and casts its scales (so its product
-    comes out in `dtype`)."""
-    return jax.tree.map(lambda a: a.astype(dtype), tree, is_leaf=is_array)

@@ -15,9 +15,8 @@ import jax.numpy as jnp
 from ..attention import TokenMeta, attention, attention_parts, clean_meta, concat_meta
 from ..attention.mask import CLEAN
 from ..config import ModelConfig
-from .adapted import embed_rows, head_logits, project
+from .adapted import cast_floats, embed_rows, head_logits, project
 from .layers import apply_rope, rms_norm, rope_inv_freq, swiglu
-from .quant import cast_floats
 
 
 def axis_sizes(cfg: ModelConfig) -> dict[str, int]:

@@ -1,0 +1,157 @@
+"""Weight-only quantization (sbd_jax/models/quant.py): each scheme's weights against a float64 dequantization of
+their own values and scales (the error within the scheme's step), the quantized forward against the float model
+holding those float64-dequantized weights, lossless decoding on quantized weights == that quantized model's AR
+(greedy and sampled; `generate` and continuous batching; sharded: tests/test_decoding_sharded.py), a LoRA adapter
+on a quantized base, quantizing while loading == quantizing after, and the errors that name the option or weight."""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from decoding_fixtures import CFG, LENGTHS, MAX_NEW, outputs
+
+import sbd_jax
+from sbd_jax.attention import clean_meta
+from sbd_jax.config import ConfigError
+from sbd_jax.decoding import DecodeSpec, generate
+from sbd_jax.decoding.continuous import decode_stream
+from sbd_jax.models import forward
+from sbd_jax.models.lora import AdapterLayout, attach, init_adapter
+from sbd_jax.models.quant import (QUANTIZED, QArray, Quantization, quantization_of, quantize_params,
+                                 weight_axes)
+
+SCHEMES = ("int8", "fp8", "int4-g8")  # the test model's head_dim is 8: int4 in groups of 8
+
+
+def dequantize64(w: QArray) -> np.ndarray:
+    """(values - zero point) * scale in float64 numpy, each scale repeated over its group (not qwix's code)."""
+    q = np.asarray(w.qvalue).astype(np.float64)
+    if w.zero_point is not None:
+        zp = np.asarray(w.zero_point).astype(np.float64)
+        q = q - _expand(zp, q.shape)
+    return q * _expand(np.asarray(w.scale, np.float64), q.shape)
+
+
+def _expand(s: np.ndarray, shape) -> np.ndarray:
+    for axis, (n, m) in enumerate(zip(shape, s.shape)):
+        if m not in (1, n):
+            s = np.repeat(s, n // m, axis=axis)
+    return np.broadcast_to(s, shape)
+
+
+@pytest.fixture(scope="module")
+def quantized(params):
+    return {s: quantize_params(params, CFG, s) for s in SCHEMES}
+
+
+def _dequantized_params(qparams):
+    """The float model holding the float64 dequantization of `qparams`' weights (as float32)."""
+    layers = {k: (jnp.asarray(dequantize64(v), jnp.float32) if isinstance(v, QArray) else v)
+              for k, v in qparams["layers"].items()}
+    return {**qparams, "layers": layers}
+
+
+def _meta(T=7):
+    return clean_meta(jnp.ones((2, T), jnp.int32), jnp.broadcast_to(jnp.arange(T), (2, T)))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_weights_within_the_schemes_step_and_the_forward_equals_the_dequantized_model(params, quantized, scheme):
+    q = Quantization.of(scheme)
+    qp = quantized[scheme]
+    assert quantization_of(qp) == q and quantization_of(params) is None
+    for name in QUANTIZED:
+        w, qa = np.asarray(params["layers"][name], np.float64), qp["layers"][name]
+        assert isinstance(qa, QArray) and qa.qvalue.dtype == jnp.dtype(q.qtype) and qa.qvalue.shape == w.shape
+        scale = _expand(np.asarray(qa.scale, np.float64), w.shape)
+        # one scale per layer and output channel; int4 one per group of 8 inputs too
+        ins, others = weight_axes(name, w.ndim)
+        assert all(qa.scale.shape[a] == w.shape[a] for a in others)
+        n_groups = int(np.prod([qa.scale.shape[a] for a in ins]))
+        err = np.abs(dequantize64(qa) - w)
+        if q.scheme == "int8":
+            assert n_groups == 1 and (err <= 0.5 * scale + 1e-6).all()
+            assert np.allclose(np.abs(w).max(axis=ins, keepdims=True), 127.5 * np.asarray(qa.scale),
+                               rtol=1e-6)  # absmax maps to 127.5 (qwix; clipped to 127 within half a step)
+        elif q.scheme == "fp8":  # e4m3: 3 mantissa bits, so within 2^-4 of the value (subnormals: 2^-10 scale)
+            assert n_groups == 1 and (err <= 2.0 ** -4 * np.abs(w) + 2.0 ** -10 * scale + 1e-7).all()
+        else:  # asymmetric: value rounding plus the int4 zero point's rounding, each at most half a step
+            assert n_groups == w.shape[ins[-1]] // 8 and (err <= 1.0 * scale + 1e-6).all()
+            assert qa.zero_point is not None and qa.zero_point.dtype == jnp.int4
+        assert err.max() > 0  # really quantized
+    toks = jnp.asarray(np.arange(14).reshape(2, 7) % 62)
+    got = np.asarray(forward(qp, CFG, toks, _meta())[0])
+    ref = np.asarray(forward(_dequantized_params(qp), CFG, toks, _meta())[0])
+    full = np.asarray(forward(params, CFG, toks, _meta())[0])
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(got, ref, atol=2e-5 * scale, rtol=0)
+    assert np.abs(full - ref).max() > 100 * np.abs(got - ref).max()  # the comparison can tell the schemes apart
+
+
+CASES = [("int8", dict(temperature=0.0)), ("fp8", dict(temperature=1.0)), ("int4-g8", dict(temperature=1.0, top_k=5))]
+
+
+@pytest.mark.parametrize("scheme,how", CASES, ids=[c[0] for c in CASES])
+def test_verify_equals_the_quantized_models_ar(quantized, prompts, scheme, how):
+    qp = quantized[scheme]
+    kw = dict(key=jax.random.key(5), max_new_tokens=MAX_NEW, eos_ids=(), **how)
+    ar = outputs(generate(qp, CFG, prompts, LENGTHS, mode="ar", **kw))
+    v = generate(qp, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=4, draft_policy="random", **kw)
+    np.testing.assert_array_equal(outputs(v)["tokens"], ar["tokens"])
+    assert int(v.wide_steps) > 0  # drafts were checked
+    if scheme == "int8":  # continuous batching, 2 slots for 4 prompts: each row is the quantized AR's
+        spec = DecodeSpec(mode="sbd", verify=True, block_size=4, max_new_tokens=MAX_NEW, eos_ids=(),
+                          draft_policy="random")
+        rows = [list(p[:n]) for p, n in zip(np.asarray(prompts), LENGTHS)]
+        got = dict(decode_stream(qp, CFG, rows, spec, slots=2, prompt_width=8, temperature=0.0))
+        for i in range(len(rows)):
+            one = generate(qp, CFG, np.asarray([rows[i] + [0] * (8 - len(rows[i]))]), [len(rows[i])], mode="ar",
+                           max_new_tokens=MAX_NEW, eos_ids=(), temperature=0.0)
+            assert got[i].tokens == np.asarray(one.tokens)[0].tolist(), i
+
+
+def test_lora_on_a_quantized_base(params, quantized):
+    """An adapter's low-rank path is added to the quantized base's product (never merged into it)."""
+    qp = quantized["int4-g8"]
+    layout = AdapterLayout(rank=2, alpha=4.0, targets=("q", "o", "down"))
+    ad = init_adapter(CFG, layout, jax.random.key(1), params)
+    ad = jax.tree.map(lambda x: x + 0.3, ad)  # B nonzero: the path contributes
+    toks = jnp.asarray(np.arange(14).reshape(2, 7) % 62)
+    got = np.asarray(forward(attach(qp, ad, layout), CFG, toks, _meta())[0])
+    ref = np.asarray(forward(attach(_dequantized_params(qp), ad, layout), CFG, toks, _meta())[0])
+    base = np.asarray(forward(qp, CFG, toks, _meta())[0])
+    np.testing.assert_allclose(got, ref, atol=2e-5 * np.abs(ref).max(), rtol=0)
+    assert np.abs(got - base).max() > 1e-2
+
+
+def test_loading_quantized_equals_quantizing_after(params, tmp_path):
+    """from_pretrained(quantize=) quantizes one layer's weight at a time: the same arrays as quantizing the loaded
+    model; Sampler.load holds only quantized projections."""
+    d = tmp_path / "m"
+    sbd_jax.save_pretrained(CFG, params, d)
+    cfg, full = sbd_jax.from_pretrained(d)
+    for scheme in ("int8", "int4-g8"):
+        _, loaded = sbd_jax.from_pretrained(d, quantize=scheme)
+        after = quantize_params(full, cfg, scheme)
+        assert jax.tree.structure(loaded) == jax.tree.structure(after)
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(after)):
+            assert a.dtype == b.dtype and np.array_equal(np.asarray(a).astype(np.float32),
+                                                         np.asarray(b).astype(np.float32))
+    from sbd_jax.decoding.sampler import Sampler
+    s = Sampler.load(d, quantize="fp8")
+    assert all(isinstance(lp[n], QArray) and lp[n].qvalue.dtype == ml_dtypes.float8_e4m3fn
+               for lp in s.params["layers"] for n in QUANTIZED)
+
+
+def test_errors_name_the_option_or_weight(params, quantized):
+    for bad, msg in (("int5", "quantize='int5' is not a known scheme (choose from int8, fp8, int4)"),
+                     ("int8-g32", "group_size=32 is for int4 only"),
+                     ("int4-gx", "write the int4 group size as int4-g<N>"),
+                     (7, "must be a scheme name")):
+        with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            Quantization.of(bad)
+    with pytest.raises(ConfigError, match=r"int4 group size 32 does not divide layers.wo's input dim of 8 .*"
+                                          r"quantize='int4-g8'"):
+        quantize_params(params, CFG, "int4")
+    with pytest.raises(ConfigError, match="layers.wq is already quantized"):
+        quantize_params(quantized["int8"], CFG, "int8")
