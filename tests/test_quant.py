@@ -17,18 +17,20 @@ from sbd_jax.decoding import DecodeSpec, generate
 from sbd_jax.decoding.continuous import decode_stream
 from sbd_jax.models import forward
 from sbd_jax.models.lora import AdapterLayout, attach, init_adapter
-from sbd_jax.models.quant import (QUANTIZED, QArray, Quantization, quantization_of, quantize_params,
-                                 weight_axes)
+from sbd_jax.models.adapted import Int4Groups
+from sbd_jax.models.quant import (QUANTIZED, QUANTIZED_TYPES, QArray, Quantization, quantization_of,
+                                  quantize_params, weight_axes)
 
 SCHEMES = ("int8", "fp8", "int4-g8")  # the test model's head_dim is 8: int4 in groups of 8
 
 
-def dequantize64(w: QArray) -> np.ndarray:
-    """(values - zero point) * scale in float64 numpy, each scale repeated over its group (not qwix's code)."""
+def dequantize64(w) -> np.ndarray:
+    """The weight in float64 numpy from its stored parts, each scale repeated over its group (not the library's
+    code): int8 / fp8 (qwix QArray) values * scale; int4 (Int4Groups) values * scale + low."""
+    if isinstance(w, Int4Groups):
+        q = np.asarray(w.q).astype(np.float64)
+        return q * _expand(np.asarray(w.scale, np.float64), q.shape) + _expand(np.asarray(w.low, np.float64), q.shape)
     q = np.asarray(w.qvalue).astype(np.float64)
-    if w.zero_point is not None:
-        zp = np.asarray(w.zero_point).astype(np.float64)
-        q = q - _expand(zp, q.shape)
     return q * _expand(np.asarray(w.scale, np.float64), q.shape)
 
 
@@ -46,7 +48,7 @@ def quantized(params):
 
 def _dequantized_params(qparams):
     """The float model holding the float64 dequantization of `qparams`' weights (as float32)."""
-    layers = {k: (jnp.asarray(dequantize64(v), jnp.float32) if isinstance(v, QArray) else v)
+    layers = {k: (jnp.asarray(dequantize64(v), jnp.float32) if isinstance(v, QUANTIZED_TYPES) else v)
               for k, v in qparams["layers"].items()}
     return {**qparams, "layers": layers}
 
@@ -62,22 +64,25 @@ def test_weights_within_the_schemes_step_and_the_forward_equals_the_dequantized_
     assert quantization_of(qp) == q and quantization_of(params) is None
     for name in QUANTIZED:
         w, qa = np.asarray(params["layers"][name], np.float64), qp["layers"][name]
-        assert isinstance(qa, QArray) and qa.qvalue.dtype == jnp.dtype(q.qtype) and qa.qvalue.shape == w.shape
-        scale = _expand(np.asarray(qa.scale, np.float64), w.shape)
+        values, scale = (qa.q, qa.scale) if q.scheme == "int4" else (qa.qvalue, qa.scale)
+        assert isinstance(qa, Int4Groups if q.scheme == "int4" else QArray)
+        assert values.dtype == jnp.dtype(q.qtype) and values.shape == w.shape
         # one scale per layer and output channel; int4 one per group of 8 inputs too
         ins, others = weight_axes(name, w.ndim)
-        assert all(qa.scale.shape[a] == w.shape[a] for a in others)
-        n_groups = int(np.prod([qa.scale.shape[a] for a in ins]))
+        assert all(scale.shape[a] == w.shape[a] for a in others)
+        n_groups = int(np.prod([scale.shape[a] for a in ins]))
+        step = _expand(np.asarray(scale, np.float64), w.shape)
         err = np.abs(dequantize64(qa) - w)
         if q.scheme == "int8":
-            assert n_groups == 1 and (err <= 0.5 * scale + 1e-6).all()
-            assert np.allclose(np.abs(w).max(axis=ins, keepdims=True), 127.5 * np.asarray(qa.scale),
+            assert n_groups == 1 and (err <= 0.5 * step + 1e-6).all()
+            assert np.allclose(np.abs(w).max(axis=ins, keepdims=True), 127.5 * np.asarray(scale),
                                rtol=1e-6)  # absmax maps to 127.5 (qwix; clipped to 127 within half a step)
         elif q.scheme == "fp8":  # e4m3: 3 mantissa bits, so within 2^-4 of the value (subnormals: 2^-10 scale)
-            assert n_groups == 1 and (err <= 2.0 ** -4 * np.abs(w) + 2.0 ** -10 * scale + 1e-7).all()
-        else:  # asymmetric: value rounding plus the int4 zero point's rounding, each at most half a step
-            assert n_groups == w.shape[ins[-1]] // 8 and (err <= 1.0 * scale + 1e-6).all()
-            assert qa.zero_point is not None and qa.zero_point.dtype == jnp.int4
+            assert n_groups == 1 and (err <= 2.0 ** -4 * np.abs(w) + 2.0 ** -10 * step + 1e-7).all()
+        else:  # 16 steps from each group's minimum to its maximum, both exact
+            assert n_groups == int(np.prod([w.shape[a] for a in ins])) // 8 and (err <= 0.5 * step + 1e-6).all()
+            lo = w.reshape(w.shape[:ins[-1]] + (w.shape[ins[-1]] // 8, 8) + w.shape[ins[-1] + 1:]).min(axis=ins[-1] + 1)
+            np.testing.assert_allclose(np.asarray(qa.low), lo, rtol=1e-6)
         assert err.max() > 0  # really quantized
     toks = jnp.asarray(np.arange(14).reshape(2, 7) % 62)
     got = np.asarray(forward(qp, CFG, toks, _meta())[0])
@@ -153,5 +158,5 @@ def test_errors_name_the_option_or_weight(params, quantized):
     with pytest.raises(ConfigError, match=r"int4 group size 32 does not divide layers.wo's input dim of 8 .*"
                                           r"quantize='int4-g8'"):
         quantize_params(params, CFG, "int4")
-    with pytest.raises(ConfigError, match="layers.wq is already quantized"):
+    with pytest.raises(ConfigError, match=r"layers.wq is already quantized \(QArray\)"):
         quantize_params(quantized["int8"], CFG, "int8")

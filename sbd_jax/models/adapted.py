@@ -39,6 +39,33 @@ class RowPatch:
     axis: int
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("q", "scale", "low"), meta_fields=("axis",))
+@dataclasses.dataclass(frozen=True)
+class Int4Groups:
+    """A weight in 4 bits (sbd_jax/models/quant.py's "int4"): unsigned values `q` (uint4, 0..15; the weight's shape)
+    and, per group of consecutive inputs along `axis` (negative, from the end, so that a stacked weight's layers
+    slice alike), a float `scale` and `low` end: w ~ q * scale + low, llama.cpp's Q4_1 form. Its low end is a
+    float: qwix's int4 QArray rounds its zero point to an integer, a shift of up to half a step for a whole group
+    (+24% perplexity on SmolLM2-135M in groups of 32, BENCHMARKS.md "Quantized weights")."""
+
+    q: Any
+    scale: Any
+    low: Any
+    axis: int
+
+    def astype(self, dtype) -> Int4Groups:
+        return dataclasses.replace(self, scale=self.scale.astype(dtype), low=self.low.astype(dtype))
+
+    def dequantize(self, dtype) -> jax.Array:
+        """The weight in `dtype`: each group's values scaled and shifted."""
+        a = self.q.ndim + self.axis
+        G, shape = self.scale.shape[a], self.q.shape
+        split = shape[:a] + (G, shape[a] // G) + shape[a + 1:]
+        q = self.q.reshape(split).astype(dtype)
+        w = q * jnp.expand_dims(self.scale, a + 1).astype(dtype) + jnp.expand_dims(self.low, a + 1).astype(dtype)
+        return w.reshape(shape)
+
+
 @functools.lru_cache(maxsize=64)
 def _lora_specs(spec: str) -> tuple[str, str]:
     """"btd,dhk->bthk" -> ("btd,dr->btr", "btr,rhk->bthk"): the weight's letters shared with x go through A."""
@@ -52,13 +79,16 @@ def _lora_specs(spec: str) -> tuple[str, str]:
 
 
 def project(spec: str, x, w):
-    """`jnp.einsum(spec, x, w)` (spec: activations first, weight second); a quantized weight (`quant.QArray`) is
-    multiplied by qwix in its quantized form, and a `LoRAWeight`'s low-rank path is added to its base's product."""
+    """`jnp.einsum(spec, x, w)` (spec: activations first, weight second); an int8 / fp8 weight (a qwix QArray) is
+    multiplied by qwix in its quantized form, an `Int4Groups` dequantized into the product, and a `LoRAWeight`'s
+    low-rank path is added to its base's product."""
     if isinstance(w, LoRAWeight):
         spec_a, spec_b = _lora_specs(spec)
         return project(spec, x, w.w) + jnp.einsum(spec_b, jnp.einsum(spec_a, x, w.a), w.b) * w.scale
     if isinstance(w, QArray):
         return qwix.einsum(spec, x, w, preferred_element_type=x.dtype)
+    if isinstance(w, Int4Groups):
+        return jnp.einsum(spec, x, w.dequantize(x.dtype))
     return jnp.einsum(spec, x, w)
 
 
@@ -80,6 +110,6 @@ def head_logits(spec: str, h_BTD, w, dtype):
 
 
 def cast_floats(tree, dtype):
-    """Every weight in `tree` in `dtype`; a quantized one (QArray) keeps its values and casts its scales, so its
-    product comes out in `dtype`."""
-    return jax.tree.map(lambda a: a.astype(dtype), tree, is_leaf=lambda x: isinstance(x, QArray))
+    """Every weight in `tree` in `dtype`; a quantized one (QArray, Int4Groups) keeps its values and casts its scales,
+    so its product comes out in `dtype`."""
+    return jax.tree.map(lambda a: a.astype(dtype), tree, is_leaf=lambda x: isinstance(x, QArray | Int4Groups))

@@ -4,11 +4,12 @@ read by `qwix.einsum` in `adapted.project`).
 Schemes (`Quantization.scheme`):
   * "int8": symmetric int8, one scale per output channel (and layer);
   * "fp8": float8_e4m3fn values (what Hopper multiplies natively), one scale per output channel;
-  * "int4": int4 with a scale and a zero point per group of `group_size` input elements of each output channel
-    (asymmetric: llama.cpp's 4-bit formats are too; symmetric int4 loses far more on small models).
+  * "int4": 4-bit values with a float scale and low end per group of `group_size` consecutive inputs of each output
+    channel (`adapted.Int4Groups`, llama.cpp's Q4_1 form; by hand, not qwix: its int4 zero point is an integer,
+    and symmetric int4 loses far more on small models: BENCHMARKS.md "Quantized weights").
 The seven projections (q, k, v, o, gate, up, down) are quantized; embeddings, the LM head and norms stay as they
-are. A `QArray` is a pytree (values, scales, zero points), so the layer scan, `unstack_layers` and sharding treat
-its arrays like any weight; `adapted.cast_floats` casts only its scales.
+are. Both forms are pytrees (values, scales [, low ends]), so the layer scan, `unstack_layers` and sharding treat
+their arrays like any weight; `adapted.cast_floats` casts only their scales.
 """
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ import jax.numpy as jnp
 import qwix
 
 from ..config import ConfigError, ModelConfig
+from .adapted import Int4Groups
 from .transformer import PARAM_SPECS
 
-QArray = qwix.QArray  # (adapted.py reads it as qwix.QArray: the forward does not import this module)
+QArray = qwix.QArray
+QUANTIZED_TYPES = (QArray, Int4Groups)
 SCHEMES = ("int8", "fp8", "int4")
 QUANTIZED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the per-layer weights that are quantized
 DEFAULT_INT4_GROUP = 32  # divides every hidden / head / MLP size of the supported families (llama.cpp's Q4 too)
-_QTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4}
+_QTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +93,9 @@ def weight_axes(name: str, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]
 def _tiles(w, name: str, q: Quantization, where: str) -> dict | None:
     """qwix's tiled axes for projection `name`'s weight `w` (int4: groups along its last input axis), after checking
     that `w` can be quantized: errors name the weight."""
-    if isinstance(w, QArray):
-        raise ConfigError(f"{where or name} is already quantized ({jnp.dtype(w.qtype).name}); quantize a "
-                          "full-precision model")
+    if isinstance(w, QUANTIZED_TYPES):
+        raise ConfigError(f"{where or name} is already quantized ({type(w).__name__}); quantize a full-precision "
+                          "model")
     if not hasattr(w, "shape") or not jnp.issubdtype(w.dtype, jnp.floating):
         raise ConfigError(f"{where or name} is {getattr(w, 'dtype', type(w).__name__)}: only floating-point "
                           "weight arrays can be quantized")
@@ -107,12 +110,27 @@ def _tiles(w, name: str, q: Quantization, where: str) -> dict | None:
     return {axis: q.group_size}
 
 
-def quantize_weight(w, name: str, q: Quantization, *, where: str = "") -> QArray:
-    """Projection `name`'s weight (one layer or stacked) as a QArray: per output channel (and layer) scales, int4 in
-    groups along its last input axis (refused, naming the weight, where the group does not divide that axis)."""
+def quantize_weight(w, name: str, q: Quantization, *, where: str = ""):
+    """Projection `name`'s weight (one layer or stacked) quantized: int8 / fp8 a qwix QArray with a scale per output
+    channel (and layer); int4 an `Int4Groups` in groups along its last input axis (refused, naming the weight, where
+    the group does not divide that axis)."""
     tiles = _tiles(w, name, q, where)
-    return qwix.quantize(w, q.qtype, channelwise_axes=weight_axes(name, w.ndim)[1], tiled_axes=tiles,
-                         calibration_method="minmax" if q.scheme == "int4" else "absmax", scale_dtype=jnp.float32)
+    if q.scheme == "int4":
+        return _int4_groups(w, *tiles.items())
+    return qwix.quantize(w, q.qtype, channelwise_axes=weight_axes(name, w.ndim)[1], scale_dtype=jnp.float32)
+
+
+def _int4_groups(w, tile) -> Int4Groups:
+    """Per group of `g` inputs along `axis`: low = its minimum, scale = its range / 15, q = the nearest step."""
+    axis, g = tile
+    shape = w.shape
+    split = shape[:axis] + (shape[axis] // g, g) + shape[axis + 1:]
+    x = w.reshape(split).astype(jnp.float32)
+    low, high = jnp.min(x, axis=axis + 1, keepdims=True), jnp.max(x, axis=axis + 1, keepdims=True)
+    scale = (high - low) / 15.0
+    scale = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round((x - low) / scale), 0, 15).astype(jnp.uint4).reshape(shape)
+    return Int4Groups(q, jnp.squeeze(scale, axis + 1), jnp.squeeze(low, axis + 1), axis - w.ndim)
 
 
 def quantize_params(params: dict, cfg: ModelConfig, q: Quantization | str, *, delete: bool = False) -> dict:
@@ -142,7 +160,8 @@ def quantization_of(params: dict) -> Quantization | None:
     layers = params["layers"]
     w = (layers[0] if isinstance(layers, (tuple, list)) else layers)["wq"]
     w = getattr(w, "w", w)  # a LoRA adapter's base
-    if not isinstance(w, QArray):
-        return None
-    scheme = next(s for s, t in _QTYPES.items() if jnp.dtype(t) == jnp.dtype(w.qtype))
-    return Quantization(scheme, max(w.scale_tile_shape) if scheme == "int4" else None)
+    if isinstance(w, Int4Groups):
+        return Quantization("int4", w.q.shape[w.axis] // w.scale.shape[w.axis])
+    if isinstance(w, QArray):
+        return Quantization(next(s for s, t in _QTYPES.items() if jnp.dtype(t) == jnp.dtype(w.qtype)))
+    return None
