@@ -160,3 +160,59 @@ def test_errors_name_the_option_or_weight(params, quantized):
         quantize_params(params, CFG, "int4")
     with pytest.raises(ConfigError, match=r"layers.wq is already quantized \(QArray\)"):
         quantize_params(quantized["int8"], CFG, "int8")
+
+
+def _rewrite(d, drop=(), config=None):
+    """The checkpoint in `d` with tensors `drop` left out and config.json's quantization_config replaced."""
+    import json
+
+    from safetensors.numpy import save_file
+    from sbd_jax.io.hf_quant import read_tensor
+    f = d / "model.safetensors"
+    header = json.loads(f.read_bytes()[8:8 + int.from_bytes(f.read_bytes()[:8], "little")])
+    kept = {k: v for k, v in header.items() if k != "__metadata__" and k not in drop}
+    tensors = {k: read_tensor(f, k, tuple(v["shape"]), v["dtype"]) for k, v in kept.items()}
+    save_file(tensors, str(f))  # (int8 / uint8 / float32: what an int4 checkpoint holds)
+    if config is not None:
+        c = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**c, "quantization_config": config}))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4-g8"])
+def test_a_quantized_checkpoint_saves_and_loads_as_it_is(quantized, tmp_path, scheme):
+    """save_pretrained writes the values and scales (never full precision: the files are about a quarter / an eighth
+    of float32's), config.json names the scheme, from_pretrained reads the same arrays back; quantize= on it is
+    refused."""
+    qp = quantized[scheme]
+    d = sbd_jax.save_pretrained(CFG, qp, tmp_path / scheme)
+    cfg, back = sbd_jax.from_pretrained(d)
+    assert jax.tree.structure(back) == jax.tree.structure(qp) and quantization_of(back) == Quantization.of(scheme)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(qp)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
+    w = (d / "model.safetensors").read_bytes()
+    assert b'"model.layers.1.mlp.down_proj.weight_scale"' in w
+    assert b'"dtype":"%s"' % {"int8": b"I8", "fp8": b"F8_E4M3", "int4-g8": b"U8"}[scheme] in w
+    with pytest.raises(ConfigError, match=r"is already quantized \(%s\): load it without quantize=" % scheme):
+        sbd_jax.from_pretrained(d, quantize="int8")
+
+
+def test_a_damaged_quantized_checkpoint_is_refused_by_name(quantized, tmp_path):
+    from sbd_jax.io.hf_layout import CheckpointError
+    base = sbd_jax.save_pretrained(CFG, quantized["int4-g8"], tmp_path / "m")
+    cases = [(dict(drop=("model.layers.0.self_attn.o_proj.weight_low",)),
+              r"'model.layers.0.self_attn.o_proj.weight_low' is missing from the quantized checkpoint \(int4-g8"),
+             (dict(config={"quant_method": "sbd_jax", "scheme": "int4", "group_size": 4}),
+              r"model.safetensors': 'model.layers.0.mlp.down_proj.weight_scale' is F32 \[32, 8\], expected F32 "
+              r"\[32, 16\]"),
+             (dict(config={"quant_method": "sbd_jax", "scheme": "int8", "group_size": None}),
+              r"'model.layers.0.mlp.down_proj.weight' is U8 \[32, 32\], expected I8 \[32, 64\]"),
+             (dict(config={"quant_method": "gptq", "bits": 4}), "quant_method 'gptq'"),
+             (dict(config={"quant_method": "sbd_jax", "scheme": "int3"}), "quantize='int3' is not a known scheme")]
+    for i, (how, msg) in enumerate(cases):
+        d = tmp_path / f"bad{i}"
+        d.mkdir()
+        for f in base.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        _rewrite(d, **how)
+        with pytest.raises(CheckpointError, match=msg):
+            sbd_jax.from_pretrained(d)

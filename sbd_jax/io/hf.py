@@ -19,6 +19,7 @@ from ..models.hf_config import KNOWN_KEYS, config_from_hf
 from ..models.quant import QUANTIZED, Quantization, quantize_weight
 from ..models.transformer import ParamSpec, param_specs
 from .hf_layout import CheckpointError, hf_names, hf_shape
+from .hf_quant import QUANT_KEY, quantization_in, read_layer
 from .hf_save import atomic_write, host_value, save_generation_files, save_pretrained
 
 __all__ = ["CheckpointError", "atomic_write", "check_number_types", "from_pretrained", "hf_names", "host_value",
@@ -39,10 +40,18 @@ def load_hf_config(model_dir: str | os.PathLike, *, allow_unknown_keys: bool = F
     if not isinstance(d, dict):
         raise CheckpointError(f"{str(path)!r} must hold a JSON object, not {type(d).__name__}")
     check_number_types(d, path)
+    quantization_in(d, path)  # (checked here; from_pretrained reads it with `stored_quantization`)
+    d = {k: v for k, v in d.items() if k != QUANT_KEY}
     mt = d.get("model_type")
     if mt not in KNOWN_KEYS:
         raise ConfigError(f"model_type {mt!r} in {str(path)!r} is not supported (supported: {sorted(KNOWN_KEYS)})")
     return config_from_hf(d, allow_unknown_keys=allow_unknown_keys, **overrides)
+
+
+def stored_quantization(model_dir: str | os.PathLike) -> Quantization | None:
+    """The scheme a quantized checkpoint's config.json records (None: full precision; after load_hf_config)."""
+    path = Path(model_dir) / "config.json"
+    return quantization_in(json.loads(path.read_text()), path)
 
 
 def check_number_types(d: dict, path: Path) -> None:
@@ -91,15 +100,40 @@ def _hf_slices(s: ParamSpec, shape: tuple[int, ...], box: list[tuple[int, int]])
     return tuple(hf_index[::-1] if s.hf_t else hf_index), our_shape, tuple(cut)
 
 
+def _read(files: dict[str, Path], model_dir: Path, name: str, index: tuple[slice, ...], expected_shape) -> np.ndarray:
+    """The slice `index` of HF tensor `name`, whose shape is checked against the config's. The file is memory-mapped
+    for this read only, so its pages leave the process's memory with it."""
+    if name not in files:
+        raise CheckpointError(f"weight {name!r} is missing from the checkpoint in {str(model_dir)!r}")
+    f = files[name]
+    try:
+        with safe_open(str(f), framework="numpy") as handle:
+            t = handle.get_slice(name)
+            shape = tuple(t.get_shape())
+            out = t[index] if shape == tuple(expected_shape) else None
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read {name!r} from {str(f)!r} (truncated or corrupt?): {e}") from None
+    if out is None:
+        raise CheckpointError(f"weight {name!r} has shape {shape}, expected {tuple(expected_shape)} for this "
+                              f"config (vocab/hidden/head sizes disagree with config.json?)")
+    return out
+
+
 _quantize_one = jax.jit(quantize_weight, static_argnames=("name", "q", "where"))
 _stack = jax.jit(lambda *parts: jax.tree.map(lambda *xs: jnp.stack(xs), *parts))
+
+
+def _layer_sharding(sharding):
+    """A stacked weight's sharding for one of its layers."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    return jax.sharding.NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
 
 
 def _load_quantized(shape, sharding, block, name: str, q: Quantization, where: str):
     """Stacked projection `name` quantized as it loads: each layer's weight is read (`block` of the stacked shape),
     quantized and freed before the next, so one layer's full precision is on the device at a time."""
-    spec = sharding.spec if isinstance(sharding, jax.sharding.NamedSharding) else None
-    layer = sharding if spec is None else jax.sharding.NamedSharding(sharding.mesh, P(*spec[1:]))
+    layer = _layer_sharding(sharding)
     parts = []
     for i in range(shape[0]):
         w = jax.make_array_from_callback(shape[1:], layer, lambda index, i=i: block((slice(i, i + 1), *index))[0])
@@ -127,25 +161,10 @@ def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = N
     model_dir, quantization = Path(model_dir), Quantization.of(quantize)
     dtypes = {k: v for k, v in (("param_dtype", param_dtype), ("dtype", dtype)) if v}
     cfg = load_hf_config(model_dir, allow_unknown_keys=allow_unknown_keys, **{**config_overrides, **dtypes})
-    files = _weight_files(model_dir)
-
-    def read(name: str, index: tuple[slice, ...], expected_shape) -> np.ndarray:
-        """The slice `index` of HF tensor `name`, whose shape is checked against the config's. The file is
-        memory-mapped for this read only, so its pages leave the process's memory with it."""
-        if name not in files:
-            raise CheckpointError(f"weight {name!r} is missing from the checkpoint in {str(model_dir)!r}")
-        f = files[name]
-        try:
-            with safe_open(str(f), framework="numpy") as handle:
-                t = handle.get_slice(name)
-                shape = tuple(t.get_shape())
-                out = t[index] if shape == tuple(expected_shape) else None
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"cannot read {name!r} from {str(f)!r} (truncated or corrupt?): {e}") from None
-        if out is None:
-            raise CheckpointError(f"weight {name!r} has shape {shape}, expected {tuple(expected_shape)} for this "
-                                  f"config (vocab/hidden/head sizes disagree with config.json?)")
-        return out
+    files, stored = _weight_files(model_dir), stored_quantization(model_dir)
+    if stored is not None and quantization is not None:
+        raise ConfigError(f"{str(model_dir)!r} is already quantized ({stored.name}): load it without quantize= "
+                          f"(asked for {quantization.name})")
 
     def load(s: ParamSpec, sharding):
         shape = s.shape(cfg)
@@ -155,10 +174,13 @@ def from_pretrained(model_dir: str | os.PathLike, *, param_dtype: str | None = N
             box = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
             layers, box = (range(*box[0]), box[1:]) if s.stacked else ([0], box)
             hf_index, our_shape, cut = _hf_slices(s, shape[s.stacked:], box)
-            ws = [read(names[i], hf_index, hf_dims) for i in layers]
+            ws = [_read(files, model_dir, names[i], hf_index, hf_dims) for i in layers]
             ws = [(w.T if s.hf_t else w).reshape(our_shape)[cut].astype(cfg.param_dtype) for w in ws]
             return np.stack(ws) if s.stacked else ws[0]
         name = s.name.removeprefix("layers/")
+        if stored is not None and name in QUANTIZED:
+            return _stack(*(read_layer(files, hf, s, cfg, stored, shape[1:], _layer_sharding(sharding))
+                            for hf in hf_names(s, cfg)))
         if quantization is None or name not in QUANTIZED:
             return jax.make_array_from_callback(shape, sharding, block)
         return _load_quantized(shape, sharding, block, name, quantization, f"{model_dir}: {name}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import tempfile
 from pathlib import Path
@@ -15,8 +14,10 @@ import numpy as np
 
 from ..config import ConfigError, ModelConfig
 from ..models.hf_config import config_to_hf
+from ..models.quant import QUANTIZED, quantization_of
 from ..models.transformer import param_specs
 from .hf_layout import hf_names, hf_shape
+from .hf_quant import Tensor, config_entry, tensors
 
 
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -36,48 +37,49 @@ def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | os.PathLike, 
     that `transformers` loads the directory. Tensor by tensor: one layer's weight is gathered to the host,
     converted and appended to its file at a time, so host memory stays near the largest tensor. With several
     processes every process must call it (the gathers are collective) and process 0 writes. Files are written
-    to a temporary name and renamed, so a killed save never leaves a half-written file under its final name."""
+    to a temporary name and renamed, so a killed save never leaves a half-written file under its final name.
+    Quantized projections (sbd_jax/models/quant.py) are written as they are, values and scales (hf_quant.py), with
+    the scheme in config.json: `from_pretrained` reads them back; transformers does not."""
     out_dir = Path(out_dir)
     lead = jax.process_index() == 0
     dtype = jnp.dtype(dtype or cfg.param_dtype)
     if dtype.name not in _ST_DTYPES:
         raise ConfigError(f"export dtype must be one of {sorted(_ST_DTYPES)}, got {dtype.name!r}")
-    entries, shards = [], [[]]  # entries: (HF name, HF shape, spec, layer); shards: lists of entries
+    q = quantization_of(params)
+    entries, shards = [], [[]]  # entries: Tensors; shards: lists of them
     for spec in jax.tree.leaves(param_specs(cfg)):
         for layer, name in enumerate(hf_names(spec, cfg)):
-            entries.append((name, hf_shape(spec, cfg), spec, layer if spec.stacked else None))
-    nbytes = lambda e: math.prod(e[1]) * dtype.itemsize  # noqa: E731
+            layer = layer if spec.stacked else None
+            if q is not None and spec.name.removeprefix("layers/") in QUANTIZED:  # values, scales (hf_quant.py)
+                entries += tensors(name, spec, cfg, q, functools.partial(_layer_weight, params, spec, layer))
+            else:
+                entries.append(Tensor(name, hf_shape(spec, cfg), _ST_DTYPES[dtype.name],
+                                      functools.partial(_hf_tensor, params, spec, layer, cfg, dtype)))
     for e in entries:
-        if shards[-1] and sum(map(nbytes, shards[-1])) + nbytes(e) > max_shard_bytes:
+        if shards[-1] and sum(e.nbytes for e in shards[-1]) + e.nbytes > max_shard_bytes:
             shards.append([])
         shards[-1].append(e)
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
-    def hf_tensor(e) -> np.ndarray:
-        _, shape, spec, layer = e
-        w = functools.reduce(lambda tree, key: tree[key], spec.name.split("/"), params)
-        w = host_value(w if layer is None else w[layer]).astype(dtype)
-        return np.ascontiguousarray(w.reshape(shape[::-1]).T if spec.hf_t else w.reshape(shape))
-
     if lead:
         out_dir.mkdir(parents=True, exist_ok=True)
     for fname, shard in zip(files, shards):
         if lead:
-            atomic_write(out_dir / fname, lambda p, s=shard: _write_safetensors(p, s, dtype, hf_tensor))
+            atomic_write(out_dir / fname, lambda p, s=shard: _write_safetensors(p, s))
         else:
             for e in shard:
-                hf_tensor(e)  # takes part in the gathers
+                e.produce()  # takes part in the gathers
     if not lead:
         return out_dir
     index_path = out_dir / "model.safetensors.index.json"
     if n == 1:
         index_path.unlink(missing_ok=True)  # a stale index would shadow the single file
     else:
-        index = {"metadata": {"total_size": int(sum(map(nbytes, entries)))},
-                 "weight_map": {e[0]: fname for fname, shard in zip(files, shards) for e in shard}}
+        index = {"metadata": {"total_size": int(sum(e.nbytes for e in entries))},
+                 "weight_map": {e.name: fname for fname, shard in zip(files, shards) for e in shard}}
         atomic_write(index_path, lambda p: Path(p).write_text(json.dumps(index, indent=2)))
-    hf_cfg = {**config_to_hf(cfg), "torch_dtype": dtype.name}
+    hf_cfg = {**config_to_hf(cfg), "torch_dtype": dtype.name, **(config_entry(q) if q is not None else {})}
     atomic_write(out_dir / "config.json", lambda p: Path(p).write_text(json.dumps(hf_cfg, indent=2) + "\n"))
     return out_dir
 
@@ -98,20 +100,36 @@ def save_generation_files(out_dir: str | os.PathLike, cfg: ModelConfig, tokenize
     atomic_write(out_dir / "generation_config.json", lambda p: Path(p).write_text(json.dumps(gen, indent=2) + "\n"))
 
 
-def _write_safetensors(path, entries, dtype, tensor) -> None:
+def _hf_tensor(params: dict, spec, layer: int | None, cfg: ModelConfig, dtype) -> np.ndarray:
+    """One layer's weight (or a whole unstacked one) on the host, in `dtype` and HF's layout."""
+    shape = hf_shape(spec, cfg)
+    w = functools.reduce(lambda tree, key: tree[key], spec.name.split("/"), params)
+    w = host_value(w if layer is None else w[layer]).astype(dtype)
+    return np.ascontiguousarray(w.reshape(shape[::-1]).T if spec.hf_t else w.reshape(shape))
+
+
+def _layer_weight(params: dict, spec, layer: int):
+    """One layer of a quantized projection, its arrays on the host."""
+    w = functools.reduce(lambda tree, key: tree[key], spec.name.split("/"), params)
+    return jax.tree.map(lambda a: host_value(a[layer]), w)
+
+
+def _write_safetensors(path, entries: list[Tensor]) -> None:
     """A safetensors file written one tensor at a time (the `safetensors` writers take every tensor of a file
     at once): a little-endian u64 header size, the JSON header padded to 8 bytes, then the raw tensors."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shape, *_ in entries:
-        size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _ST_DTYPES[dtype.name], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
+    for e in entries:
+        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     with open(path, "wb") as f:
         f.write(len(text).to_bytes(8, "little") + text)
         for e in entries:
-            f.write(tensor(e).tobytes())
+            data = e.produce()
+            if data.nbytes != e.nbytes:
+                raise ValueError(f"{e.name}: {data.nbytes} bytes produced, {e.nbytes} declared")
+            f.write(data.tobytes())
 
 
 def _umask() -> int:
