@@ -35,7 +35,7 @@ def on_sigint(signum, frame):
 
 def build_parser() -> argparse.ArgumentParser:
     from sbd_jax.decoding.spec import (DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE,
-                                       DRAFT_POLICIES)
+                                       DRAFT_POLICIES, KV_CACHE_DTYPES)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="local HF-layout model directory")
     ap.add_argument("--adapter", default=None,
@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "inputs; int4-g<N> for N) - less memory and weight traffic per step, tokens near the "
                          "full-precision model's (BENCHMARKS.md: quality per scheme); --verify stays exactly the "
                          "quantized model's AR")
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                    help="the KV cache's storage (default: the compute dtype); int8: half of bf16's bytes per token, "
+                         "a scale per position and head (--verify stays exactly AR's on the same cache)")
     ap.add_argument("--mesh-data", type=int, default=None, help="mesh data axis (-1 = the remaining devices)")
     ap.add_argument("--mesh-fsdp", type=int, default=None)
     ap.add_argument("--mesh-tensor", type=int, default=None, help="tensor-parallel degree")
@@ -145,6 +148,7 @@ def run(args) -> int:
                       max_new_tokens=args.max_new_tokens, commit_quorum=args.commit_quorum,
                       draft_policy=args.draft_policy, wide_cost=args.wide_cost,
                       top_k=args.top_k, top_p=args.top_p, tempered_entropy=args.tempered_entropy,
+                      kv_cache_dtype=args.kv_cache_dtype,
                       eos_ids=() if args.ignore_eos else (tuple(args.eos_id) if args.eos_id else None))
     quantization = Quantization.of(args.quantize)  # a bad scheme is refused before anything loads
     mesh_cfg = mesh_config(args)
@@ -167,9 +171,8 @@ def run(args) -> int:
                              if k not in DecodeSpec.SPEED_ONLY}, "gamma": args.gamma, "temperature": args.temperature,
                     "seed": args.seed, "compare_ar": args.compare_ar, "chat": args.chat, "dtype": args.dtype,
                     "model_files": model_fingerprint(args.model),
-                    "adapter_files": args.adapter and model_fingerprint(args.adapter)}
-        if quantization is not None:  # (absent when not quantized: outputs written before the option still resume)
-            settings["quantize"] = quantization.name
+                    "adapter_files": args.adapter and model_fingerprint(args.adapter),
+                    "quantize": quantization and quantization.name}  # (None reads as absent in older records)
         try:
             check_output_settings(args.output, settings, resume=args.resume, allowed=tuple(args.allow_change),
                                   prompts=prompts, done=done)

@@ -33,7 +33,8 @@ for name, kw in json.loads(sys.argv[2]).items():
     res[name] = dict(tokens=np.asarray(out.tokens).tolist(), nfe=np.asarray(out.nfe).tolist(),
                      cache_spec=list(out.cache.k.sharding.spec), wq_spec=list(stacked["layers"]["wq"].sharding.spec),
                      wq0_spec=list(per_layer["layers"][0]["wq"].sharding.spec),
-                     wq_int8_spec=list(quantized["layers"][0]["wq"].qvalue.sharding.spec))
+                     wq_int8_spec=list(quantized["layers"][0]["wq"].qvalue.sharding.spec),
+                     scale_spec=list(out.cache.k_scale.sharding.spec) if out.cache.k_scale is not None else None)
 print("RESULT" + json.dumps(res))
 """
 
@@ -46,10 +47,12 @@ CASES = {"greedy": {"gamma": 2.0, "temperature": 0.0, "seed": 0, "eos_ids": []},
          # the adaptive policy at a stated cost: both processes' calls follow the same costs
          "verify_per_layer": {"verify": True, "gamma": 1.0, "temperature": 1.0, "seed": 3, "eos_ids": [],
                               "wide_cost": 1.2, "per_layer": True},
-         # int8 weights (sbd_jax/models/quant.py), sharded as the full-precision ones: verify == AR on them
+         # int8 weights (sbd_jax/models/quant.py), sharded as the full-precision ones, and an int8 KV cache
+         # (its scales sharded as the cache): verify == AR on them
          "verify_int8": {"verify": True, "gamma": 1.0, "temperature": 1.0, "seed": 3, "eos_ids": [],
-                         "wide_cost": 1.2, "int8": True},
-         "ar_int8": {"mode": "ar", "temperature": 1.0, "seed": 3, "eos_ids": [], "int8": True}}
+                         "wide_cost": 1.2, "int8": True, "kv_cache_dtype": "int8"},
+         "ar_int8": {"mode": "ar", "temperature": 1.0, "seed": 3, "eos_ids": [], "int8": True,
+                     "kv_cache_dtype": "int8"}}
 QUANTIZED = ("verify_int8", "ar_int8")
 
 
@@ -79,3 +82,4 @@ def test_sharded_tokens_equal_single_device():
     assert res["verify_int8"]["tokens"] == res["ar_int8"]["tokens"]  # and on the int8 model, its own AR's
     assert res["ar_int8"]["tokens"] != res["ar_per_layer"]["tokens"]  # (which is not the float model's)
     assert (res["ar_int8"]["wq_int8_spec"] + [None] * 3)[:3] == [None, "tensor", None]  # int8 values sharded
+    assert (res["ar_int8"]["scale_spec"] + [None] * 4)[:4] == [None, "data", None, "tensor"]  # as the cache

@@ -13,7 +13,7 @@ from decoding_fixtures import CFG, LENGTHS, MAX_NEW, outputs
 import sbd_jax
 from sbd_jax.attention import clean_meta
 from sbd_jax.config import ConfigError
-from sbd_jax.decoding import DecodeSpec, generate
+from sbd_jax.decoding import DecodeError, DecodeSpec, generate
 from sbd_jax.decoding.continuous import decode_stream
 from sbd_jax.models import forward
 from sbd_jax.models.lora import AdapterLayout, attach, init_adapter
@@ -93,25 +93,32 @@ def test_weights_within_the_schemes_step_and_the_forward_equals_the_dequantized_
     assert np.abs(full - ref).max() > 100 * np.abs(got - ref).max()  # the comparison can tell the schemes apart
 
 
-CASES = [("int8", dict(temperature=0.0)), ("fp8", dict(temperature=1.0)), ("int4-g8", dict(temperature=1.0, top_k=5))]
+# (scheme, sampling, KV cache): each weight form once, the int8 cache with int8 weights, greedy and sampled (the
+# sampled case reuses the greedy one's programs: temperature is an argument of the compiled loop)
+CASES = [("fp8", dict(temperature=1.0), None), ("int4-g8", dict(temperature=1.0, top_k=5), None),
+         ("int8", dict(temperature=0.0), "int8"), ("int8", dict(temperature=1.0), "int8")]
 
 
-@pytest.mark.parametrize("scheme,how", CASES, ids=[c[0] for c in CASES])
-def test_verify_equals_the_quantized_models_ar(quantized, prompts, scheme, how):
+@pytest.mark.parametrize("scheme,how,kv", CASES, ids=["fp8-t1", "int4-topk", "int8-int8kv-greedy", "int8-int8kv-t1"])
+def test_verify_equals_the_quantized_models_ar(quantized, prompts, scheme, how, kv):
+    """Lossless decoding on quantized weights (and an int8 KV cache: values + a scale per position and KV head)
+    gives exactly that quantized model's AR tokens, in `generate` and continuous batching."""
     qp = quantized[scheme]
-    kw = dict(key=jax.random.key(5), max_new_tokens=MAX_NEW, eos_ids=(), **how)
-    ar = outputs(generate(qp, CFG, prompts, LENGTHS, mode="ar", **kw))
+    kw = dict(key=jax.random.key(5), max_new_tokens=MAX_NEW, eos_ids=(), kv_cache_dtype=kv, **how)
+    ar = generate(qp, CFG, prompts, LENGTHS, mode="ar", return_cache=kv == "int8", **kw)
     v = generate(qp, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=4, draft_policy="random", **kw)
-    np.testing.assert_array_equal(outputs(v)["tokens"], ar["tokens"])
+    np.testing.assert_array_equal(outputs(v)["tokens"], outputs(ar)["tokens"])
     assert int(v.wide_steps) > 0  # drafts were checked
-    if scheme == "int8":  # continuous batching, 2 slots for 4 prompts: each row is the quantized AR's
+    if kv == "int8":
+        assert ar.cache.k.dtype == jnp.int8 and ar.cache.k_scale.shape == ar.cache.k.shape[:-1]
+    if kv == "int8" and how["temperature"] == 0.0:  # continuous batching, 2 slots for 4 prompts
         spec = DecodeSpec(mode="sbd", verify=True, block_size=4, max_new_tokens=MAX_NEW, eos_ids=(),
-                          draft_policy="random")
+                          draft_policy="random", kv_cache_dtype=kv)
         rows = [list(p[:n]) for p, n in zip(np.asarray(prompts), LENGTHS)]
         got = dict(decode_stream(qp, CFG, rows, spec, slots=2, prompt_width=8, temperature=0.0))
         for i in range(len(rows)):
             one = generate(qp, CFG, np.asarray([rows[i] + [0] * (8 - len(rows[i]))]), [len(rows[i])], mode="ar",
-                           max_new_tokens=MAX_NEW, eos_ids=(), temperature=0.0)
+                           max_new_tokens=MAX_NEW, eos_ids=(), temperature=0.0, kv_cache_dtype=kv)
             assert got[i].tokens == np.asarray(one.tokens)[0].tolist(), i
 
 
@@ -160,6 +167,8 @@ def test_errors_name_the_option_or_weight(params, quantized):
         quantize_params(params, CFG, "int4")
     with pytest.raises(ConfigError, match=r"layers.wq is already quantized \(QArray\)"):
         quantize_params(quantized["int8"], CFG, "int8")
+    with pytest.raises(DecodeError, match=r"kv_cache_dtype must be None \(the compute dtype\) or one of \('int8',\)"):
+        DecodeSpec(kv_cache_dtype="int4")
 
 
 def _rewrite(d, drop=(), config=None):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..models.transformer import KVCache, init_cache
+from ..models.transformer import init_cache
 from ..sharding import mesh_context
 from .checks import check_fits, check_stream_prompt
 from .loop import run_loop
@@ -101,15 +101,15 @@ def admit_slots(params, state: LoopState, rows: SlotRows, slot_R, prompt_RP, new
         C = min(spec.prefill_chunk, P)
         width = -(-P // C) * C
         upto = jnp.where(slot_R < B, new.lengths - (not mode.prefills_last_token), 0)
-        cache, _ = write_prompt(params, cfg, init_cache(cfg, R, width, state.cache.k.dtype),
+        cache, _ = write_prompt(params, cfg, init_cache(cfg, R, width, spec.kv_cache_dtype),
                                 jnp.pad(prompt_RP, ((0, 0), (0, width - P))), upto,
                                 -(-jnp.max(upto) // C), C)  # only the pieces these prompts reach
         state = put_rows(mode.retire(state, slot_R), fresh, slot_R)  # the leaving rows retire, the new ones reset
         state = state._replace(
             seq=env.constrain(state.seq),
-            cache=env.constrain(KVCache(state.cache.k.at[:, slot_R, :P].set(cache.k[:, :, :P], mode="drop"),
-                                        state.cache.v.at[:, slot_R, :P].set(cache.v[:, :, :P], mode="drop"),
-                                        put(state.cache.lengths, cache.lengths))))
+            cache=env.constrain(state.cache.with_arrays(
+                tuple(a.at[:, slot_R, :P].set(b[:, :, :P], mode="drop")
+                      for a, b in zip(state.cache.arrays(), cache.arrays())), put(state.cache.lengths, cache.lengths))))
         return state, rows
 
 

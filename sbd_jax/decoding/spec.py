@@ -11,6 +11,7 @@ MODES = ("sbd", "ar")
 RULES = ("eb", "threshold")
 # verify mode's choice per call between a 1-wide AR call and the 2k-wide call that checks and drafts (policy.py)
 DRAFT_POLICIES = ("adaptive", "always", "never")
+KV_CACHE_DTYPES = ("int8",)  # the KV cache's storage besides the model's compute dtype (None, the default)
 # more drafting policies by name: name -> choose(state, env) -> the call's kind (policy.choose's contract);
 # `register_draft_policy` adds one (the tests add a policy that picks by a fixed coin)
 EXTRA_DRAFT_POLICIES: dict = {}
@@ -69,6 +70,10 @@ class DecodeSpec:
     tempered_entropy: bool = False  # entropies on the tempered distribution for rows with temperature > 0
     eos_ids: tuple[int, ...] | None = None  # stop tokens (None: the model's eos_token_id; (): never stop early)
     pad_id: int | None = None  # fills the output beyond each row's length (None: the model's pad id, else 0)
+    # the KV cache's storage: None = the compute dtype; "int8" = int8 values with a scale per position and KV head
+    # (half of bf16's bytes: longer generations at a larger batch; tokens near the full cache's, and verify mode
+    # still exactly AR's on the same int8 cache)
+    kv_cache_dtype: str | None = None
     # prompts wider than this are prefilled in pieces of this many columns (one call each, the last one with the
     # first decoding step), so prefill memory scales with the piece, not the prompt
     prefill_chunk: int = 256
@@ -118,6 +123,9 @@ class DecodeSpec:
             if not all(_is_int(e) for e in eos):
                 raise DecodeError(f"eos_ids must be token ids (integers), got {self.eos_ids!r}")
             object.__setattr__(self, "eos_ids", tuple(int(e) for e in eos))
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise DecodeError(f"kv_cache_dtype must be None (the compute dtype) or one of {KV_CACHE_DTYPES}, got "
+                              f"{self.kv_cache_dtype!r}")
         if self.pad_id is not None and not _is_int(self.pad_id):
             raise DecodeError(f"pad_id must be a token id (an integer), got {self.pad_id!r}")
 

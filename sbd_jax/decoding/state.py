@@ -16,6 +16,7 @@ from typing import Annotated, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..config import ModelConfig
 from ..models.transformer import KVCache, init_cache
@@ -105,7 +106,7 @@ def new_state(env: DecodeEnv, seq, P: int, mode_state=(), done=None) -> LoopStat
     zeros_B, false_B = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool)
     return LoopState(
         seq=env.constrain(seq),
-        cache=env.constrain(init_cache(env.cfg, B, P + spec.max_new_tokens)),
+        cache=env.constrain(init_cache(env.cfg, B, P + spec.max_new_tokens, spec.kv_cache_dtype)),
         block_offset=zeros_B,
         masked=(jnp.arange(spec.window)[None] < env.max_new[:, None]) & (spec.mode == "sbd"),  # the first block
         commit_start=zeros_B,
@@ -126,8 +127,10 @@ def constrainer(cfg, mesh, B):
     if mesh is None:
         return lambda x: x
     cs = cache_sharding(cfg, mesh, B)
+    scales = NamedSharding(mesh, PartitionSpec(*tuple(cs.spec)[:4]))  # an int8 cache's [L, B, S, K] scales
     return lambda x: jax.lax.with_sharding_constraint(
-        x, KVCache(cs, cs, batch_sharding(mesh, 1, B)) if isinstance(x, KVCache) else batch_sharding(mesh, x.ndim, B))
+        x, x.with_arrays((cs, cs, scales, scales)[:len(x.arrays())], batch_sharding(mesh, 1, B))
+        if isinstance(x, KVCache) else batch_sharding(mesh, x.ndim, B))
 
 
 def tally(accepted_BN, n_B, active_B):

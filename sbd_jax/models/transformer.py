@@ -129,17 +129,60 @@ def unstack_layers(params: dict, *, delete: bool = False) -> dict:
 
 class KVCache(NamedTuple):
     """Static-shape KV cache. Slot s of row b holds the (clean, causal) K/V of position s of that
-    row's sequence; `lengths[b]` = number of committed slots. k, v: [L, B, S, K, Dh]."""
+    row's sequence; `lengths[b]` = number of committed slots. k, v: [L, B, S, K, Dh]. An int8 cache
+    (`init_cache(..., "int8")`) also holds k_scale, v_scale [L, B, S, K]: a slot's K (V) of a head is its int8
+    values times that scale (symmetric, per position and head; `quantize_kv`)."""
 
     k: jnp.ndarray
     v: jnp.ndarray
     lengths: jnp.ndarray
+    k_scale: jnp.ndarray | None = None
+    v_scale: jnp.ndarray | None = None
+
+    def arrays(self) -> tuple:
+        """The per-slot arrays (k, v[, k_scale, v_scale]): all [L, B, S, ...]."""
+        return (self.k, self.v) + ((self.k_scale, self.v_scale) if self.k_scale is not None else ())
+
+    def with_arrays(self, arrays, lengths=None) -> KVCache:
+        return KVCache(*arrays[:2], self.lengths if lengths is None else lengths, *arrays[2:])
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """A zero cache in `dtype` (default the compute dtype; "int8" adds per-slot, per-head scales in it)."""
     shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
     dtype = jnp.dtype(dtype or cfg.dtype)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+    lengths = jnp.zeros((batch,), jnp.int32)
+    if dtype == jnp.int8:
+        scale = jnp.zeros(shape[:-1], cfg.dtype)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), lengths, scale, scale)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), lengths)
+
+
+def quantize_kv(x_BTKD, scale_dtype):
+    """-> (int8 values, scales [B, T, K] in `scale_dtype`): per position and head, its largest |value| maps to 127
+    (the scale rounded to its storage type first, so values and the stored scale agree)."""
+    x = x_BTKD.astype(jnp.float32)
+    s = (jnp.max(jnp.abs(x), axis=-1) / 127.0).astype(scale_dtype)
+    s32 = jnp.where(s > 0, s.astype(jnp.float32), 1.0)
+    return jnp.clip(jnp.round(x / s32[..., None]), -127, 127).astype(jnp.int8), s
+
+
+def _write_kv(arrays: tuple, li, rows, slot_BT, k, v) -> tuple:
+    """The cache arrays with layer `li`'s K/V of this call written at `slot_BT` (out of range: dropped)."""
+    put = lambda a, x: a.at[li, rows, slot_BT].set(x.astype(a.dtype), mode="drop")  # noqa: E731
+    if len(arrays) == 2:
+        return put(arrays[0], k), put(arrays[1], v)
+    (qk, sk), (qv, sv) = quantize_kv(k, arrays[2].dtype), quantize_kv(v, arrays[3].dtype)
+    return put(arrays[0], qk), put(arrays[1], qv), put(arrays[2], sk), put(arrays[3], sv)
+
+
+def _read_kv(arrays: tuple, li, dt):
+    """Layer `li`'s cached K, V [B, S, K, Dh] in `dt` (an int8 cache's values times their scales)."""
+    layer = [jax.lax.dynamic_index_in_dim(a, li, 0, keepdims=False) for a in arrays]
+    if len(layer) == 2:
+        return layer[0].astype(dt), layer[1].astype(dt)
+    k, v, sk, sv = layer
+    return k.astype(dt) * sk[..., None].astype(dt), v.astype(dt) * sv[..., None].astype(dt)
 
 
 _REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -173,12 +216,9 @@ def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, wri
         else:
             # the whole stacked cache [L, B, S, K, Dh] is carried through the layer scan and written in place
             # at layer `li` (scanned as xs/ys it would be copied whole at every call)
-            ks, vs, li = cache_kv
-            rows = jnp.arange(ks.shape[1])[:, None]
-            ks = ks.at[li, rows, write_slot_BT].set(k.astype(ks.dtype), mode="drop")
-            vs = vs.at[li, rows, write_slot_BT].set(v.astype(vs.dtype), mode="drop")
-            new_cache_kv = (ks, vs)
-            ck, cv = (jax.lax.dynamic_index_in_dim(c, li, 0, keepdims=False).astype(dt) for c in (ks, vs))
+            arrays, li = cache_kv
+            new_cache_kv = _write_kv(arrays, li, jnp.arange(arrays[0].shape[1])[:, None], write_slot_BT, k, v)
+            ck, cv = _read_kv(new_cache_kv, li, dt)
             # keys = committed cache (clean) + this window's copy tokens (its clean tokens are in the cache);
             # "pallas" reads the cache in place (per shard under a mesh), "xla" concatenates
             cache_kv_meta, window_kv_meta, full_meta = kv_meta
@@ -232,10 +272,10 @@ def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: K
         kv_meta = (cmeta, window_keys, concat_meta(cmeta, window_keys))  # built once, not per layer
 
         def body(carry, xs):
-            (h, (ks, vs)), (lp, li) = carry, xs
-            return _layer(cfg, inv_freq, h, lp, meta, (ks, vs, li), write_slot, kv_meta), None
-        h, (ks, vs) = _over_layers(body, (h, (cache.k, cache.v)), params["layers"], cfg)
-        new_cache = KVCache(ks, vs, new_len)
+            (h, arrays), (lp, li) = carry, xs
+            return _layer(cfg, inv_freq, h, lp, meta, (arrays, li), write_slot, kv_meta), None
+        h, arrays = _over_layers(body, (h, cache.arrays()), params["layers"], cfg)
+        new_cache = cache.with_arrays(arrays, new_len)
 
     h = rms_norm(h, params["final_norm"].astype(dt), cfg.rms_norm_eps)
     return (h if return_hidden else lm_head(params, cfg, h)), new_cache

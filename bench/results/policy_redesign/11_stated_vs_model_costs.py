@@ -1,16 +1,26 @@
-import sys; sys.path.insert(0, "bench"); sys.argv=["x"]
-import bench_adaptive as B
+"""w8, the policy with the cost model, and the policy with the cost model's numbers stated, 9 interleaved rounds."""
+import sys
 from pathlib import Path
-from sbd_jax.io.hf import from_pretrained
-from sbd_jax.decoding import DecodeSpec
-from sbd_jax.decoding.runner import BatchDecoder, DecodeOptions
-from sbd_jax.decoding.modes.verify import costs
-class A: demo="/tmp/demo0"; latency_n=30; max_new=48
+
+sys.path.insert(0, "bench")
+import bench_adaptive as B  # noqa: E402
+
+from sbd_jax.decoding import DecodeSpec  # noqa: E402
+from sbd_jax.decoding.modes.verify import costs  # noqa: E402
+from sbd_jax.decoding.runner import BatchDecoder, DecodeOptions  # noqa: E402
+from sbd_jax.io.hf import from_pretrained  # noqa: E402
+
+
+class A:
+    demo, latency_n, max_new = "/tmp/demo0", 30, 48
+
+
 cfg, params = from_pretrained(Path("/tmp/demo0/ft_sbd/hf"))
 prompts, width = B.demo_problems(A, 30)
 d = B.batch_decoders(params, cfg, ("w8", "verify"), 1, width, 48)
 spec = B.spec_of("verify", 48)
-c = costs.call_costs(params, cfg, spec, 1, width + 48); print(c)
-st = DecodeSpec.make(spec, wide_cost=c)
-d["verify_stated"] = BatchDecoder(params, cfg, DecodeOptions(spec=st, batch_size=1, pad_multiple=width))
+c = costs.call_costs(params, cfg, spec, 1, width + 48)
+print(c)
+d["verify_stated"] = BatchDecoder(params, cfg, DecodeOptions(spec=DecodeSpec.make(spec, wide_cost=c), batch_size=1,
+                                                             pad_multiple=width))
 B.timed(d, prompts, 9, print)

@@ -65,22 +65,24 @@ def estimate(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: 
     """The cost model's per-width costs (`params` are read for their shapes and dtypes only: concrete, traced or
     `jax.ShapeDtypeStruct`s), with `machine`'s constants or the backend's (an unknown backend is costed as a GPU)."""
     m = machine or MACHINES.get(backend or jax.default_backend(), MACHINES["gpu"])
-    seconds = step_model(params, cfg, batch, cache_len, m)
+    seconds = step_model(params, cfg, batch, cache_len, m, kv_int8=spec.kv_cache_dtype == "int8")
     one = seconds(1)
     return tuple(seconds(2 * w) / one for w in spec.draft_widths)
 
 
-def step_model(params, cfg: ModelConfig, batch: int, cache_len: int, m: Machine):
+def step_model(params, cfg: ModelConfig, batch: int, cache_len: int, m: Machine, kv_int8: bool = False):
     """-> seconds(tokens): the modelled seconds of a loop step running `tokens` queries per row: fixed and per-row
     costs, then reading the weights, the KV cache (rows mid-way through it) and the logits, and the matmul
-    arithmetic (the slower of the two where they overlap, else both)."""
+    arithmetic (the slower of the two where they overlap, else both). `kv_int8`: an int8 cache (values + scales)."""
     leaves = jax.tree.leaves(params)
     n_params = sum(int(np.prod(x.shape)) for x in leaves)
     weight_bytes = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
     itemsize = 2 if weight_bytes < 3 * n_params else 4
     context = cache_len / 2
     L = cfg.num_hidden_layers
-    kv_bytes = batch * context * L * 2 * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    per_head = (cfg.head_dim + jnp.dtype(cfg.dtype).itemsize if kv_int8  # int8 values + one scale
+                else cfg.head_dim * jnp.dtype(cfg.dtype).itemsize)
+    kv_bytes = batch * context * L * 2 * cfg.num_key_value_heads * per_head
     attn_flops = 4 * L * cfg.num_attention_heads * cfg.head_dim * context  # per query: scores and values
 
     def seconds(tokens: int) -> float:

@@ -232,8 +232,9 @@ def finalize(state: LoopState, env: DecodeEnv) -> KVCache:
     """The last output token's K/V; the K/V rejected drafts wrote past the output cleared."""
     cache = finalize_at(state, env, last_token_positions(state, env))
     total = env.lengths + state.n_generated
-    keep = (jnp.arange(cache.k.shape[2])[None] < total[:, None])[None, :, :, None, None]
-    return env.constrain(KVCache(jnp.where(keep, cache.k, 0), jnp.where(keep, cache.v, 0), total))
+    keep = (jnp.arange(cache.k.shape[2])[None] < total[:, None])[None, :, :, None]  # [1, B, S, 1] (+ Dh)
+    return env.constrain(cache.with_arrays(tuple(jnp.where(keep if a.ndim == 4 else keep[..., None], a, 0)
+                                                 for a in cache.arrays()), total))
 
 
 def init_state(env: DecodeEnv, B: int, memory) -> VerifyState:
