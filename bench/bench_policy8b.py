@@ -72,6 +72,7 @@ from sbd_jax.decoding.checks import check_model  # noqa: E402
 from sbd_jax.decoding.prompts import Prompt  # noqa: E402
 from sbd_jax.decoding.runner import BatchDecoder, DecodeOptions, check_prompts  # noqa: E402
 from sbd_jax.models import init_params, unstack_layers  # noqa: E402
+from sbd_jax.models.quant import quantize_params  # noqa: E402
 from sbd_jax.runtime import use_decode_xla_flags  # noqa: E402
 
 DECODERS = ("ar", "verify", "verify-agree", "sbd", "ar-agree")  # ar-agree: AR on the agreeing model (a check)
@@ -96,6 +97,9 @@ def parse(argv=None):
                     help="attention_impl (auto: Pallas on GPU/TPU, XLA on CPU)")
     ap.add_argument("--cache-dir", default=None,
                     help="JAX persistent compilation cache (a rerun on the same machine skips compiling)")
+    ap.add_argument("--quantize", default=None, help="weight scheme of the projections (int8, fp8, int4; "
+                    "sbd_jax/models/quant.py): the weights quantized after init")
+    ap.add_argument("--kv-cache-dtype", default=None, choices=["int8"], help="the KV cache in int8")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU dry run of the same code path)")
     ap.add_argument("--out", default=None, help="markdown file (default $OUT/policy8b.md, else bench/results/)")
     a = ap.parse_args(argv)
@@ -162,9 +166,10 @@ class Variant:
 
 def variants(params, agree, cfg, a, slots: int) -> list[Variant]:
     k, N = a.block, a.new
-    specs = {"ar": DecodeSpec(mode="ar", max_new_tokens=N, eos_ids=()),
+    kv = a.kv_cache_dtype
+    specs = {"ar": DecodeSpec(mode="ar", max_new_tokens=N, eos_ids=(), kv_cache_dtype=kv),
              "verify": verify_spec(a, slots),
-             "sbd": DecodeSpec(mode="sbd", block_size=k, max_new_tokens=N, eos_ids=())}
+             "sbd": DecodeSpec(mode="sbd", block_size=k, max_new_tokens=N, eos_ids=(), kv_cache_dtype=kv)}
     decs = {}
 
     def dec(kind):
@@ -188,7 +193,7 @@ def verify_spec(a, slots: int) -> DecodeSpec:
     """Verify mode, the default adaptive policy; wide_cost the cost model's unless --wide-cost states it for
     `slots`."""
     return DecodeSpec(mode="sbd", verify=True, block_size=a.block, max_new_tokens=a.new, eos_ids=(),
-                      wide_cost=a.wide_cost.get(slots))
+                      wide_cost=a.wide_cost.get(slots), kv_cache_dtype=a.kv_cache_dtype)
 
 
 def measure_costs(params, cfg, a, slots: int) -> dict | None:
@@ -227,6 +232,7 @@ def finish(vs: list[Variant], slots: int, a) -> list[dict]:
             "tokens_per_s": tps, "vs_ar": None if ar_tps is None else tps / ar_tps,
             "tokens_per_forward": s["tokens_per_forward"], "model_calls": s["model_calls"],
             "ms_per_call": 1e3 * secs / max(s["model_calls"], 1),
+            "weights_gb_s": a.weight_bytes / (secs / max(s["model_calls"], 1)) / 1e9,
             "drafts": s.get("drafts"), "drafts_agreed": s.get("drafts_agreed"), "same_as_ar": same,
             "accepted_per_forward": s["accepted_per_forward"], "compile_s": v.dec.compile_s,
             "draft_memory": s.get("draft_memory")})
@@ -239,7 +245,8 @@ def md_row(r: dict) -> str:
     vs = "" if r["vs_ar"] is None else f"{r['vs_ar']:.2f}x"
     name = r["decoder"] + ("" if r["gamma"] is None else f" (gamma {r['gamma']:g})")
     return (f"| {r['slots']} | {name} | {r['weights']} | {r['tokens_per_s']:.0f} | {vs} | "
-            f"{r['tokens_per_forward']:.2f} | {r['model_calls']} | {r['ms_per_call']:.2f} | {drafts} | {same} | "
+            f"{r['tokens_per_forward']:.2f} | {r['model_calls']} | {r['ms_per_call']:.2f} | {r['weights_gb_s']:.0f} | "
+            f"{drafts} | {same} | "
             f"{' / '.join(f'{x:.3f}' for x in r['seconds_rounds'])} | {r['compile_s']:.1f} |")
 
 
@@ -251,12 +258,16 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     cfg = model_config(a)
     t = time.perf_counter()
-    params = unstack_layers(jax.jit(lambda key: init_params(cfg, key))(jax.random.key(0)), delete=True)
+    params = jax.jit(lambda key: init_params(cfg, key))(jax.random.key(0))
+    if a.quantize:
+        params = quantize_params(params, cfg, a.quantize, delete=True)
+    params = unstack_layers(params, delete=True)
     agree = agreeing(params)
     jax.block_until_ready((params, agree))
     init_s = time.perf_counter() - t
     dev = jax.devices()[0]
     n_params = sum(x.size for x in jax.tree.leaves(params))
+    weight_bytes = a.weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     out = Path(a.out or (Path(os.environ["OUT"]) / "policy8b.md" if os.environ.get("OUT") else
                          Path(__file__).resolve().parent / "results" / "policy8b.md"))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -268,7 +279,9 @@ def main(argv=None) -> int:
         f"Date: {datetime.date.today()}; device: {dev.platform} ({dev.device_kind}); jax {jax.__version__}; "
         f"XLA_FLAGS `{os.environ.get('XLA_FLAGS', '')}`  ",
         f"Model: {a.shape}{' (tiny)' if a.tiny else ''}, random weights, {describe(cfg, n_params)}; per-layer "
-        f"weights (init + unstack {init_s:.1f} s)  ",
+        f"weights (init + unstack {init_s:.1f} s); projections {a.quantize or 'bf16'}, KV cache "
+        f"{a.kv_cache_dtype or 'bf16'}: {weight_bytes / 2**30:.2f} GiB of weights (achieved bandwidth: these bytes "
+        "per model call / ms per call, a lower bound)  ",
         f"Prompts: {a.prompt} random ids each, one batch of `slots` prompts; {a.new} new tokens, EOS ignored, "
         f"greedy; block k={k}; verify: draft widths {DecodeSpec(block_size=k).draft_widths}, wide_cost "
         f"{'stated ' + str(a.wide_cost) + ', else ' if a.wide_cost else ''}the cost model's (costs.py; calibrate's "
@@ -279,9 +292,9 @@ def main(argv=None) -> int:
         "with AR's token 0; same per-call compute); \"same as AR\": rows whose tokens equal AR's on that model "
         "(random: the AR row's; agree: all token 0). sbd: the lossy EB rule, gamma forcing tpf tokens/forward on "
         "random weights (speed mechanics, not quality). ms/call: decoding seconds / model calls (prefill included).",
-        "", "| slots | decoder | weights | tokens/s | vs AR | tokens / forward | model calls | ms / call | "
+        "", "| slots | decoder | weights | tokens/s | vs AR | tokens / forward | model calls | ms / call | weights GB/s | "
         "drafts agreed / placed | same as AR | seconds per round | compile s (spec's program) |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     out.write_text("\n".join(header) + "\n")
     print("\n".join(header), flush=True)
     record = {"command": cmd.strip(), "device": dev.device_kind, "platform": dev.platform, "shape": a.shape,

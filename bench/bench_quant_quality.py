@@ -30,7 +30,7 @@ from sbd_jax.attention import clean_meta  # noqa: E402
 from sbd_jax.decoding import generate  # noqa: E402
 from sbd_jax.io.hf import from_pretrained  # noqa: E402
 from sbd_jax.io.tokenizer import Tokenizer  # noqa: E402
-from sbd_jax.models import forward  # noqa: E402
+from sbd_jax.models import forward, init_cache  # noqa: E402
 from sbd_jax.models.quant import Quantization, quantize_params  # noqa: E402
 
 GOALS = {"int8": (1.0, 97.0), "fp8": (2.0, 94.0), "int4": (6.0, 90.0)}  # max ppl increase %, min agreement %
@@ -49,13 +49,15 @@ def windows(tok: Tokenizer, n: int, width: int, per_module: int = 2) -> np.ndarr
     raise SystemExit(f"the held-out modules give only {len(out)} windows of {width} tokens")
 
 
-def scores(params, cfg, toks: np.ndarray, batch: int = 4):
-    """-> (per-token negative log-likelihood [n, width], argmax [n, width]) teacher-forced."""
+def scores(params, cfg, toks: np.ndarray, batch: int = 4, kv_cache_dtype=None):
+    """-> (per-token negative log-likelihood [n, width], argmax [n, width]) teacher-forced; with `kv_cache_dtype`
+    the window is written to a KV cache of that dtype and attends it (as decoding does)."""
     @jax.jit
     def run(params, x, y):
         B, T = x.shape
         meta = clean_meta(jnp.ones((B, T), jnp.int32), jnp.broadcast_to(jnp.arange(T), (B, T)))
-        logits = forward(params, cfg, x, meta)[0]
+        cache = init_cache(cfg, B, T, kv_cache_dtype) if kv_cache_dtype else None
+        logits = forward(params, cfg, x, meta, cache)[0]
         lp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.take_along_axis(lp, y[..., None], axis=-1)[..., 0], jnp.argmax(logits, axis=-1)
     nll, top = [], []
@@ -99,19 +101,22 @@ def main():
     base_ppl = float(np.exp(base_nll.mean()))
     rows = [{"scheme": "float32", "ppl": base_ppl, "ppl_increase_pct": 0.0, "agreement_pct": 100.0}]
     print(f"float32: ppl {base_ppl:.4f} over {base_nll.size} tokens ({len(toks)} windows of {args.window})")
-    for name in args.schemes.split(","):
-        q = Quantization.of(name)
+    for name in args.schemes.split(",") + ["int8 KV cache", "int8 + int8 KV cache"]:
+        kv = "int8" if name.endswith("KV cache") else None
+        q = Quantization.of(name.split()[0]) if not name.startswith("int8 KV") else None
         t = time.perf_counter()
-        qp = quantize_params(params, cfg, q)
-        nll, top = scores(qp, cfg, toks)
+        qp = quantize_params(params, cfg, q) if q else params
+        nll, top = scores(qp, cfg, toks, kv_cache_dtype=kv)
         ppl = float(np.exp(nll.mean()))
-        row = {"scheme": q.name, "ppl": ppl, "ppl_increase_pct": 100 * (ppl / base_ppl - 1),
+        label = (q.name if q else "float32") + (" + int8 KV cache" if kv else "")
+        q = q or Quantization("int8")  # the KV cache's goal: int8's
+        row = {"scheme": label, "ppl": ppl, "ppl_increase_pct": 100 * (ppl / base_ppl - 1),
                "agreement_pct": 100 * float(np.mean(top == base_top)), "seconds": time.perf_counter() - t}
         goal = GOALS[q.scheme]
         row["goal"] = f"<= {goal[0]}% / >= {goal[1]}%"
         row["met"] = row["ppl_increase_pct"] <= goal[0] and row["agreement_pct"] >= goal[1]
         rows.append(row)
-        print(f"{q.name:10s} ppl {ppl:.4f} (+{row['ppl_increase_pct']:.2f}%)  agreement {row['agreement_pct']:.2f}%"
+        print(f"{label:10s} ppl {ppl:.4f} (+{row['ppl_increase_pct']:.2f}%)  agreement {row['agreement_pct']:.2f}%"
               f"  goal {row['goal']}: {'met' if row['met'] else 'MISSED'}")
     lines = ["| scheme | perplexity | increase | top-1 agreement | goal (increase / agreement) | met? |",
              "|---|---:|---:|---:|---|---|"]

@@ -16,7 +16,8 @@
 # Stages: prepare (CPU), setup (the carried wheels, see bench/gpu_run.sh), take1/take2 (a piece into the work
 # directory), real-train / real-eval / real (join the pieces, check sha256, `make demo-real` at
 # bench/gpu_campaign.py's size: the two fine-tunes and the LoRA adapter, then the table), info, mfu and
-# mfu-profile (bench/bench_mfu.py: MFU_CONFIGS, MFU_STEPS, LIMIT_MFU), decode8b (bench/bench_policy8b.py: SLOTS).
+# mfu-profile (bench/bench_mfu.py: MFU_CONFIGS, MFU_STEPS, LIMIT_MFU), decode8b (bench/bench_policy8b.py: SLOTS,
+# QUANT, KV).
 # CAMPAIGN_SIZE=tiny runs every stage at toy size on a CPU (tests/test_gpu_campaign.py).
 set -u
 cd "$(dirname "$0")/.."
@@ -95,9 +96,11 @@ pyarrow.__version__, fsspec.__version__, jax.devices())'" ;;
                    --configs "${MFU_CONFIGS:-1b-full}" --profile "$WORK/mfu_profile" --out "$DEST/mfu_profile.md" ;;
     # the drafting policy at Llama-3.1-8B shapes (bench/bench_policy8b.py), one slot count per call (SLOTS: ~5-7
     # minutes each, mostly compiling; WIDE_COST states the policy's costs and saves two programs)
-    decode8b) stage "decode8b_s${SLOTS:-1}" "${LIMIT_DECODE8B:-560}" $PY bench/bench_policy8b.py $(tiny --tiny) \
-                --slots "${SLOTS:-1}" ${WIDE_COST:+--wide-cost "$WIDE_COST"} ${ROUNDS:+--rounds "$ROUNDS"} \
-                --out "$DEST/policy8b_s${SLOTS:-1}.md" ;;
+    # QUANT=int8|fp8|int4 quantizes the projections, KV=int8 the cache (issue 42's GPU figures: SLOTS 1 and 16)
+    decode8b) stage "decode8b_s${SLOTS:-1}${QUANT:+_$QUANT}${KV:+_kv$KV}" "${LIMIT_DECODE8B:-560}" \
+                $PY bench/bench_policy8b.py $(tiny --tiny) --slots "${SLOTS:-1}" ${WIDE_COST:+--wide-cost "$WIDE_COST"} \
+                ${ROUNDS:+--rounds "$ROUNDS"} ${QUANT:+--quantize "$QUANT"} ${KV:+--kv-cache-dtype "$KV"} \
+                --out "$DEST/policy8b_s${SLOTS:-1}${QUANT:+_$QUANT}${KV:+_kv$KV}.md" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

@@ -7,6 +7,7 @@ outputs).
     .venv/bin/python bench/plan_memory.py decode                            # the decoding table (generate)
     .venv/bin/python bench/plan_memory.py continuous                        # decode.py's continuous decoder
     .venv/bin/python bench/plan_memory.py lora                              # a LoRA step on one device
+    .venv/bin/python bench/plan_memory.py quant                             # quantized decoding, one device
     .venv/bin/python bench/plan_memory.py --models llama3-8b --seq-len 131072 --losses sbd --context 8  # long rows
 
 The fake devices are CPU devices, so the numbers are XLA:CPU's buffer assignment of the same program a
@@ -37,6 +38,7 @@ from sbd_jax.decoding import DecodeSpec  # noqa: E402
 from sbd_jax.decoding import continuous  # noqa: E402
 from sbd_jax.decoding.decoder import decode_batch  # noqa: E402
 from sbd_jax.models.lora import LORA_TARGETS, AdapterLayout  # noqa: E402
+from sbd_jax.models.quant import quantize_params  # noqa: E402
 from sbd_jax.models.transformer import param_specs  # noqa: E402
 from sbd_jax.sharding import MeshConfig, make_mesh, param_shardings  # noqa: E402
 from sbd_jax.training.config import ModelSource, OptimConfig  # noqa: E402
@@ -138,19 +140,25 @@ def _kv_bytes(cfg: ModelConfig, rows: int, width: int, tensor: int) -> float:
     return 2 * cfg.num_hidden_layers * rows * width * cfg.num_key_value_heads * cfg.head_dim * 2 / tensor
 
 
-def decode_memory(cfg: ModelConfig, *, batch: int, prompt: int, new: int, mode: str, tensor: int, devices) -> dict:
-    """AOT-compile `generate` (bf16 weights, greedy, block 16) and return its memory analysis in bytes."""
+def decode_memory(cfg: ModelConfig, *, batch: int, prompt: int, new: int, mode: str, tensor: int, devices,
+                  quantize=None, kv_cache_dtype=None) -> dict:
+    """AOT-compile `generate` (bf16 weights, greedy, block 16; the projections quantized with `quantize`, the cache
+    in `kv_cache_dtype`) and return its memory analysis in bytes."""
     mesh, params = _abstract_params(cfg, tensor, devices)
+    if quantize is not None:  # (one device: the quantized leaves carry no shardings here)
+        params = jax.eval_shape(lambda p: quantize_params(p, cfg, quantize), params)
     row = lambda dt: jax.ShapeDtypeStruct((batch,), dt)  # noqa: E731
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
-    spec = DecodeSpec(mode=mode, block_size=16, max_new_tokens=new)
+    spec = DecodeSpec(mode=mode, block_size=16, max_new_tokens=new, kv_cache_dtype=kv_cache_dtype)
     t0 = time.perf_counter()
     compiled = decode_batch.lower(params, jax.ShapeDtypeStruct((batch, prompt), "int32"), row("int32"),
                                   row("float32"), row("float32"), keys, row("int32"), cfg=cfg, spec=spec,
                                   mesh=mesh).compile()
     ma = compiled.memory_analysis()
+    cache = _kv_bytes(cfg, batch, prompt + new, tensor) * ((cfg.head_dim + 2) / (2 * cfg.head_dim) if kv_cache_dtype
+                                                           else 1.0)  # int8 values + one bf16 scale per head
     return {"args": ma.argument_size_in_bytes, "temp": ma.temp_size_in_bytes, "out": ma.output_size_in_bytes,
-            "cache": _kv_bytes(cfg, batch, prompt + new, tensor), "compile_s": time.perf_counter() - t0}
+            "cache": cache, "compile_s": time.perf_counter() - t0}
 
 
 def continuous_memory(cfg: ModelConfig, *, slots: int, prompt: int, new: int, mode: str, tensor: int, devices,
@@ -233,8 +241,50 @@ def plan_continuous(argv) -> int:
     return 0
 
 
+def plan_quantized(argv) -> int:
+    """Quantized decoding on one device: per-device GiB at each batch, and the largest batch one card holds (per-row
+    bytes from the two batches compiled, linear in the rows)."""
+    ap = argparse.ArgumentParser(description="quantized decoding's memory plan (plan_memory.py quant)")
+    ap.add_argument("--models", default="llama3-8b,llama3-70b")
+    ap.add_argument("--schemes", default="none,int8,int4", help="weight schemes (none: bf16; fp8 holds int8's bytes)")
+    ap.add_argument("--kv", default="none,int8", help="KV cache dtypes (none: bf16)")
+    ap.add_argument("--cache", default="4096,32768", help="cache slots per row (prompt + new tokens)")
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--card-gib", type=float, default=80.0)
+    args = ap.parse_args(argv)
+    opt = lambda v: None if v == "none" else v  # noqa: E731
+    print(f"one device, bf16 compute, SBD block 16, {args.new} new tokens; GiB; 'max batch': the largest batch whose "
+          f"weights + temporaries fit {args.card_gib:.0f} GiB (temporaries include the KV cache)")
+    print("| model | weights | KV cache | cache slots | batch | weights GiB | KV cache GiB | temp GiB | total GiB | "
+          "max batch on one card |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    batches = [int(b) for b in args.batch.split(",")]
+    for name in args.models.split(","):
+        cfg = dataclasses.replace(SHAPES[name], dtype="bfloat16", param_dtype="bfloat16", attention_impl="pallas")
+        for scheme in args.schemes.split(","):
+            for kv in args.kv.split(","):
+                for slots in map(int, args.cache.split(",")):
+                    got = {b: decode_memory(cfg, batch=b, prompt=slots - args.new, new=args.new, mode="sbd", tensor=1,
+                                            devices=jax.devices()[:1], quantize=opt(scheme), kv_cache_dtype=opt(kv))
+                           for b in batches}
+                    lo, hi = min(batches), max(batches)
+                    per_row = (got[hi]["temp"] - got[lo]["temp"]) / max(hi - lo, 1)
+                    fixed = got[lo]["args"] + got[lo]["temp"] - lo * per_row
+                    most = int((args.card_gib * GiB - fixed) // per_row) if per_row > 0 else 0
+                    for b in batches:
+                        m = got[b]
+                        print(f"| {name} | {scheme if scheme != 'none' else 'bf16'} | {kv if kv != 'none' else 'bf16'}"
+                              f" | {slots} | {b} | {m['args'] / GiB:.1f} | {m['cache'] / GiB:.1f} | "
+                              f"{m['temp'] / GiB:.1f} | {(m['args'] + m['temp']) / GiB:.1f} | "
+                              f"{max(most, 0) if b == hi else ''} |", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["quant"]:
+        return plan_quantized(argv[1:])
     if argv[:1] == ["decode"]:
         return plan_decode(argv[1:])
     if argv[:1] == ["continuous"]:

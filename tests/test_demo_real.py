@@ -55,7 +55,8 @@ def demo(tmp_path_factory):
     gguf = make_tiny_gguf(tmp / "tiny.gguf", tokenizer_from=gguf_path(), quant="Q8_0")
     lib = _some_stdlib(tmp / "lib")
     proc = campaign(tmp, "prepare", "take1", "info", "mfu", "mfu-profile", "decode8b", "take2", "real", GGUF=str(gguf),
-                    CORPUS_ROOT=str(lib), MFU_CONFIGS="135m-full", MFU_STEPS="2", SLOTS="1", WIDE_COST="4", ROUNDS="1")
+                    CORPUS_ROOT=str(lib), MFU_CONFIGS="135m-full", MFU_STEPS="2", SLOTS="1", WIDE_COST="4", ROUNDS="1",
+                    QUANT="int8", KV="int8")  # (decode8b with quantized weights and cache: issue 42's GPU stage)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp / "work" / "real" / "results.json").read_text())
     cfg = from_dict(RealDemoConfig, res["config"])
@@ -100,7 +101,8 @@ def test_every_stage_runs_and_lossless_rows_equal_ar(demo):
         assert "adapter/adapter_model.safetensors" in t.getnames()
     assert "=== info rc=0" in stdout and "smollm2-135m (tiny)" in (tmp / "out" / "mfu.md").read_text()
     assert "=== mfu_profile rc=0" in stdout and (tmp / "out" / "mfu_profile.md").is_file()
-    assert "=== decode8b_s1 rc=0" in stdout and (tmp / "out" / "policy8b_s1.md").is_file()
+    assert "=== decode8b_s1_int8_kvint8 rc=0" in stdout
+    assert "projections int8, KV cache int8" in (tmp / "out" / "policy8b_s1_int8_kvint8.md").read_text()
 
 
 def test_rerun_reuses_every_stage_and_refuses_other_settings(demo):
