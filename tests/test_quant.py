@@ -225,3 +225,12 @@ def test_a_damaged_quantized_checkpoint_is_refused_by_name(quantized, tmp_path):
         _rewrite(d, **how)
         with pytest.raises(CheckpointError, match=msg):
             sbd_jax.from_pretrained(d)
+
+
+def test_a_quantized_checkpoint_is_not_fine_tuned(quantized, tmp_path):
+    """train.py's model.init_from on a quantized (decoding) checkpoint: refused by name before anything loads."""
+    from sbd_jax.training.config import ModelSource
+    from sbd_jax.training.model_source import prepare_model
+    d = sbd_jax.save_pretrained(CFG, quantized["int8"], tmp_path / "q")
+    with pytest.raises(ConfigError, match=r"model.init_from=.* holds int8-quantized weights \(a decoding checkpoint\)"):
+        prepare_model(ModelSource(config=None, init_from=str(d)), 0, None)

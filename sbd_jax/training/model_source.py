@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from ..config import ConfigError, ModelConfig
-from ..io.hf import from_pretrained, load_hf_config
+from ..io.hf import from_pretrained, load_hf_config, stored_quantization
 from ..models.fingerprint import base_fingerprint
 from ..models.transformer import init_params
 from ..sharding import param_shardings, shard_params
@@ -39,6 +40,10 @@ def prepare_model(src: ModelSource, seed: int, mesh, *, load_weights: bool = Tru
                                               "scan_unroll", "remat") if getattr(src, k) is not None}
     params = None
     if src.init_from:
+        stored = stored_quantization(src.init_from) if Path(src.init_from, "config.json").is_file() else None
+        if stored is not None:
+            raise ConfigError(f"model.init_from={src.init_from!r} holds {stored.name}-quantized weights (a decoding "
+                              "checkpoint): fine-tune from the full-precision model")
         if load_weights:
             cfg, params = from_pretrained(src.init_from, mesh=mesh, **overrides)  # each process reads its shards
         else:
