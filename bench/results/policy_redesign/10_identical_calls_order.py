@@ -1,10 +1,14 @@
-"""Decoders making identical calls, side by side (w8 and the policy, twice each), 9 interleaved rounds."""
+"""Decoders making identical calls, side by side, 9 interleaved rounds: w8 and the policy twice each (log 10), or
+with `stated`: w8, the policy with the cost model, and the policy with the cost model's numbers stated (log 11)."""
 import sys
 from pathlib import Path
 
 sys.path.insert(0, "bench")
 import bench_adaptive as B  # noqa: E402
 
+from sbd_jax.decoding import DecodeSpec  # noqa: E402
+from sbd_jax.decoding.modes.verify import costs  # noqa: E402
+from sbd_jax.decoding.runner import BatchDecoder, DecodeOptions  # noqa: E402
 from sbd_jax.io.hf import from_pretrained  # noqa: E402
 
 
@@ -15,5 +19,13 @@ class A:
 cfg, params = from_pretrained(Path("/tmp/demo0/ft_sbd/hf"))
 prompts, width = B.demo_problems(A, 30)
 d = B.batch_decoders(params, cfg, ("w8", "verify"), 1, width, 48)
-d2 = B.batch_decoders(params, cfg, ("w8", "verify"), 1, width, 48)
-B.timed({"w8": d["w8"], "verify": d["verify"], "w8_again": d2["w8"], "verify_again": d2["verify"]}, prompts, 9, print)
+if sys.argv[1:] == ["stated"]:
+    spec = B.spec_of("verify", 48)
+    c = costs.call_costs(params, cfg, spec, 1, width + 48)
+    print(c)
+    d["verify_stated"] = BatchDecoder(params, cfg, DecodeOptions(spec=DecodeSpec.make(spec, wide_cost=c),
+                                                                 batch_size=1, pad_multiple=width))
+else:
+    d2 = B.batch_decoders(params, cfg, ("w8", "verify"), 1, width, 48)
+    d = {"w8": d["w8"], "verify": d["verify"], "w8_again": d2["w8"], "verify_again": d2["verify"]}
+B.timed(d, prompts, 9, print)
