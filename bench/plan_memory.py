@@ -141,12 +141,15 @@ def _kv_bytes(cfg: ModelConfig, rows: int, width: int, tensor: int) -> float:
 
 
 def decode_memory(cfg: ModelConfig, *, batch: int, prompt: int, new: int, mode: str, tensor: int, devices,
-                  quantize=None, kv_cache_dtype=None) -> dict:
+                  quantize=None, kv_cache_dtype=None, per_layer: bool = False) -> dict:
     """AOT-compile `generate` (bf16 weights, greedy, block 16; the projections quantized with `quantize`, the cache
     in `kv_cache_dtype`) and return its memory analysis in bytes."""
     mesh, params = _abstract_params(cfg, tensor, devices)
     if quantize is not None:  # (one device: the quantized leaves carry no shardings here)
         params = jax.eval_shape(lambda p: quantize_params(p, cfg, quantize), params)
+    if per_layer:  # decode.py's layout (`unstack_layers`): a buffer per layer's weight
+        layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params["layers"])
+        params = {**params, "layers": (layer,) * cfg.num_hidden_layers}
     row = lambda dt: jax.ShapeDtypeStruct((batch,), dt)  # noqa: E731
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
     spec = DecodeSpec(mode=mode, block_size=16, max_new_tokens=new, kv_cache_dtype=kv_cache_dtype)
@@ -254,8 +257,9 @@ def plan_quantized(argv) -> int:
     ap.add_argument("--card-gib", type=float, default=80.0)
     args = ap.parse_args(argv)
     opt = lambda v: None if v == "none" else v  # noqa: E731
-    print(f"one device, bf16 compute, SBD block 16, {args.new} new tokens; GiB; 'max batch': the largest batch whose "
-          f"weights + temporaries fit {args.card_gib:.0f} GiB (temporaries include the KV cache)")
+    print(f"one device, per-layer weights (decode.py's layout), bf16 compute, SBD block 16, {args.new} new tokens; "
+          f"GiB; 'max batch': the largest batch whose weights + temporaries fit {args.card_gib:.0f} GiB (temporaries "
+          "include the KV cache)")
     print("| model | weights | KV cache | cache slots | batch | weights GiB | KV cache GiB | temp GiB | total GiB | "
           "max batch on one card |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -266,8 +270,10 @@ def plan_quantized(argv) -> int:
             for kv in args.kv.split(","):
                 for slots in map(int, args.cache.split(",")):
                     got = {b: decode_memory(cfg, batch=b, prompt=slots - args.new, new=args.new, mode="sbd", tensor=1,
-                                            devices=jax.devices()[:1], quantize=opt(scheme), kv_cache_dtype=opt(kv))
+                                            devices=jax.devices()[:1], quantize=opt(scheme), kv_cache_dtype=opt(kv),
+                                            per_layer=True)
                            for b in batches}
+                    jax.clear_caches()  # (the compiled programs: 72 of them exhaust a 24 GiB host)
                     lo, hi = min(batches), max(batches)
                     per_row = (got[hi]["temp"] - got[lo]["temp"]) / max(hi - lo, 1)
                     fixed = got[lo]["args"] + got[lo]["temp"] - lo * per_row

@@ -4,8 +4,9 @@ and what `from_pretrained` reads back, one layer's weight at a time and never in
 Per layer and projection, beside its HF name `model.layers.{i}.self_attn.q_proj.weight`:
   * `...weight`: the values in HF's [out, in] layout: int8 ("I8"), float8_e4m3fn ("F8_E4M3"), or int4 as two values
     per byte ("U8", [out, in / 2], the even input in the low nibble);
-  * `...weight_scale`: float32 [out, n], n scales per output channel (1 for int8 / fp8, in / group_size for int4);
-  * `...weight_low` (int4 only): float32 [out, in / group_size], each group's low end (w ~ q * scale + low).
+  * `...weight_scale`: [out, n], n scales per output channel: float32, one for int8 / fp8; float16, in / group_size
+    for int4;
+  * `...weight_low` (int4 only): float16 [out, in / group_size], each group's low end (w ~ q * scale + low).
 config.json records the scheme: `"quantization_config": {"quant_method": "sbd_jax", "scheme": ..., "group_size": ...}`.
 The files are read through their safetensors header here (safetensors' numpy reader has no float8 type).
 """
@@ -29,7 +30,7 @@ from .hf_layout import CheckpointError, hf_shape
 
 QUANT_KEY = "quantization_config"
 _DTYPES = {"I8": np.dtype(np.int8), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "U8": np.dtype(np.uint8),
-           "F32": np.dtype(np.float32)}
+           "F32": np.dtype(np.float32), "F16": np.dtype(np.float16)}
 _VALUES = {"int8": "I8", "fp8": "F8_E4M3", "int4": "U8"}
 _ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "I8": 1, "F8_E4M3": 1, "U8": 1}  # what save_pretrained writes
 
@@ -72,15 +73,17 @@ def _parts(spec: ParamSpec, cfg: ModelConfig, q: Quantization) -> dict[str, tupl
     out, n_in = hf_shape(spec, cfg)
     scales = n_in // q.group_size if q.scheme == "int4" else 1
     parts = {"": ((out, n_in // 2) if q.scheme == "int4" else (out, n_in), _VALUES[q.scheme]),
-             "_scale": ((out, scales), "F32")}
+             "_scale": ((out, scales), "F16" if q.scheme == "int4" else "F32")}
     if q.scheme == "int4":
-        parts["_low"] = ((out, scales), "F32")
+        parts["_low"] = ((out, scales), "F16")
     return parts
 
 
 def tensors(name: str, spec: ParamSpec, cfg: ModelConfig, q: Quantization, layer_weight: Callable) -> list[Tensor]:
     """The tensors of one layer's quantized projection `spec` (HF name `name`); `layer_weight()` gives the layer's
     QArray / Int4Groups with host arrays (called once per tensor)."""
+    parts = _parts(spec, cfg, q)
+
     def produce(suffix: str, shape) -> Callable[[], np.ndarray]:
         def run():
             w = layer_weight()
@@ -88,11 +91,11 @@ def tensors(name: str, spec: ParamSpec, cfg: ModelConfig, q: Quantization, layer
                 v = np.asarray(w.q if isinstance(w, Int4Groups) else w.qvalue)
                 v = v.reshape(-1, shape[0]).T  # [out, in]
                 return _pack4(v) if q.scheme == "int4" else np.ascontiguousarray(v)
-            x = np.asarray(w.scale if suffix == "_scale" else w.low, np.float32)
+            x = np.asarray(w.scale if suffix == "_scale" else w.low, _DTYPES[parts[suffix][1]])
             return np.ascontiguousarray(x.reshape(-1, shape[0]).T)
         return run
     return [Tensor(name + suffix, shape, dtype, produce(suffix, shape))
-            for suffix, (shape, dtype) in _parts(spec, cfg, q).items()]
+            for suffix, (shape, dtype) in parts.items()]
 
 
 def _pack4(v: np.ndarray) -> np.ndarray:

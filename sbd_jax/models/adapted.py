@@ -85,6 +85,10 @@ def project(spec: str, x, w):
     if isinstance(w, LoRAWeight):
         spec_a, spec_b = _lora_specs(spec)
         return project(spec, x, w.w) + jnp.einsum(spec_b, jnp.einsum(spec_a, x, w.a), w.b) * w.scale
+    if isinstance(w, QArray | Int4Groups):
+        # tied to the activations, a weight's dequantization runs when its layer does: without, XLA may schedule
+        # every layer's (or hoist it out of the decode loop), a full-precision copy of the model beside it
+        x, w = jax.lax.optimization_barrier((x, w))
     if isinstance(w, QArray):
         return qwix.einsum(spec, x, w, preferred_element_type=x.dtype)
     if isinstance(w, Int4Groups):

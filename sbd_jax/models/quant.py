@@ -27,6 +27,7 @@ QArray = qwix.QArray
 QUANTIZED_TYPES = (QArray, Int4Groups)
 SCHEMES = ("int8", "fp8", "int4")
 QUANTIZED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the per-layer weights that are quantized
+SCALE_DTYPE = jnp.float16  # int4's per-group scale and low end
 DEFAULT_INT4_GROUP = 32  # divides every hidden / head / MLP size of the supported families (llama.cpp's Q4 too)
 _QTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint4}
 
@@ -121,15 +122,18 @@ def quantize_weight(w, name: str, q: Quantization, *, where: str = ""):
 
 
 def _int4_groups(w, tile) -> Int4Groups:
-    """Per group of `g` inputs along `axis`: low = its minimum, scale = its range / 15, q = the nearest step."""
+    """Per group of `g` inputs along `axis`: low = its minimum, scale = its range / 15 (both stored in float16, as
+    llama.cpp's Q4_1 does: 4 bytes per group), q = the nearest step from the stored ones."""
     axis, g = tile
     shape = w.shape
     split = shape[:axis] + (shape[axis] // g, g) + shape[axis + 1:]
     x = w.reshape(split).astype(jnp.float32)
     low, high = jnp.min(x, axis=axis + 1, keepdims=True), jnp.max(x, axis=axis + 1, keepdims=True)
-    scale = (high - low) / 15.0
-    scale = jnp.where(scale > 0, scale, 1.0)
-    q = jnp.clip(jnp.round((x - low) / scale), 0, 15).astype(jnp.uint4).reshape(shape)
+    scale = ((high - low) / 15.0).astype(SCALE_DTYPE)
+    scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
+    low = low.astype(SCALE_DTYPE)
+    q = jnp.round((x - low.astype(jnp.float32)) / scale.astype(jnp.float32))
+    q = jnp.clip(q, 0, 15).astype(jnp.uint4).reshape(shape)
     return Int4Groups(q, jnp.squeeze(scale, axis + 1), jnp.squeeze(low, axis + 1), axis - w.ndim)
 
 
