@@ -255,9 +255,12 @@ def plan_quantized(argv) -> int:
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--card-gib", type=float, default=80.0)
+    ap.add_argument("--layout", default="per-layer", choices=("per-layer", "stacked"),
+                    help="per-layer: decode.py's weights (slow to compile: every layer in the program); stacked: the "
+                         "layer scan (same per-row bytes; int4's plan then holds an unpacked copy of the stack)")
     args = ap.parse_args(argv)
     opt = lambda v: None if v == "none" else v  # noqa: E731
-    print(f"one device, per-layer weights (decode.py's layout), bf16 compute, SBD block 16, {args.new} new tokens; "
+    print(f"one device, {args.layout} weights, bf16 compute, SBD block 16, {args.new} new tokens; "
           f"GiB; 'max batch': the largest batch whose weights + temporaries fit {args.card_gib:.0f} GiB (temporaries "
           "include the KV cache)")
     print("| model | weights | KV cache | cache slots | batch | weights GiB | KV cache GiB | temp GiB | total GiB | "
@@ -271,7 +274,7 @@ def plan_quantized(argv) -> int:
                 for slots in map(int, args.cache.split(",")):
                     got = {b: decode_memory(cfg, batch=b, prompt=slots - args.new, new=args.new, mode="sbd", tensor=1,
                                             devices=jax.devices()[:1], quantize=opt(scheme), kv_cache_dtype=opt(kv),
-                                            per_layer=True)
+                                            per_layer=args.layout == "per-layer")
                            for b in batches}
                     jax.clear_caches()  # (the compiled programs: 72 of them exhaust a 24 GiB host)
                     lo, hi = min(batches), max(batches)
