@@ -286,7 +286,7 @@ def plan_quantized(argv) -> int:
                         print(f"| {name} | {scheme if scheme != 'none' else 'bf16'} | {kv if kv != 'none' else 'bf16'}"
                               f" | {slots} | {b} | {m['args'] / GiB:.1f} | {m['cache'] / GiB:.1f} | "
                               f"{m['temp'] / GiB:.1f} | {(m['args'] + m['temp']) / GiB:.1f} | "
-                              f"{max(most, 0) if b == hi else ''} |", flush=True)
+                              f"{max(most, 0) if b == hi and hi > lo else ''} |", flush=True)
     return 0
 
 
