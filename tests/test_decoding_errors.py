@@ -66,6 +66,11 @@ CASES = {
     # verify mode's memory and costs
     "memory_not_typed": (lambda: gen(verify=True, draft_memory=np.zeros(5)), "draft_memory must be a DraftMemory"),
     "memory_other_block": (lambda: gen(verify=True, draft_memory=MEMORY16), "of a run with block_size 4"),
+    "memory_nan": (lambda: gen(verify=True, draft_memory={**DraftMemory.empty(3).as_dict(), "hits": [0.0, np.nan, 0.0]}),
+                   r"draft_memory holds values no run produces \(hits=\[0.0, nan, 0.0\]"),
+    "memory_hits_above_trials": (lambda: gen(verify=True, draft_memory={**DraftMemory.empty(3).as_dict(),
+                                                                        "hits": [2.0, 0.0, 0.0]}),
+                                 "hits above trials"),
     "memory_to_ar": (lambda: gen(mode="ar", draft_memory=MEMORY16), "give it to a verify=True run"),
     "calibrate_traced": (lambda: jax.jit(lambda w: jnp.asarray(calibrate({"w": w}, CFG, DecodeSpec(verify=True), 2,
                                                                           64)))(jnp.zeros(2)), "outside jax.jit"),

@@ -42,6 +42,14 @@ class DraftMemory(NamedTuple):
             raise DecodeError(f"draft_memory must be a DraftMemory of a run with block_size {offsets + 1} (an "
                               f"earlier run's `mode_stats.memory`, or its as_dict() {list(cls._fields)}; shapes "
                               f"{shapes}), got {type(memory).__name__} {memory!r:.200}")
+        if not any(isinstance(x, jax.core.Tracer) for x in memory):  # (traced inside a user's jit: not checkable)
+            host = {f: np.asarray(x, np.float64) for f, x in zip(cls._fields, memory)}
+            bad = [f"{f}={v.tolist()!r:.80}" for f, v in host.items() if not np.all(np.isfinite(v) & (v >= 0))]
+            if not bad and (np.any(host["hits"] > host["trials"] + 1e-3) or host["stops"] > host["tokens"] + 1e-3):
+                bad = ["hits above trials or stops above tokens"]
+            if bad:
+                raise DecodeError(f"draft_memory holds values no run produces ({'; '.join(bad)}): counts are finite, "
+                                  ">= 0, hits <= trials and stops <= tokens; pass an earlier run's memory or None")
         return cls(*(jnp.asarray(x, jnp.float32) for x in memory[:4]), jnp.asarray(memory.since_wide, jnp.int32))
 
     def as_dict(self) -> dict:
