@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..config import ConfigError, ModelConfig
 from ..models.hf_config import KNOWN_KEYS, config_from_hf
-from ..models.quant import QUANTIZED, Quantization, quantize_weight
+from ..models.quant import QUANTIZED, Quantization, quantize_jit
 from ..models.transformer import ParamSpec, param_specs
 from .hf_layout import CheckpointError, hf_names, hf_shape
 from .hf_quant import QUANT_KEY, quantization_in, read_layer
@@ -119,7 +119,6 @@ def _read(files: dict[str, Path], model_dir: Path, name: str, index: tuple[slice
     return out
 
 
-_quantize_one = jax.jit(quantize_weight, static_argnames=("name", "q", "where"))
 _stack = jax.jit(lambda *parts: jax.tree.map(lambda *xs: jnp.stack(xs), *parts))
 
 
@@ -137,7 +136,7 @@ def _load_quantized(shape, sharding, block, name: str, q: Quantization, where: s
     parts = []
     for i in range(shape[0]):
         w = jax.make_array_from_callback(shape[1:], layer, lambda index, i=i: block((slice(i, i + 1), *index))[0])
-        parts.append(_quantize_one(w, name=name, q=q, where=where))
+        parts.append(quantize_jit(w, name=name, q=q, where=where))
         w.delete()
     return _stack(*parts)
 

@@ -137,19 +137,22 @@ def _int4_groups(w, tile) -> Int4Groups:
     return Int4Groups(q, jnp.squeeze(scale, axis + 1), jnp.squeeze(low, axis + 1), axis - w.ndim)
 
 
+# one compiled program per weight shape, scheme and name, kept across calls (loading and quantize_params share it)
+quantize_jit = jax.jit(quantize_weight, static_argnames=("name", "q", "where"))
+
+
 def quantize_params(params: dict, cfg: ModelConfig, q: Quantization | str, *, delete: bool = False) -> dict:
     """`params` with the projections of every layer quantized (stacked or `unstack_layers`' per-layer layout);
     `delete`: free each full-precision weight once quantized (the device then holds the quantized weights plus one
     full-precision weight at most)."""
     q = Quantization.of(q)
-    fn = jax.jit(lambda w, name: quantize_weight(w, name, q), static_argnums=1)
 
     def one(layer: dict, where: str) -> dict:
         out = dict(layer)
         for name in QUANTIZED:
             w = layer[name]
             _tiles(w, name, q, f"{where}{name}")  # errors before tracing
-            out[name] = fn(w, name)
+            out[name] = quantize_jit(w, name=name, q=q, where="")
             if delete and isinstance(w, jax.Array):
                 w.delete()
         return out
