@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import types
 import typing
 from pathlib import Path
@@ -27,6 +29,26 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     rope_type: str = "llama3"
+
+    def __post_init__(self):
+        if self.rope_type != "llama3":
+            raise ConfigError(f"rope_scaling.rope_type must be 'llama3', got {self.rope_type!r}")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            _positive_number(f"rope_scaling.{name}", getattr(self, name))
+        _positive_int("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings)
+        if not self.high_freq_factor > self.low_freq_factor:  # the smooth ramp divides by their difference
+            raise ConfigError(f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must be greater than "
+                              f"low_freq_factor ({self.low_freq_factor})")
+
+
+def _positive_int(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+
+
+def _positive_number(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
+        raise ConfigError(f"{name} must be a finite number > 0, got {v!r}")
 
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
@@ -72,9 +94,11 @@ class ModelConfig:
         if self.model_type not in ("llama", "qwen3"):
             raise ConfigError(f"model_type {self.model_type!r} is not supported (supported: 'llama', 'qwen3')")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads"):
-            if int(getattr(self, name)) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            _positive_int(name, getattr(self, name))
+        # a zero, negative or non-finite eps / theta decodes to NaN logits without an error anywhere downstream
+        _positive_number("rms_norm_eps", self.rms_norm_eps)
+        _positive_number("rope_theta", self.rope_theta)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -85,6 +109,7 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        _positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:

@@ -115,6 +115,67 @@ def test_bad_model_config_values():
         sbd_jax.forward(sbd_jax.init_params(CFG, jax.random.key(0)), CFG, jnp.ones((3,), jnp.int32), None)
 
 
+def _hf_config_edit(**changes):
+    from sbd_jax.models.hf_config import config_to_hf
+    d = config_to_hf(CFG)
+    for k, v in changes.items():
+        if v is None:
+            d.pop(k, None)
+        else:
+            d[k] = v
+    return d
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+# config.json (an untrusted download) -> the error naming the file, the key and the value
+@pytest.mark.parametrize("changes, match", [
+    ({"rms_norm_eps": 0.0}, r"rms_norm_eps must be a finite number > 0, got 0\.0"),
+    ({"rms_norm_eps": -1e-6}, r"rms_norm_eps must be a finite number > 0, got -1e-06"),
+    ({"rope_theta": float("nan")}, r"rope_theta must be a finite number > 0, got nan"),
+    ({"rope_theta": "1e4"}, r"rope_theta is '1e4' \(str\), expected a number"),
+    ({"max_position_embeddings": 0}, r"max_position_embeddings must be an integer >= 1, got 0"),
+    ({"head_dim": -8}, r"head_dim must be an integer >= 1, got -8"),
+    ({"rope_scaling": {**LLAMA3, "factor": float("inf")}}, r"rope_scaling\.factor must be a finite number > 0"),
+    ({"rope_scaling": {k: v for k, v in LLAMA3.items() if k != "factor"}}, r"rope_scaling\.factor is missing"),
+    ({"rope_scaling": {**LLAMA3, "high_freq_factor": 1.0}}, r"high_freq_factor \(1\.0\) must be greater than"),
+    ({"rope_scaling": "llama3"}, r"rope_scaling must be a mapping, got 'llama3'"),
+], ids=["eps_zero", "eps_negative", "theta_nan", "theta_string", "max_positions_zero", "head_dim_negative",
+        "rope_factor_inf", "rope_factor_missing", "rope_high_equals_low", "rope_scaling_string"])
+def test_bad_config_json_numbers_name_file_and_key(tmp_path, changes, match):
+    from sbd_jax.io.hf import load_hf_config
+    (tmp_path / "config.json").write_text(json.dumps(_hf_config_edit(**changes)))
+    with pytest.raises((ConfigError, CheckpointError), match="config.json.*" + match):
+        load_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    (b"\xff\xfe{}", "not UTF-8"),
+    ("[1, 2]", "must hold a JSON object, not list"),
+], ids=["deep_nesting", "bad_utf8", "not_an_object"])
+def test_unreadable_config_json_is_named(tmp_path, text, match):
+    from sbd_jax.io.hf import load_hf_config
+    f = tmp_path / "config.json"
+    f.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(CheckpointError, match="config.json.*" + match):
+        load_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("shard", ["../other/model.safetensors", "/etc/passwd", "sub/../../x.safetensors", 7],
+                         ids=["parent", "absolute", "dotdot_inside", "not_a_string"])
+def test_shard_outside_the_model_directory_is_refused(tmp_path, shard):
+    d = sbd_jax.save_pretrained(CFG, sbd_jax.init_params(CFG, jax.random.key(0)), tmp_path / "m",
+                                max_shard_bytes=10_000)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = shard
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"weight_map\['model.norm.weight'\] = .* is not a file name inside"):
+        sbd_jax.from_pretrained(d)
+
+
 def test_nnx_module_split_merge_jit_matches_functional():
     model = SBDTransformer(CFG, rngs=nnx.Rngs(0))
     toks = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import math
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors import SafetensorError, safe_open
 
 from ..config import ConfigError, ModelConfig
+from ..jsonlines import read_object
 from ..models.hf_config import KNOWN_KEYS, config_from_hf
 from ..models.quant import QUANTIZED, Quantization, quantize_jit
 from ..models.transformer import ParamSpec, param_specs
@@ -33,19 +34,17 @@ def load_hf_config(model_dir: str | os.PathLike, *, allow_unknown_keys: bool = F
                               "downloaded: pass a local directory)")
     if not path.is_file():
         raise CheckpointError(f"{str(path)!r} is missing")
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{str(path)!r} is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise CheckpointError(f"{str(path)!r} must hold a JSON object, not {type(d).__name__}")
+    d = read_object(path, CheckpointError)
     check_number_types(d, path)
     quantization_in(d, path)  # (checked here; from_pretrained reads it with `stored_quantization`)
     d = {k: v for k, v in d.items() if k != QUANT_KEY}
     mt = d.get("model_type")
     if mt not in KNOWN_KEYS:
         raise ConfigError(f"model_type {mt!r} in {str(path)!r} is not supported (supported: {sorted(KNOWN_KEYS)})")
-    return config_from_hf(d, allow_unknown_keys=allow_unknown_keys, **overrides)
+    try:
+        return config_from_hf(d, allow_unknown_keys=allow_unknown_keys, **overrides)
+    except ConfigError as e:
+        raise ConfigError(f"{str(path)!r}: {e}") from None
 
 
 def stored_quantization(model_dir: str | os.PathLike) -> Quantization | None:
@@ -71,7 +70,7 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     """tensor name -> shard file, from model.safetensors.index.json or the single model.safetensors."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = {name: model_dir / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+        files = {name: model_dir / f for name, f in _weight_map(index).items()}
         for f in sorted(set(files.values())):
             if not f.is_file():
                 raise CheckpointError(f"safetensors shard {str(f)!r} listed in {index.name} is missing")
@@ -84,6 +83,21 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
             return {name: single for name in f.keys()}
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read safetensors file {str(single)!r} (truncated or corrupt?): {e}") from None
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor name -> shard file name; every shard a plain relative name inside the model directory
+    (an index from an untrusted download must not make us read `../elsewhere` or an absolute path)."""
+    weight_map = read_object(index, CheckpointError).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{str(index)!r}: weight_map must be an object of tensor name -> shard file, got "
+                              f"{type(weight_map).__name__}")
+    for name, f in weight_map.items():
+        parts = PurePosixPath(f).parts if isinstance(f, str) else ()
+        if not parts or PurePosixPath(f).is_absolute() or ".." in parts or "\\" in f or "\0" in f:
+            raise CheckpointError(f"{str(index)!r}: weight_map[{name!r}] = {f!r} is not a file name inside the model "
+                                  "directory (absolute paths and '..' are refused)")
+    return weight_map
 
 
 def _hf_slices(s: ParamSpec, shape: tuple[int, ...], box: list[tuple[int, int]]):

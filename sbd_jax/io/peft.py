@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ..config import ConfigError, ModelConfig
+from ..jsonlines import read_object
 from ..models.fingerprint import base_fingerprint
 from ..models.lora import LORA_TARGETS, AdapterLayout, adapter_specs, merge, target_spec
 from .hf import CheckpointError, atomic_write, host_value
@@ -109,10 +110,7 @@ def _read_json(path: Path, required: bool) -> dict:
         if required:
             raise CheckpointError(f"{str(path)!r} is missing: not a PEFT adapter directory")
         return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{str(path)!r} is not valid JSON: {e}") from None
+    return read_object(path, CheckpointError)
 
 
 def _layout(conf: dict, where: Path) -> AdapterLayout:

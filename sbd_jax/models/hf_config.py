@@ -20,17 +20,35 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 def _rope(d: dict) -> tuple[float, RopeScaling | None]:
     """Read RoPE settings from 4.x (`rope_theta` + `rope_scaling`) or 5.x (`rope_parameters`) keys."""
     params = d.get("rope_parameters")
-    theta = (params or {}).get("rope_theta", d.get("rope_theta", 10000.0))
+    where = "rope_parameters" if params is not None else "rope_scaling"
     scaling = (d.get("rope_scaling") if params is None else params) or {}
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"{where} must be a mapping, got {scaling!r}")
+    theta = (params or {}).get("rope_theta", d.get("rope_theta", 10000.0))
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
-        return float(theta), None
+        return _number("rope_theta", theta), None
     if rope_type != "llama3":
         raise ConfigError(f"rope type {rope_type!r} is not supported (supported: 'default', 'llama3')")
-    return float(theta), RopeScaling(
-        factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+
+    def number(key: str, kind: type):
+        v = scaling.get(key)
+        if v is None:
+            raise ConfigError(f"{where}.{key} is missing (required by rope type 'llama3')")
+        if isinstance(v, bool) or not isinstance(v, int if kind is int else (int, float)):
+            raise ConfigError(f"{where}.{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+        return kind(v)
+
+    return _number("rope_theta", theta), RopeScaling(
+        factor=number("factor", float), low_freq_factor=number("low_freq_factor", float),
+        high_freq_factor=number("high_freq_factor", float),
+        original_max_position_embeddings=number("original_max_position_embeddings", int))
+
+
+def _number(key: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{key} must be a number, got {v!r}")
+    return float(v)
 
 
 def config_from_hf(d: dict, *, allow_unknown_keys: bool = False, **overrides) -> ModelConfig:
