@@ -13,6 +13,8 @@ from decoding_fixtures import CFG, LENGTHS, make_prompts
 from sbd_jax.decoding import DecodeError, DecodeSpec, DraftMemory, PromptTooLongError, generate
 from sbd_jax.decoding.continuous import ContinuousDecoder, decode_stream
 from sbd_jax.decoding.modes.verify import calibrate
+from sbd_jax.decoding.prompts import Prompt
+from sbd_jax.decoding.runner import DecodeOptions, slots_for
 from sbd_jax.decoding.spec import register_draft_policy
 
 OK = {"max_new_tokens": 4, "block_size": 4}
@@ -79,6 +81,13 @@ CASES = {
                    "admit_rows must be >= 1, got 0"),
     "engine_cache": (lambda: ContinuousDecoder({}, CFG, DecodeSpec(**OK, return_cache=True), slots=2, prompt_width=4),
                      "returns no cache"),
+    # slots: far beyond memory refused before anything is allocated
+    "slots_beyond_memory": (lambda: slots_for(dataclasses.replace(CFG, num_hidden_layers=32, num_key_value_heads=4,
+                                                                  head_dim=128),  # 3 MiB of cache per slot
+                                              DecodeOptions(spec=DecodeSpec(**OK), batch_size=10**9),
+                                              [Prompt(i, i, (1, 2)) for i in range(10**5)]),
+                            r"100000 slots \(batch_size, decode.py --batch-size\) need a KV cache of .* GiB per "
+                            r"device .* GiB is free: lower the batch size"),
     # the text API
     "sampler_bare_string": (lambda: sampler()("hello"),
                             r"inputs must be a list of prompts .*got str 'hello': for one prompt pass \[prompt\]"),
@@ -94,6 +103,14 @@ def test_bad_input_is_named(case):
     call, match = CASES[case]
     with pytest.raises(DecodeError, match=match):
         call()
+
+
+def test_slots_are_capped_by_the_prompts():
+    """More slots than prompts would decode copies: a million asked for 3 prompts makes 3 (no allocation for more)."""
+    opts = DecodeOptions(spec=DecodeSpec(**OK), batch_size=10**6)
+    assert slots_for(CFG, opts, [Prompt(i, i, (1, 2)) for i in range(3)]).batch_size == 3
+    assert slots_for(CFG, dataclasses.replace(opts, batch_size=2), [Prompt(i, i, (1,)) for i in range(3)]) \
+        .batch_size == 2
 
 
 def test_error_types():

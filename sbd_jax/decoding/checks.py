@@ -4,6 +4,8 @@ temperature are valid rates. Every entry point (generate, the batch runner, the 
 decode.py) raises the same DecodeError for the same problem. (The options alone are checked by DecodeSpec.)"""
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 
@@ -162,3 +164,28 @@ def check_finite_params(params, where: str) -> None:
     raise DecodeError(f"{where}: the weights are not finite (NaN or inf) in {len(bad)} of {len(paths)} tensors, "
                       f"first {', '.join(bad[:3])}: the checkpoint is broken (a diverged training run?); "
                       "decode from a good checkpoint")
+
+
+def available_memory() -> int | None:
+    """Bytes free on the first local device (GPU / TPU: its limit less what is in use), or on the host for a CPU
+    device; None where neither is known."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_cache_fits(cfg, spec: DecodeSpec, slots: int, length: int, devices: int = 1) -> None:
+    """The KV cache of `slots` rows of `length` positions (spread over `devices`) fits the free memory: a slot count
+    far beyond it is refused here, before anything is allocated."""
+    from ..models.transformer import init_cache
+    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+        jax.eval_shape(lambda: init_cache(cfg, slots, length, spec.kv_cache_dtype)))) // max(devices, 1)
+    free = available_memory()
+    if free is not None and need > free:
+        raise DecodeError(f"{slots} slots (batch_size, decode.py --batch-size) need a KV cache of "
+                          f"{need / 2**30:.1f} GiB per device for {length} positions, but {free / 2**30:.1f} GiB "
+                          "is free: lower the batch size")

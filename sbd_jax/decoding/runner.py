@@ -277,8 +277,19 @@ def decode_prompts(params, cfg: ModelConfig, prompts: Sequence[Prompt], opts: De
     earlier summary's `draft_memory`; the summary has this run's)."""
     check_model(cfg, opts.spec)
     prompts = check_prompts(cfg, opts, prompts)
+    opts = slots_for(cfg, opts, prompts, mesh)
     baseline = driver(params, cfg, opts.baseline(), mesh) if opts.compare_ar and opts.spec.mode != "ar" else None
     return run(driver(params, cfg, opts, mesh, draft_memory), prompts, on_row, progress, baseline)
+
+
+def slots_for(cfg: ModelConfig, opts: DecodeOptions, prompts: Sequence[Prompt], mesh=None) -> DecodeOptions:
+    """`opts` with batch_size capped by the number of prompts (more slots would only decode copies), the KV cache
+    of that many slots checked against the free memory."""
+    slots = min(opts.batch_size, max(len(prompts), 1))
+    if prompts:
+        length = prompt_width(cfg, opts, prompts) + opts.spec.max_new_tokens + opts.spec.block_size
+        checks.check_cache_fits(cfg, opts.spec, slots, length, mesh.size if mesh is not None else 1)
+    return opts if slots == opts.batch_size else dataclasses.replace(opts, batch_size=slots)
 
 
 def _global(x: np.ndarray, sharding):
