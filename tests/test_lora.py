@@ -217,6 +217,24 @@ def test_adapter_on_another_base_is_refused(lora_run, tmp_path, capsys):
         apply_adapter(cfg, params, adapter)
 
 
+@pytest.mark.parametrize("key, value", [("lora_alpha", 16.0), ("r", 8), ("target_modules", ["q_proj"])])
+def test_an_edited_adapter_config_is_refused(lora_run, tmp_path, key, value):
+    """adapter_config.json's math (rank, alpha, targets) must be what the adapter was trained with: an edited
+    lora_alpha would rescale every update without a word."""
+    adapter = shutil.copytree(lora_run[0] / "run" / "adapter", tmp_path / "adapter")
+    conf = json.loads((adapter / "adapter_config.json").read_text())
+    trained = conf[key]
+    (adapter / "adapter_config.json").write_text(json.dumps({**conf, key: value}))
+    with pytest.raises(CheckpointError, match=rf"{key} is {re.escape(repr(value))}, but the adapter was trained "
+                                              rf"with {re.escape(repr(trained))}"):
+        load_adapter(adapter, sbd_jax.from_pretrained(lora_run[2])[0])
+
+
+def test_lora_rank_above_the_weights_is_refused():
+    with pytest.raises(ConfigError, match=r"LoRA rank 17 is above what k \(32 in, 16 out\) can use: at most 16"):
+        init_adapter(CFG, AdapterLayout(17, 8.0), jax.random.key(0), np_params(CFG))
+
+
 def test_resume_refuses_another_base(lora_run, tmp_path):
     """The base moved (a path change allowed on purpose) but its weights are not the ones the checkpoints' adapter
     was trained on: refused, naming both fingerprints."""

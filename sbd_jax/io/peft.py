@@ -25,6 +25,8 @@ from ..models.lora import LORA_TARGETS, AdapterLayout, adapter_specs, merge, tar
 from .hf import CheckpointError, atomic_write, host_value
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS, SBD_INFO = "adapter_config.json", "adapter_model.safetensors", "sbd_adapter.json"
+# adapter_config.json values that set the adapter's math, recorded in sbd_adapter.json as trained
+TRAINED_AS = ("r", "lora_alpha", "target_modules", "trainable_token_indices")
 _PREFIX = "base_model.model."
 _TOKENS = {"mask_embed": "model.embed_tokens", "mask_head": "lm_head"}  # the PEFT module of each trainable row
 # PEFT options this loader does not implement, with the value that means "not used"
@@ -90,7 +92,8 @@ def save_adapter(out_dir: str | os.PathLike, cfg: ModelConfig, layout: AdapterLa
             "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
             "inference_mode": True, "modules_to_save": None, "trainable_token_indices": tokens}
     info = {"format": 1, "base_fingerprint": fingerprint, "base_model": base_name,
-            "base_vocab_size": cfg.vocab_size - added, "mask_token_id": cfg.mask_token_id}
+            "base_vocab_size": cfg.vocab_size - added, "mask_token_id": cfg.mask_token_id,
+            "trained_as": {k: conf[k] for k in TRAINED_AS}}
     for fname, d in ((ADAPTER_CONFIG, conf), (SBD_INFO, info)):
         atomic_write(out_dir / fname, lambda p, d=d: Path(p).write_text(json.dumps(d, indent=2) + "\n"))
     return out_dir
@@ -137,6 +140,18 @@ def _layout(conf: dict, where: Path) -> AdapterLayout:
         raise CheckpointError(f"{where}: {e}") from None
 
 
+def _check_trained_as(conf: dict, info: dict, path: Path) -> None:
+    """The adapter_config.json values that set the adapter's math are those it was trained with (sbd_adapter.json
+    records them): an edited lora_alpha rescales every update and would load without a word."""
+    trained = info.get("trained_as")
+    if not isinstance(trained, dict):  # an adapter made elsewhere, or before the record existed
+        return
+    for key in TRAINED_AS:
+        if key in trained and conf.get(key) != trained[key]:
+            raise CheckpointError(f"{str(path / ADAPTER_CONFIG)!r}: {key} is {conf.get(key)!r}, but the adapter was "
+                                  f"trained with {trained[key]!r} ({SBD_INFO}): restore it, or retrain")
+
+
 def _leaf(tree, path: tuple):
     for key in path:
         tree = tree[key]
@@ -176,8 +191,10 @@ def load_adapter(adapter_dir: str | os.PathLike, cfg: ModelConfig) -> LoadedAdap
     path = Path(adapter_dir)
     if not path.is_dir():
         raise CheckpointError(f"adapter directory {str(path)!r} does not exist")
-    layout = _layout(_read_json(path / ADAPTER_CONFIG, True), path / ADAPTER_CONFIG)
+    conf = _read_json(path / ADAPTER_CONFIG, True)
+    layout = _layout(conf, path / ADAPTER_CONFIG)
     info = _read_json(path / SBD_INFO, False)
+    _check_trained_as(conf, info, path)
     if info.get("base_vocab_size", cfg.vocab_size) != cfg.vocab_size:
         raise CheckpointError(f"adapter {str(path)!r} was made for a base with vocab_size {info['base_vocab_size']}, "
                               f"this model has {cfg.vocab_size}")

@@ -92,6 +92,10 @@ def adapter_specs(cfg: ModelConfig, layout: AdapterLayout) -> dict:
         ins, outs = io_axes(w)
         a_axes, b_axes = ("layers", *ins, "lora_rank"), ("layers", "lora_rank", *outs)
         dims = lambda axes: tuple(layout.rank if a == "lora_rank" else sizes[a] for a in axes)  # noqa: E731
+        n_in, n_out = (math.prod(sizes[a] for a in axes) for axes in (ins, outs))
+        if layout.rank > min(n_in, n_out):  # A @ B's rank is at most min(in, out): more only adds parameters
+            raise ConfigError(f"LoRA rank {layout.rank} is above what {t} ({n_in} in, {n_out} out) can use: at most "
+                              f"{min(n_in, n_out)} (lora.rank)")
         layers[w.name.removeprefix("layers/")] = {
             "a": AdapterSpec(f"{w.name}/a", a_axes, dims(a_axes), "uniform", w),
             "b": AdapterSpec(f"{w.name}/b", b_axes, dims(b_axes), "zeros", w)}
