@@ -3,6 +3,7 @@ or file is a JSON object, and a bad one is an error naming where it is (file and
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 
@@ -16,7 +17,28 @@ def parse_object(line: str, where: str, error: type[Exception] = ValueError) -> 
         raise error(f"{where}: JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise error(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if _SURROGATE.search(line):  # only a \u escape makes one: text read as UTF-8 cannot hold it
+        _check_text(obj, where, error)
     return obj
+
+
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _check_text(x, where: str, error: type[Exception], key: str = "") -> None:
+    """Every string in `x` is text (a lone UTF-16 surrogate such as "\\ud800" is not: no tokenizer or file takes it)."""
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise error(f"{where}: {key or 'a value'} holds a lone surrogate {x[e.start]!r} (not text)") from None
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            _check_text(k, where, error, "a key")
+            _check_text(v, where, error, repr(k))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            _check_text(v, where, error, f"{key}[{i}]" if key else f"item {i}")
 
 
 def read_object(path: Path, error: type[Exception] = ValueError) -> dict:

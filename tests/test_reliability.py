@@ -386,12 +386,23 @@ def _template_grows(d: Path, model: Path) -> tuple[list, str]:
     return ["--chat"], r"line 1: the tokenizer's chat template rendered more than 4000000 characters"
 
 
+def _surrogate_prompt(d: Path, model: Path) -> tuple[list, str]:
+    (d / "in.jsonl").write_text('{"messages": [{"role": "user", "content": "a \\ud800 b"}]}\n')
+    return [], r"in\.jsonl: line 1: 'content' holds a lone surrogate '\\ud800' \(not text\)"
+
+
+def _surrogate_id(d: Path, model: Path) -> tuple[list, str]:
+    (d / "in.jsonl").write_text('{"id": "x\\udfff", "prompt": "the fox"}\n')
+    return [], r"in\.jsonl: line 1: 'id' holds a lone surrogate '\\udfff'"
+
+
 def _context_axis(d: Path, model: Path) -> tuple[list, str]:
     return ["mesh.context=2"], r"mesh\.context=2: context parallelism is for training"
 
 
 @pytest.mark.parametrize("case", [_nan_weights, _eos_beyond_vocab, _numeric_content, _summary_dir_missing,
-                                  _output_under_file, _output_is_dir, _template_loops, _template_grows, _context_axis],
+                                  _output_under_file, _output_is_dir, _template_loops, _template_grows, _context_axis,
+                                  _surrogate_prompt, _surrogate_id],
                          ids=lambda f: f.__name__.strip("_"))
 def test_decode_py_bad_input_is_an_error_line(decode_model, tmp_path, capsys, monkeypatch, case):
     """Each an `error:` line naming the value, exit 2, before anything is decoded or written."""
