@@ -116,6 +116,14 @@ def test_rerun_reuses_every_stage_and_refuses_other_settings(demo):
         run(RealDemoConfig(**{**cfg.__dict__, "steps": 3}), log=lambda *_: None)
     with pytest.raises(ConfigError, match="n_heldout"):  # the prepared data was made for 3
         run(RealDemoConfig(**{**cfg.__dict__, "n_heldout": 2}), log=lambda *_: None)
+    held = Path(cfg.data_dir) / "heldout.jsonl"  # a data file damaged after the stage (a held-out line lost)
+    whole = held.read_bytes()
+    held.write_bytes(whole[:whole.rindex(b"\n", 0, len(whole) - 1) + 1])
+    try:
+        with pytest.raises(ConfigError, match=r"heldout\.jsonl' is not what the data stage wrote"):
+            run(cfg, log=lambda *_: None)
+    finally:
+        held.write_bytes(whole)
 
 
 def test_a_stopped_evaluation_resumes_by_row(demo):
@@ -172,3 +180,14 @@ def test_quick_config_checks():
         RealDemoConfig(lora_rank=-1)
     with pytest.raises(ConfigError, match="checkpoints"):
         RealDemoConfig(checkpoints=0)
+
+
+@pytest.mark.parametrize("argv, match", [(["lora_rank=-1"], "lora_rank"), (["--out", "/dev/null/x"], "Not a directory")],
+                         ids=["bad_value", "bad_out"])
+def test_demo_cli_errors_are_one_line(argv, match, capsys):
+    """The demos' command line: a bad value or output is an `error:` line and exit 2, not a traceback."""
+    from demos.real.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(["--quick", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and match in err and "Traceback" not in err, err

@@ -4,6 +4,7 @@ output directory with the settings that made it; a rerun reuses a finished stage
 refuses one made with other settings (the toy demo's rules: demos.toy.stages)."""
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -35,6 +36,21 @@ def _write_jsonl(path: Path, records) -> int:
 
 
 DATA_FILES = ("train", "heldout", "humaneval")
+MANIFEST = "files.json"  # each data file's sha256, written when the stage finishes
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_manifest(root: Path, files: dict[str, Path]) -> None:
+    """A reused data file is byte for byte what the stage wrote: a damaged or edited one (held-out lines lost) would
+    change every number computed from it."""
+    made = json.loads((root / MANIFEST).read_text())
+    for name, f in files.items():
+        if not f.is_file() or _digest(f) != made.get(name):
+            raise ConfigError(f"{str(f)!r} is {'missing' if not f.is_file() else 'not what the data stage wrote'} "
+                              f"(its sha256 is in {MANIFEST}): delete {str(root)!r} to remake the data")
 
 
 def stage_data(cfg: RealDemoConfig, tok: Tokenizer, log=print) -> dict[str, Path]:
@@ -53,7 +69,8 @@ def stage_data(cfg: RealDemoConfig, tok: Tokenizer, log=print) -> dict[str, Path
     saved = root / "settings.json"
     if saved.exists():
         check_stage_settings(root, json.loads(saved.read_text()), spec)
-        if all(f.exists() for f in files.values()):
+        if (root / MANIFEST).is_file():  # written last: the stage finished
+            check_manifest(root, files)
             log(f"[data] reusing {root}")
             return files
     root.mkdir(parents=True, exist_ok=True)
@@ -64,6 +81,7 @@ def stage_data(cfg: RealDemoConfig, tok: Tokenizer, log=print) -> dict[str, Path
     n_he = _write_jsonl(files["humaneval"], tasks.humaneval_records(encode, cfg.prompt_tokens, limit=cfg.n_humaneval))
     report = {**mods.summary(), "examples": {"train": n_train, "heldout": n_held, "humaneval": n_he}}
     (root / "corpus.json").write_text(json.dumps(report, indent=2))
+    (root / MANIFEST).write_text(json.dumps({n: _digest(f) for n, f in files.items()}, indent=2))
     log(f"[data] stdlib {len(mods.train)} train / {len(mods.heldout)} held-out modules -> {n_train} training "
         f"functions, {n_held} held-out, {n_he} HumanEval (fingerprint {mods.fingerprint[:12]}) -> {root}")
     return files
@@ -85,9 +103,11 @@ def prepared_data(root: Path, spec: dict, log=print) -> dict[str, Path]:
     """The files of a data directory made earlier (`data_dir`), refused when incomplete or made with other
     settings than `spec` (its corpus fingerprint is its own: the corpus it was made from)."""
     files = {n: root / f"{n}.jsonl" for n in DATA_FILES}
-    missing = [str(f) for f in (*files.values(), root / "settings.json", root / "corpus.json") if not f.is_file()]
+    missing = [str(f) for f in (*files.values(), root / "settings.json", root / "corpus.json", root / MANIFEST)
+               if not f.is_file()]
     if missing:
         raise ConfigError(f"data_dir {str(root)!r} is not a finished data stage: missing {missing}")
+    check_manifest(root, files)
     saved = json.loads((root / "settings.json").read_text())
     check_stage_settings(root, {k: v for k, v in saved.items() if k != "corpus_fingerprint"}, spec)
     log(f"[data] using {root} (corpus {saved.get('corpus_fingerprint', '?')[:12]})")

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
-from sbd_jax.config import apply_overrides, from_dict
+from sbd_jax.config import ConfigError, apply_overrides, from_dict
+from sbd_jax.decoding.spec import DecodeError
+from sbd_jax.io.hf_layout import CheckpointError
+from sbd_jax.training.step import NonFiniteStepError
 
 
 def main(argv, *, prog: str, doc: str, config_cls, run, quick_help: str, default_out: str) -> None:
@@ -18,4 +22,11 @@ def main(argv, *, prog: str, doc: str, config_cls, run, quick_help: str, default
     data = apply_overrides(dataclasses.asdict(base), args.overrides)
     if args.out:
         data["out_dir"] = args.out
-    run(from_dict(config_cls, data))
+    try:
+        run(from_dict(config_cls, data))
+    except (ConfigError, CheckpointError, DecodeError, NonFiniteStepError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)  # the problem, named (file, key, value), without a traceback
+        raise SystemExit(1 if isinstance(e, NonFiniteStepError) else 2) from None
+    except KeyboardInterrupt:
+        print("interrupted: finished stages are kept; run the same command to resume", file=sys.stderr)
+        raise SystemExit(130) from None
