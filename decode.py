@@ -10,11 +10,13 @@ ids already there, and refuses other settings, a changed model or a written id t
 with --compare-ar the measured speedup over AR on the same prompts) is printed and, with --summary FILE, written
 as JSON. The mesh takes train.py's options (params laid out by the training rules, the batch over data x fsdp);
 on several hosts start the same command on each (jax.distributed is initialised from the environment); process 0
-writes the output.
+writes the output. While it does, it holds `<output>.lock` (sbd_jax/runlock.py): a second decode.py on the same
+--output is refused, naming the first; a lock left by a run that is gone is taken over.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,8 +25,9 @@ import sys
 import threading
 from pathlib import Path
 
-# Set by Ctrl-C. The handler raises KeyboardInterrupt as Python's own does; a native library that swallows that
-# exception (it can arrive inside one) cannot lose the interrupt: the next written row raises it again.
+# Set by Ctrl-C (or a scheduler's SIGTERM). The handler raises KeyboardInterrupt as Python's own does; a native
+# library that swallows that exception (it can arrive inside one) cannot lose the interrupt: the next written row
+# raises it again.
 INTERRUPTED = threading.Event()
 
 
@@ -116,6 +119,9 @@ def main(argv=None) -> int:
     own = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # an ignored SIGINT (a background job)
     if own:                                                               # stays ignored
         signal.signal(signal.SIGINT, on_sigint)
+    own_term = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # SIGTERM ends like Ctrl-C: complete rows, and
+    if own_term:                                                  # the output's lock released for a requeued job
+        signal.signal(signal.SIGTERM, on_sigint)
     try:
         return run(args)
     except (DecodeError, ConfigError, CheckpointError) as e:
@@ -129,18 +135,18 @@ def main(argv=None) -> int:
     finally:
         if own:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        if own_term:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def run(args) -> int:
+    """The options checked, then the output locked (process 0, which writes it) before the model loads."""
     import jax
 
     from sbd_jax.decoding import DecodeError, DecodeSpec
-    from sbd_jax.decoding.prompts import check_output_settings, open_output, read_prompts, write_row
-    from sbd_jax.decoding.resume import model_fingerprint
-    from sbd_jax.decoding.runner import check_prompts
-    from sbd_jax.decoding.sampler import Sampler
+    from sbd_jax.decoding.resume import lock_output
     from sbd_jax.models.quant import Quantization
-    from sbd_jax.sharding import make_mesh, maybe_initialize_distributed
+    from sbd_jax.sharding import maybe_initialize_distributed
 
     if args.resume and args.overwrite:
         raise DecodeError("--resume and --overwrite exclude each other")
@@ -154,6 +160,22 @@ def run(args) -> int:
     mesh_cfg = mesh_config(args)
     check_summary_path(args.summary)
     maybe_initialize_distributed()
+    writer = jax.process_index() == 0
+    with lock_output(args.output) if writer else contextlib.nullcontext():
+        return decode_all(args, spec, quantization, mesh_cfg, writer)
+
+
+def decode_all(args, spec, quantization, mesh_cfg, writer: bool) -> int:
+    """Load the model, decode the pending prompts into the output (`writer`: this process writes it), summarise."""
+    import jax
+
+    from sbd_jax.decoding import DecodeError, DecodeSpec
+    from sbd_jax.decoding.prompts import check_output_settings, open_output, read_prompts, write_row
+    from sbd_jax.decoding.resume import model_fingerprint
+    from sbd_jax.decoding.runner import check_prompts
+    from sbd_jax.decoding.sampler import Sampler
+    from sbd_jax.sharding import make_mesh
+
     mesh = make_mesh(mesh_cfg)
     sampler = Sampler.load(args.model, dtype=args.dtype, mesh=mesh, adapter=args.adapter,  # each process: its shards
                            quantize=args.quantize)
@@ -162,7 +184,6 @@ def run(args) -> int:
                            continuous=not args.static and jax.process_count() == 1)  # checked before any prompt
     prompts = read_prompts(args.input, sampler.tokenizer, chat=args.chat, vocab_size=sampler.cfg.vocab_size)
     prompts = check_prompts(sampler.cfg, opts, prompts)  # once, before the output is opened
-    writer = jax.process_index() == 0
     done, out = open_output(args.output, resume=args.resume, overwrite=args.overwrite) if writer else (set(), None)
     if writer:  # what the rows depend on (not how they are batched or shown)
         settings = {"model": str(Path(args.model).resolve()), "input": str(Path(args.input).resolve()),

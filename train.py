@@ -4,6 +4,7 @@
 Overrides use dotted keys, values parsed as YAML: `steps=200 optim.lr=1e-3 sbd.ntp_only=true
 mesh.fsdp=8 data.path=my.jsonl`; `mesh.context=8` splits each row's sequence ([x ; x_hat], 2L tokens) over 8
 devices (context parallelism, for long rows). Resumes from <out_dir>/checkpoints when a checkpoint is there.
+A run holds <out_dir>/train.lock: a second train.py on the same out_dir is refused, naming the first.
 Multi-host (GPU clusters, TPU pods): start the same command on every host; jax.distributed is
 initialised from the environment (see README)."""
 from __future__ import annotations

@@ -3,9 +3,11 @@ Besides the decoding settings it holds a fingerprint of the model's files (confi
 file by size and modification time: cheap, nothing is read) and a hash of every prompt's content (its token ids
 and cap), so a changed model, or a prompt id that now names other content (a line inserted above prompts keyed
 by line number), is refused, naming what changed. `--allow-change KEY` accepts one on purpose: a settings key,
-`model_files` (the fingerprint), `prompts` (the content hashes) or `settings` (an output whose record is gone)."""
+`model_files` (the fingerprint), `prompts` (the content hashes) or `settings` (an output whose record is gone).
+`lock_output` keeps a second writer off the output and its record while one writes them (`<output>.lock`)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -101,3 +103,16 @@ def _check_prompts(path, old_pairs, new_pairs, done, prompts) -> None:
                           f"{named}{' ...' if len(changed) > 5 else ''} (a line inserted or edited? a line without "
                           "an 'id' is keyed by its line number); resume with the same input, give each line an "
                           "'id', accept on purpose with --allow-change prompts, or write to another --output")
+
+
+def lock_output(path):
+    """An exclusive lock (sbd_jax/runlock.py) on the output `path` and its settings record, held by the file
+    `<output>.lock`: a second decode.py on the same --output is refused naming the first. The output's directory is
+    created for it, as `open_output` would."""
+    from ..runlock import acquire
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a file in the way: nothing can be written there, and open_output names it
+        return contextlib.nullcontext()
+    return acquire(f"{path}.lock", what=f"the decode output {str(path)!r}")

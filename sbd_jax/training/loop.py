@@ -6,10 +6,12 @@
 
 It resumes from the latest complete checkpoint in `<out_dir>/checkpoints`, logs metrics to
 `<out_dir>/metrics.jsonl`, saves every `checkpoint.every` steps and at the end, and exports the final
-weights in HF layout to `<out_dir>/hf`.
+weights in HF layout to `<out_dir>/hf`. While it runs, process 0 holds `<out_dir>/train.lock` (sbd_jax/runlock.py):
+a second run on the same out_dir is refused, naming the first.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -29,6 +31,7 @@ from ..config import ConfigError, ModelConfig, to_dict
 from ..io.hf import save_generation_files, save_pretrained
 from ..io.tokenizer import Tokenizer
 from ..models.lora import AdapterLayout, init_adapter
+from ..runlock import acquire
 from ..sharding import make_mesh, param_shardings, shard_params
 from .checkpoint import Checkpointer
 from .config import TrainConfig
@@ -136,14 +139,26 @@ def train(cfg: TrainConfig, *, data=None, tokenizer=None, model: tuple[ModelConf
     `model`: (ModelConfig, params) instead of cfg.model (ignored when resuming, except its config).
     `stop_after`: leave after this many total steps without the final save/export (as if killed)."""
     out_dir = make_out_dir(Path(out_dir or cfg.out_dir).absolute())
-    mesh = make_mesh(cfg.mesh, devices)
-    check_batch_split(cfg, mesh)
-    ckpt = Checkpointer(out_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-                        async_save=cfg.checkpoint.async_save)
-    try:
-        return _run(*_setup(cfg, ckpt, mesh, out_dir, Given(data, tokenizer, model)), stop_after, on_log)
-    finally:
-        ckpt.close()  # waits for in-flight saves: a Ctrl-C leaves the last started checkpoint complete
+    with lock_out_dir(out_dir):  # before anything is written there; held until the last save completes
+        mesh = make_mesh(cfg.mesh, devices)
+        check_batch_split(cfg, mesh)
+        ckpt = Checkpointer(out_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+                            async_save=cfg.checkpoint.async_save)
+        try:
+            return _run(*_setup(cfg, ckpt, mesh, out_dir, Given(data, tokenizer, model)), stop_after, on_log)
+        finally:
+            ckpt.close()  # waits for in-flight saves: a Ctrl-C leaves the last started checkpoint complete
+
+
+LOCK_FILE = "train.lock"
+
+
+def lock_out_dir(out_dir: Path):
+    """The run's exclusive lock, `<out_dir>/train.lock` (a LockError naming a live holder). Process 0 takes it for
+    the job: the other processes of a multi-process run share out_dir."""
+    if jax.process_index() != 0:
+        return contextlib.nullcontext()
+    return acquire(out_dir / LOCK_FILE, what=f"the training run {str(out_dir)!r}")
 
 
 def check_batch_split(cfg: TrainConfig, mesh: Mesh) -> None:
