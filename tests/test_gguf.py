@@ -163,8 +163,11 @@ def test_convert_is_atomic_cached_and_safe_concurrently(tmp_path, capsys):
     out = G.convert(src, tmp_path / "hf")
     with pytest.raises(G.GGUFError, match="exists"):
         G.convert(src, out)
-    (out / "stale").write_text("x")
-    assert G.convert(src, out, overwrite=True) == out and not (out / "stale").exists()
+    (out / "stale").write_text("x")  # a file the converter did not write: overwrite keeps its hands off
+    with pytest.raises(G.GGUFError, match=r"holds files this converter did not write \(\['stale'\]\)"):
+        G.convert(src, out, overwrite=True)
+    (out / "stale").unlink()
+    assert G.convert(src, out, overwrite=True) == out
     cache, results = tmp_path / "cache", []
     threads = [threading.Thread(target=lambda: results.append(G.cached_convert(src, cache_dir=cache)))
                for _ in range(2)]

@@ -9,6 +9,12 @@ tokenizer_config.json with the chat template; generation_config.json with the st
                                             ~/.cache/sbd_jax/models), converted once per file content and dtype
   python -m sbd_jax.io.gguf FILE.gguf OUT_DIR [--dtype bfloat16] [--overwrite]
 
+Untrusted files: gguf_header.py bounds every count and length of the header before gguf-py's reader trusts them;
+`overwrite` replaces only a directory this converter wrote (its MARKER file lists the files), never one holding
+the input or anything else; the CLI reports a bad file as one `error:` line (exit 2) and SIGTERM as exit 143 after
+removing the temporary directory; a killed conversion's temporary directory is removed by the next conversion
+into the same parent.
+
 Architectures: `llama` (q/k rows un-permuted), `qwen3` (per-head q/k RMSNorm, HF row order) and `qwen2` (HF order;
 its q/k/v biases are exactly a Llama with attention_bias and a zero o_proj bias, which is how it is written). The
 tokenizer follows llama.cpp, where it and `transformers` differ: `pre=smollm` splits every digit (llama.cpp and the
@@ -23,17 +29,22 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import struct
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from ..config import ModelConfig, RopeScaling
+from ..config import ConfigError, ModelConfig, RopeScaling
 from ..models.transformer import param_specs
+from .gguf_header import scan_header
 from .gguf_meta import GGUFError, meta_value
+from .gguf_output import (MARKER, Terminated, check_replaceable, entries, publish, remove_leftovers, sigterm_unwinds,
+                          umask, write_marker)
 from .gguf_tokenizer import build_tokenizer
-from .hf_layout import CheckpointError, hf_names
+from .hf_layout import hf_names
 from .hf_save import save_generation_files, save_pretrained
 
 CONVERTER_VERSION = 1  # part of the cache key: a changed converter never reuses an older conversion
@@ -47,14 +58,28 @@ def _reader(path: Path):
     if not path.is_file():
         raise GGUFError(f"GGUF file {str(path)!r} does not exist")
     try:
+        scan_header(path)  # every count and length bounded before gguf-py's reader trusts them
+    except OSError as e:
+        raise GGUFError(f"cannot read GGUF file {str(path)!r}: {e}") from None
+    try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # noqa: BLE001 - the reader raises ValueError/struct.error/... on a bad file
         raise GGUFError(f"cannot read {str(path)!r} as GGUF (truncated or not a GGUF file?): {e}") from None
 
 
-def read_metadata(reader) -> dict:
-    """Every key/value of the file, values as Python scalars, strings or lists."""
-    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+def read_metadata(reader, path: Path | None = None) -> dict:
+    """Every key/value of the file, values as Python scalars, strings or lists; a string that is not UTF-8 is an
+    error naming its key."""
+    meta = {}
+    for k, f in reader.fields.items():
+        if k.startswith("GGUF."):
+            continue
+        try:
+            meta[k] = f.contents()
+        except UnicodeDecodeError as e:
+            raise GGUFError(f"GGUF file {str(path or reader.data.filename)!r}: the value of key {k!r} is not valid "
+                            f"UTF-8 ({e.reason} at byte {e.start})") from None
+    return meta
 
 
 # --- model config ---------------------------------------------------------------------------------------------
@@ -83,7 +108,7 @@ def _rope_scaling(meta: dict, arch: str, tensors: dict, head_dim: int, theta: fl
     divisors = _dequantize(tensors["rope_freqs.weight"], path).astype(np.float64)
     if np.allclose(divisors, 1.0):
         return None
-    original = int(meta.get(f"{arch}.rope.scaling.original_context_length", 8192))
+    original = _number(meta, f"{arch}.rope.scaling.original_context_length", path, int, 8192)
     rs = RopeScaling(factor=float(divisors.max()), low_freq_factor=1.0, high_freq_factor=4.0,
                      original_max_position_embeddings=original)
     from ..models.layers import rope_inv_freq
@@ -105,29 +130,52 @@ def _attention_bias(tensors: dict, path: Path) -> bool:
     return kinds[0]
 
 
+def _number(meta: dict, key: str, path: Path, kind: type, default=KeyError):
+    """Metadata `key` as an int or float; a string, list, bool or fractional count is an error naming key and value
+    (`int()` would raise a bare ValueError/TypeError or silently truncate)."""
+    v = meta_value(meta, key, path, default)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or float(v).is_integer()):
+        return kind(v)
+    raise GGUFError(f"GGUF file {str(path)!r}: metadata key {key!r} must be "
+                    f"{'an integer' if kind is int else 'a number'}, got {v!r:.80}")
+
+
 def read_config(meta: dict, tensors: dict, path: Path) -> ModelConfig:
-    """The ModelConfig of a GGUF file (metadata keys `{arch}.*`, `tokenizer.ggml.*_token_id`)."""
+    """The ModelConfig of a GGUF file (metadata keys `{arch}.*`, `tokenizer.ggml.*_token_id`); ModelConfig's own
+    validation errors name the file."""
+    try:
+        return _read_config(meta, tensors, path)
+    except GGUFError:
+        raise
+    except ConfigError as e:
+        raise GGUFError(f"GGUF file {str(path)!r}: {e}") from None
+
+
+def _read_config(meta: dict, tensors: dict, path: Path) -> ModelConfig:
     arch = _architecture(meta, path)
-    a = lambda key, default=KeyError: meta_value(meta, f"{arch}.{key}", path, default)  # noqa: E731
-    hidden, heads = int(a("embedding_length")), int(a("attention.head_count"))
-    head_dim = int(a("attention.key_length", hidden // heads))
-    if int(a("attention.value_length", head_dim)) != head_dim:
+    a = lambda key, default=KeyError, kind=int: _number(meta, f"{arch}.{key}", path, kind, default)  # noqa: E731
+    hidden, heads = a("embedding_length"), a("attention.head_count")
+    if heads < 1:  # divides hidden below
+        raise GGUFError(f"GGUF file {str(path)!r}: {arch}.attention.head_count must be >= 1, got {heads}")
+    head_dim = a("attention.key_length", hidden // heads)
+    if a("attention.value_length", head_dim) != head_dim:
         raise GGUFError(f"{str(path)!r}: {arch}.attention.value_length != key_length is not supported")
-    if int(a("rope.dimension_count", head_dim)) != head_dim:
+    if a("rope.dimension_count", head_dim) != head_dim:
         raise GGUFError(f"{str(path)!r}: {arch}.rope.dimension_count {a('rope.dimension_count')} != head_dim "
                         f"{head_dim} (partial rotary embeddings) is not supported")
-    theta = float(a("rope.freq_base", 10000.0))
-    if "token_embd.weight" not in tensors:
-        raise GGUFError(f"{str(path)!r} has no token_embd.weight tensor")
+    theta = a("rope.freq_base", 10000.0, float)
+    embd = tensors.get("token_embd.weight")
+    if embd is None or len(embd.shape) != 2:
+        raise GGUFError(f"{str(path)!r} has no 2-D token_embd.weight tensor")
     tok = lambda key: meta.get(f"tokenizer.ggml.{key}_token_id")  # noqa: E731
     return ModelConfig(
         model_type=ARCHITECTURES[arch][0], qk_norm=arch == "qwen3",
-        vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=hidden,
-        intermediate_size=int(a("feed_forward_length")), num_hidden_layers=int(a("block_count")),
-        num_attention_heads=heads, num_key_value_heads=int(a("attention.head_count_kv", heads)), head_dim=head_dim,
-        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon")), rope_theta=theta,
+        vocab_size=int(embd.shape[1]), hidden_size=hidden,
+        intermediate_size=a("feed_forward_length"), num_hidden_layers=a("block_count"),
+        num_attention_heads=heads, num_key_value_heads=a("attention.head_count_kv", heads), head_dim=head_dim,
+        rms_norm_eps=a("attention.layer_norm_rms_epsilon", KeyError, float), rope_theta=theta,
         rope_scaling=_rope_scaling(meta, arch, tensors, head_dim, theta, path),
-        max_position_embeddings=int(a("context_length", 2048)),
+        max_position_embeddings=a("context_length", 2048),
         tie_word_embeddings="output.weight" not in tensors, attention_bias=_attention_bias(tensors, path),
         bos_token_id=tok("bos"), eos_token_id=tok("eos"), pad_token_id=tok("padding"))
 
@@ -212,7 +260,7 @@ def _write_model(path: Path, out: Path, dtype: str) -> None:
     """Everything of the model directory into `out` (an empty directory)."""
     from .tokenizer import Tokenizer
     reader = _reader(path)
-    meta = read_metadata(reader)
+    meta = read_metadata(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     cfg = read_config(meta, tensors, path)
     tok, tok_conf = build_tokenizer(meta, path)  # before the weights: a bad tokenizer fails fast
@@ -224,51 +272,39 @@ def _write_model(path: Path, out: Path, dtype: str) -> None:
     save_generation_files(out, cfg, Tokenizer.load(out), chat="chat_template" in tok_conf)
 
 
-def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> bool:
-    """Rename the finished `tmp` to `out_dir`. False when `out_dir` exists and may not be replaced."""
-    if out_dir.exists() and overwrite:
-        old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
-        os.replace(out_dir, old / "x")
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        return True
-    try:
-        os.rename(tmp, out_dir)  # atomic; fails if another process published a (complete) directory first
-        return True
-    except OSError:
-        if out_dir.is_dir() and any(out_dir.iterdir()):
-            return False
-        raise
-
-
 def convert(gguf_path, out_dir, dtype: str = "float32", *, overwrite: bool = False, exist_ok: bool = False) -> Path:
     """Convert `gguf_path` into the HF model directory `out_dir` (config.json, safetensors in `dtype`,
-    tokenizer.json, tokenizer_config.json, generation_config.json), written in a temporary directory beside it and
-    renamed into place. An existing `out_dir` is an error unless `overwrite` (replace it) or `exist_ok` (keep it:
+    tokenizer.json, tokenizer_config.json, generation_config.json, and MARKER listing them), written in a temporary
+    directory beside it and renamed into place. An existing `out_dir` is an error unless `overwrite` (replace it:
+    only a directory this converter wrote, holding nothing else and not the input GGUF) or `exist_ok` (keep it:
     what a cache wants when another process converted the same file first)."""
     path, out_dir = Path(gguf_path), Path(out_dir)
     if dtype not in DTYPES:
         raise GGUFError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if out_dir.is_symlink() or out_dir.exists() and not out_dir.is_dir():
+        raise GGUFError(f"{str(out_dir)!r} exists and is not a directory (a file or a link): not replacing it; "
+                        "remove it yourself or choose another OUT_DIR")
     if out_dir.exists() and not (overwrite or exist_ok):
-        raise GGUFError(f"output directory {str(out_dir)!r} exists (pass overwrite=True / --overwrite)")
+        raise GGUFError(f"output directory {str(out_dir)!r} exists (pass overwrite=True / --overwrite to replace a "
+                        "directory this converter wrote)")
     if out_dir.exists() and exist_ok and not overwrite:
         return out_dir
+    if out_dir.exists():
+        check_replaceable(out_dir, path)  # before converting: fail fast
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(out_dir)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # as mkdir would (mkdtemp's 0700 hides it from other users)
+        write_marker(tmp)
+        os.chmod(tmp, 0o777 & ~umask())  # as mkdir would (mkdtemp's 0700 hides it from other users)
         _write_model(path, tmp, dtype)
-        if not _publish(tmp, out_dir, overwrite) and not exist_ok:
+        write_marker(tmp, converter_version=CONVERTER_VERSION, source=str(path.resolve()),
+                      files=[f for f in entries(tmp) if f != MARKER])
+        if not publish(tmp, out_dir, path, overwrite) and not exist_ok:
             raise GGUFError(f"output directory {str(out_dir)!r} appeared while converting")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def fingerprint(path) -> str:
@@ -299,19 +335,40 @@ def cached_convert(gguf_path, *, dtype: str = "float32", cache_dir=None) -> Path
     return convert(path, out, dtype, exist_ok=True)
 
 
+# What a bad or hostile input file can raise beyond GGUFError, from gguf-py, numpy, tokenizers or the config: each
+# becomes one `error:` line. OSError too (unreadable input, full disk): a traceback says no more. Anything else
+# (AttributeError, RuntimeError...) is a bug here and keeps its traceback.
+_BAD_INPUT = (ConfigError, ValueError, TypeError, LookupError, ArithmeticError, struct.error, OSError)
+
+
+def _error_line(e: BaseException, gguf_file: str) -> str:
+    if isinstance(e, GGUFError):  # names the file already
+        return f"error: {e}"
+    if isinstance(e, MemoryError):
+        return f"error: {gguf_file!r} asks for more memory than this machine has (a corrupt or hostile file?)"
+    if isinstance(e, ConfigError):
+        return f"error: cannot convert {gguf_file!r}: {e}"
+    return f"error: cannot convert {gguf_file!r}: {type(e).__name__}: {e}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sbd_jax.io.gguf", description=__doc__.split("\n\n")[0])
     ap.add_argument("gguf_file")
     ap.add_argument("out_dir")
     ap.add_argument("--dtype", choices=DTYPES, default="float32", help="safetensors dtype")
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an existing OUT_DIR written by this converter (never one holding other files)")
     args = ap.parse_args(argv)
     import time
     t0 = time.perf_counter()
     try:
-        out = convert(args.gguf_file, args.out_dir, args.dtype, overwrite=args.overwrite)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
+        with sigterm_unwinds():
+            out = convert(args.gguf_file, args.out_dir, args.dtype, overwrite=args.overwrite)
+    except Terminated:
+        print("error: terminated by SIGTERM; the partial conversion was removed", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except (MemoryError, *_BAD_INPUT) as e:
+        print(_error_line(e, args.gguf_file), file=sys.stderr)
         return 2
     print(f"{out} ({time.perf_counter() - t0:.1f} s)")
     return 0
