@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     from sbd_jax.sharding import maybe_initialize_distributed
     from sbd_jax.training.config import TrainConfig
     from sbd_jax.training.loop import train
+    from sbd_jax.training.checkpoint import CheckpointSaveError
     from sbd_jax.training.step import NonFiniteStepError
 
     def on_term(signum, frame):  # a scheduler's SIGTERM: stop like Ctrl-C (in-flight saves complete)
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteStepError as e:
+    except (NonFiniteStepError, CheckpointSaveError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

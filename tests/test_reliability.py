@@ -89,6 +89,49 @@ def test_nonfinite_update_is_not_applied_or_saved_and_resume_works(inputs, lora)
     assert [r["nonfinite"] for r in res.history] == [0, 0]
 
 
+def test_a_diverged_checkpoint_is_not_called_good(inputs):
+    """lr=1e15 makes finite but huge weights (checkpoint 3, saved) whose forward pass overflows at step 4. Rerun
+    with a lower lr: step 4 (the first after resuming from 3) fails by its loss, so checkpoint 3 is set aside as
+    diverged and named; the next rerun resumes from step 2 and finishes finite."""
+    every = "checkpoint.every=1"
+    train(cfg_of(inputs, every), stop_after=2)
+    run = Path(cfg_of(inputs).out_dir)
+    with pytest.raises(NonFiniteStepError, match=r"step 4: the loss is not finite.*last good checkpoint, step 3"):
+        train(cfg_of(inputs, every, "optim.lr=1e15", "allow_changes=[optim.lr]"))
+    with pytest.raises(NonFiniteStepError, match=r"step 4: the loss .* first step after resuming from checkpoint step "
+                                                 r"3, .* not good \(moved to .*checkpoints\.diverged/3\).*step 2 in"):
+        train(cfg_of(inputs, every, "allow_changes=[optim.lr]"))
+    assert saved_steps(run) == [1, 2] and (run / "checkpoints.diverged" / "3").is_dir()
+    res = train(cfg_of(inputs, every, "allow_changes=[optim.lr]"))
+    assert res.resumed_from == 2 and res.step == 4 and finite(res.params)
+
+
+def test_a_failed_async_save_is_named_at_once(inputs, monkeypatch, capfd):
+    """The disk fills during the background save of step 2 (step 1's was written): the run stops before step 4's
+    save with one error naming step 2, the cause and step 1; no partial directory is left, no traceback printed."""
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
+
+    from sbd_jax.training.checkpoint import CheckpointSaveError
+
+    saves = []
+    write = handler.JsonCheckpointHandler._save_fn
+
+    async def disk_full_after_one(self, x, directory):
+        saves.append(1)
+        if len(saves) > 1:
+            raise OSError(28, "No space left on device")
+        return await write(self, x, directory)
+    monkeypatch.setattr(handler.JsonCheckpointHandler, "_save_fn", disk_full_after_one)
+    cfg = cfg_of(inputs, "checkpoint.async_save=true", "steps=6")
+    with pytest.raises(CheckpointSaveError, match=r"the checkpoint of step 2 could not be written \(OSError: \[Errno "
+                                                  r"28\] No space left on device\); its partial files were removed; the "
+                                                  r"last complete checkpoint is step 1 in"):
+        train(cfg)
+    ckpts = Path(cfg.out_dir) / "checkpoints"
+    assert [p.name for p in ckpts.iterdir() if not p.name.startswith("_")] == ["1"], list(ckpts.iterdir())
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_nan_loss_is_named_and_nothing_is_saved(inputs):
     """NaN weights from the start: the loss of step 1 is named; no checkpoint is written."""
     cfg = cfg_of(inputs)

@@ -4,9 +4,12 @@ previous step restorable (tests/test_training_loop.py, SIGKILL)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import orbax.checkpoint as ocp
@@ -34,15 +37,63 @@ def _chain(error: BaseException) -> list[BaseException]:
     return out
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint that could not be written (disk full, no permission...): names the step, the cause and the last
+    complete checkpoint; its partial files are removed."""
+
+
+class _QuietOrbaxErrors(logging.Filter):
+    """orbax logs a failed background save as many ERROR records with tracebacks; `Checkpointer` reports the failure
+    itself, once, as a CheckpointSaveError."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+_QUIET = _QuietOrbaxErrors()
+
+
 class Checkpointer:
     """Thin wrapper over `ocp.CheckpointManager` (`.manager`) with items "state" (pytree), "data" (JSON) and, for a
-    LoRA run, "meta" (JSON: the fingerprint of the frozen base the adapter belongs to)."""
+    LoRA run, "meta" (JSON: the fingerprint of the frozen base the adapter belongs to). A save that fails (also in
+    the background, async) is a CheckpointSaveError at the next `check_saves`, `save` or `close`."""
 
     def __init__(self, directory: str | os.PathLike, *, every: int = 500, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every, create=True,
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
+        self.saving: int | None = None  # the step of the save in flight (or last started)
+        self._threads: set = set()
+        logging.getLogger("absl").addFilter(_QUIET)
+
+    def check_saves(self) -> None:
+        """Raise CheckpointSaveError if the save in flight has failed (cheap: waits only on a finished save)."""
+        if self.saving is not None and not self.manager.is_saving_in_progress():
+            self._finish()
+
+    def _finish(self) -> None:
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - whatever the filesystem raised, in orbax's thread
+            raise self._failed(e) from None
+
+    def _failed(self, error: BaseException) -> CheckpointSaveError:
+        """The error of the failed save of `self.saving`, once its partial (tmp) directories are removed (after the
+        save's other writer threads, which orbax does not stop, have ended)."""
+        deadline = time.monotonic() + 30.0
+        for t in set(threading.enumerate()) - self._threads:
+            t.join(timeout=max(deadline - time.monotonic(), 0.0))
+        for tmp in self.directory.glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        step, self.saving = self.saving, None
+        done = sorted(int(p.name) for p in self.directory.iterdir() if p.is_dir() and p.name.isdigit()) \
+            if self.directory.is_dir() else []
+        root = _chain(error)[-1]
+        last = (f"the last complete checkpoint is step {done[-1]} in {self.directory}: rerunning the same command "
+                "resumes from it" if done else "no checkpoint is complete: rerunning starts over")
+        return CheckpointSaveError(f"the checkpoint of step {step} could not be written ({type(root).__name__}: "
+                                   f"{root}); its partial files were removed; {last}")
 
     def due(self, step: int, force: bool = False) -> bool:
         """Whether `save(step)` would write a checkpoint (on the interval, or `force`)."""
@@ -57,9 +108,16 @@ class Checkpointer:
             return False
         data_state = gather_state(data_state)
         extra = {} if meta is None else {"meta": ocp.args.JsonSave(meta)}
-        return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state._asdict()),
-                                                               data=ocp.args.JsonSave(data_state), **extra),
-                                 force=force)
+        if self.saving is not None:
+            self._finish()  # the previous save's failure is its own error, not this one's
+        self.saving = step
+        self._threads = set(threading.enumerate())  # those after are the save's
+        try:
+            return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state._asdict()),
+                                                                   data=ocp.args.JsonSave(data_state), **extra),
+                                     force=force)
+        except OSError as e:  # a synchronous save's (or its directory's) failure
+            raise self._failed(e) from None
 
     def restore(self, abstract: TrainState, step: int) -> tuple[TrainState, dict]:
         """Restore `step` into the structure/shardings of `abstract` (ShapeDtypeStructs with shardings)."""
@@ -89,10 +147,10 @@ class Checkpointer:
         first = next((ln.strip() for ln in str(root).splitlines() if ln.strip()), "")[:400]
         return f"{f'file {named}' if named else d} is unreadable ({type(root).__name__}: {first})"
 
-    def set_aside(self, step: int) -> Path:
-        """Move checkpoint `step` out of the way (to <dir>.damaged/<step>, so a later save of that step can happen)
+    def set_aside(self, step: int, why: str = "damaged") -> Path:
+        """Move checkpoint `step` out of the way (to <dir>.<why>/<step>, so a later save of that step can happen)
         and forget it -> where it went."""
-        dest = self.directory.parent / f"{self.directory.name}.damaged" / str(step)
+        dest = self.directory.parent / f"{self.directory.name}.{why}" / str(step)
         if dest.exists():
             shutil.rmtree(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -113,5 +171,7 @@ class Checkpointer:
         return dict(self.manager.restore(self.manager.latest_step(), args=args)["data"])
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self._finish()
+        finally:
+            self.manager.close()

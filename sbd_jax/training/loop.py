@@ -42,8 +42,8 @@ from .monitor import FiniteGuard, MetricsLog, trim_metrics
 from .optim import make_optimizer
 from .resume import SETTINGS_FILE, check_settings, restore_good
 from .spec import StepOptions
-from .step import (TrainState, WithBase, abstract_state, jit_train_step, local_rows, make_train_step, put_batch,
-                   state_initializer, state_shardings)
+from .step import (NonFiniteStepError, TrainState, WithBase, abstract_state, jit_train_step, local_rows,
+                   make_train_step, put_batch, state_initializer, state_shardings)
 
 
 @dataclasses.dataclass
@@ -324,15 +324,33 @@ def _steps(run: Run, state: TrainState, start: int, end: int, log: MetricsLog):
         for step in range(start + 1, end + 1):
             batch, data_state, tokens = prefetch.next()
             state, metrics = run.step_fn(state, batch)
+            run.ckpt.check_saves()  # a failed background save stops the run here, named
             log.after_step(step, metrics, tokens, last_saved)
             if run.ckpt.due(step):
                 log.guard.check(last_saved)
                 last_saved = step if run.ckpt.save(step, state, data_state, meta=run.meta) else last_saved
         log.flush(last_saved)
         log.guard.check(last_saved)
+    except NonFiniteStepError as e:
+        if run.resume is None or e.step != run.resume + 1 or log.guard.failed[1] != 1:
+            raise
+        raise _diverged(run, log.guard) from None
     finally:
         prefetch.close()
     return state, data_state, last_saved
+
+
+def _diverged(run: Run, guard: FiniteGuard) -> NonFiniteStepError:
+    """The loss of the first step after resuming is not finite, so the checkpoint resumed from is not good: its
+    weights are finite, its forward pass is not (a learning rate too high shows in the update, not the loss). It is
+    set aside (<checkpoints>.diverged/<step>): a rerun resumes from the one before it instead of failing here again
+    whatever the learning rate."""
+    step = run.resume
+    where = run.ckpt.set_aside(step, "diverged") if jax.process_index() == 0 else None
+    run.ckpt.manager.reload()
+    note = (f"It is the first step after resuming from checkpoint step {step}, whose weights are finite but whose "
+            f"forward pass is not: that checkpoint is not good{f' (moved to {where})' if where else ''}. ")
+    return NonFiniteStepError(guard.message(run.ckpt.manager.latest_step(), note), guard.failed[0])
 
 
 def _placement(cfg: TrainConfig, mesh: Mesh, data) -> tuple[Callable, float]:

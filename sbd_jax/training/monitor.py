@@ -21,6 +21,7 @@ class FiniteGuard:
 
     def __init__(self, cfg: TrainConfig, directory: Path):
         self.cfg, self.directory, self.pending = cfg, directory, []
+        self.failed: tuple | None = None  # (step, NONFINITE code, metrics) of the step that stopped the run
 
     def add(self, step: int, metrics: dict) -> None:
         self.pending.append((step, metrics))
@@ -31,17 +32,21 @@ class FiniteGuard:
         codes = jax.device_get([m["nonfinite"] for _, m in todo])
         for (step, m), code in zip(todo, codes):
             if int(code):
-                raise NonFiniteStepError(self.message(step, int(code), m, last_good))
+                self.failed = (step, int(code), m)
+                raise NonFiniteStepError(self.message(last_good), step)
 
-    def message(self, step: int, code: int, m: dict, last_good: int | None) -> str:
+    def message(self, last_good: int | None, note: str = "") -> str:
+        """What failed (`self.failed`), `note`, and where a rerun resumes (`last_good`: a checkpoint step)."""
+        step, code, m = self.failed
         v = {k: float(x) for k, x in jax.device_get({"loss": m["loss"], "grad_norm": m["grad_norm"]}).items()}
         where = (f"rerunning the same command resumes from the last good checkpoint, step {last_good} in "
                  f"{self.directory}" if last_good is not None else
                  "no checkpoint was written before it, so rerunning starts over")
         return (f"step {step}: {NONFINITE[code]} is not finite (loss {v['loss']:.4g}, gradient norm "
-                f"{v['grad_norm']:.4g}); its update was not applied and nothing after it was saved. {where[0].upper()}"
-                f"{where[1:]}; to get past it lower the learning rate, e.g. optim.lr={self.cfg.optim.lr / 10:g} "
-                "allow_changes=[optim.lr] (or set optim.clip_norm, or check the data)")
+                f"{v['grad_norm']:.4g}); its update was not applied and nothing after it was saved. {note}"
+                f"{where[0].upper()}{where[1:]}; to get past it lower the learning rate, e.g. "
+                f"optim.lr={self.cfg.optim.lr / 10:g} allow_changes=[optim.lr] (or set optim.clip_norm, or check the "
+                "data)")
 
 
 class MetricsLog:

@@ -57,7 +57,11 @@ NONFINITE = {1: "the loss", 2: "the gradient norm", 3: "the update (learning rat
 
 class NonFiniteStepError(RuntimeError):
     """A train step whose loss, gradient norm or update is not finite: its update was not applied and no
-    checkpoint holds it."""
+    checkpoint holds it. `step`: that step (None where unknown)."""
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
 
 
 def nonfinite_code(loss, grad_norm, update_norm) -> jnp.ndarray:
