@@ -61,8 +61,25 @@ def export_lora(run: LoRARun, model_cfg: ModelConfig, adapter: dict, out_dir: Pa
     """<out_dir>/adapter (PEFT layout + the base's fingerprint) and, with lora.export_merged, <out_dir>/hf (the
     merged full model, `save_pretrained`). Every process must call it."""
     dtype = cfg.checkpoint.export_dtype
+    base_name = cfg.model.init_from
+    if base_name is None:  # a random base exists nowhere else: without it the adapter could not be used
+        base_name = str(save_pretrained(*_base_as_loaded(run, model_cfg), out_dir / "base", dtype=dtype))
+        if jax.process_index() == 0:
+            print(f"LoRA on a randomly initialised base (no model.init_from): the base is saved to {base_name}, "
+                  "the one model its adapter applies to", flush=True)
     dirs = [save_adapter(out_dir / "adapter", model_cfg, run.layout, adapter, fingerprint=run.fingerprint,
-                         base_name=cfg.model.init_from, dtype=dtype)]
+                         base_name=base_name, dtype=dtype)]
     if cfg.lora.export_merged:
         dirs.append(save_pretrained(model_cfg, merge(run.base, adapter, run.layout), out_dir / "hf", dtype=dtype))
     return dirs
+
+
+def _base_as_loaded(run: LoRARun, model_cfg: ModelConfig) -> tuple[ModelConfig, dict]:
+    """The frozen base as its fingerprint was taken: without the `<m>` row the run added (model.add_mask_token)."""
+    base = run.base
+    if run.layout.mask_row is None:
+        return model_cfg, base
+    row = run.layout.mask_row
+    base = {**base, "embed": base["embed"][:row]} | ({"lm_head": base["lm_head"][:, :row]} if "lm_head" in base else {})
+    return dataclasses.replace(model_cfg, vocab_size=row, mask_token_id=None), base
+
