@@ -218,7 +218,8 @@ def decode_all(args, spec, quantization, mesh_cfg, writer: bool) -> int:
             summary = sampler.decode(pending, opts, on_row=on_row, progress=progress) if pending else None
         finally:
             if out is not None:
-                out.close()
+                with contextlib.suppress(OSError):  # every row was flushed: only a failed write's remains
+                    out.close()
     if summary is None:
         print("nothing to do: every prompt is already in the output")
         return 0

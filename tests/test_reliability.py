@@ -460,6 +460,16 @@ def test_decode_py_bad_input_is_an_error_line(decode_model, tmp_path, capsys, mo
     assert "Traceback" not in err and not (tmp_path / "out.jsonl").exists()
 
 
+def test_a_full_output_disk_is_named():
+    """A write the disk refuses (/dev/full: always ENOSPC) is an error naming the output, not an OSError."""
+    from sbd_jax.decoding.prompts import PromptFileError, write_row
+    f = open("/dev/full", "w")  # noqa: SIM115
+    with pytest.raises(PromptFileError, match=r"cannot write to the output '/dev/full': No space left on device"):
+        write_row(f, {"id": 0, "tokens": [1, 2]})
+    with pytest.raises(OSError):  # the refused bytes are still buffered (decode.py closes it quietly)
+        f.close()
+
+
 def test_decode_py_ctrl_c_exits_130_without_abort(decode_model, tmp_path):
     """SIGINT mid-decode: the message, exit 130, no native abort; every written row is complete."""
     inp = tmp_path / "in.jsonl"

@@ -173,6 +173,11 @@ def check_output_settings(path, settings: dict, *, resume: bool, allowed=(), pro
 
 
 def write_row(f, row: dict) -> None:
-    """One complete line per write, flushed before returning (a kill mid-line is cut off on resume)."""
-    f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    f.flush()
+    """One complete line per write, flushed before returning (a kill mid-line is cut off on resume); a failed write
+    (a full disk) is an error naming the output."""
+    try:
+        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        f.flush()
+    except OSError as e:
+        raise PromptFileError(f"cannot write to the output {f.name!r}: {e.strerror or e}; the rows written before "
+                              "are complete (--resume continues once there is room)") from None
