@@ -160,16 +160,17 @@ def record_fn(cfg: DataConfig, mode: str, tok):
 
     def sft_fn(batch):
         ids, n_prompt, status = [], [], []
-        for pr, re in zip(batch[cfg.prompt_field], batch[cfg.response_field]):
-            if not isinstance(pr, str) or not isinstance(re, str) or not re:
+        pairs = list(zip(batch[cfg.prompt_field], batch[cfg.response_field]))
+        usable = [isinstance(pr, str) and isinstance(re, str) and bool(re) for pr, re in pairs]
+        rendered = iter(_render_pairs(tok, [p for p, u in zip(pairs, usable) if u]) if use_template else ())
+        for (pr, re), ok in zip(pairs, usable):
+            if not ok:
                 ids.append([])
                 n_prompt.append(0)
                 status.append(1 if not isinstance(pr, str) or not isinstance(re, str) else 2)
                 continue
             if use_template:
-                user = [{"role": "user", "content": pr}]
-                p_text = tok.render_chat(user, True)
-                full = tok.render_chat(user + [{"role": "assistant", "content": re}], False)
+                p_text, full = next(rendered), next(rendered)
                 if not full.startswith(p_text):
                     raise DataError("the chat template's rendering of [user, assistant] does not start with its "
                                  "rendering of [user] + generation prompt; set data.chat_template=false")
@@ -182,6 +183,16 @@ def record_fn(cfg: DataConfig, mode: str, tok):
         return {"input_ids": ids, "n_prompt": n_prompt, "status": status}
 
     return text_fn if mode == "text" else sft_fn
+
+
+def _render_pairs(tok, pairs: list) -> list[str]:
+    """[user] + generation prompt, then [user, assistant], of each (prompt, response): one exchange with the chat
+    template renderer (sbd_jax/io/chat_worker.py) for the whole batch."""
+    chats = []
+    for pr, re in pairs:
+        user = [{"role": "user", "content": pr}]
+        chats += [(user, True), (user + [{"role": "assistant", "content": re}], False)]
+    return tok.render_chats(chats)
 
 
 def _file_id(path: str) -> list:
