@@ -230,18 +230,6 @@ def test_an_edited_adapter_config_is_refused(lora_run, tmp_path, key, value):
         load_adapter(adapter, sbd_jax.from_pretrained(lora_run[2])[0])
 
 
-def test_lora_on_a_random_base_saves_that_base(tmp_path, capsys):
-    """No model.init_from: the random base exists nowhere else, so it is exported beside the adapter (and said);
-    the adapter applies to it (fingerprint accepted)."""
-    cfg = load_config(TrainConfig, write_inputs(tmp_path), ["lora.rank=2", "steps=1", "checkpoint.export_hf=true",
-                                                            f"out_dir={tmp_path / 'run'}"])
-    train(cfg)
-    assert f"the base is saved to {tmp_path / 'run' / 'base'}" in capsys.readouterr().out
-    base_cfg, base = sbd_jax.from_pretrained(tmp_path / "run" / "base")
-    merged_cfg, _ = apply_adapter(base_cfg, base, tmp_path / "run" / "adapter")
-    assert merged_cfg.mask_token_id == 3
-
-
 def test_lora_rank_above_the_weights_is_refused():
     with pytest.raises(ConfigError, match=r"LoRA rank 17 is above what k \(32 in, 16 out\) can use: at most 16"):
         init_adapter(CFG, AdapterLayout(17, 8.0), jax.random.key(0), np_params(CFG))

@@ -75,18 +75,21 @@ def saved_steps(run_dir: Path) -> list[int]:
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_nonfinite_update_is_not_applied_or_saved_and_resume_works(inputs, lora):
     """lr=1e30 after a good checkpoint at step 2: stops at step 3 naming the update, saves nothing after step 2;
-    rerunning with a lower lr (allow_changes=[optim.lr]) resumes from step 2 and finishes finite."""
+    rerunning with a lower lr (allow_changes=[optim.lr]) resumes from step 2 and finishes finite (and LoRA on this
+    random base exports the base beside the adapter)."""
     extra = ["lora.rank=2"] if lora else []
     train(cfg_of(inputs, *extra), stop_after=2)
     run = Path(cfg_of(inputs).out_dir)
     with pytest.raises(NonFiniteStepError, match=r"step 3: the update .* not finite.*step 2 in .*optim\.lr="):
         train(cfg_of(inputs, *extra, "optim.lr=1e30", "allow_changes=[optim.lr]"))
     assert max(saved_steps(run)) == 2
-    if lora:  # resuming is the same code for both
-        return
-    res = train(cfg_of(inputs, *extra, "allow_changes=[optim.lr]"))
+    res = train(cfg_of(inputs, *extra, "allow_changes=[optim.lr]", "checkpoint.export_hf=true"))
     assert res.resumed_from == 2 and res.step == 4 and finite(res.params)
     assert [r["nonfinite"] for r in res.history] == [0, 0]
+    if lora:  # a random base (no model.init_from) exists nowhere else: exported beside the adapter, which applies
+        from sbd_jax.io.hf import from_pretrained
+        from sbd_jax.io.peft import apply_adapter
+        assert apply_adapter(*from_pretrained(run / "base"), run / "adapter")[0].mask_token_id == 3
 
 
 def test_a_diverged_checkpoint_is_not_called_good(inputs):
