@@ -78,10 +78,26 @@ def _lora_specs(spec: str) -> tuple[str, str]:
     return f"{lhs},{ins}{r}->{keep}{r}", f"{keep}{r},{r}{outs}->{out}"
 
 
+class Observed:
+    """A weight whose input activations are handed to `on_input` whenever it is multiplied: how GPTQ calibration
+    (sbd_jax/models/gptq.py) sees a layer's inputs. Eager forwards only (the activations go to the host)."""
+
+    def __init__(self, w, on_input):
+        self.w, self.on_input = w, on_input
+
+    def astype(self, dtype) -> Observed:
+        return Observed(self.w.astype(dtype), self.on_input)
+
+
 def project(spec: str, x, w):
     """`jnp.einsum(spec, x, w)` (spec: activations first, weight second); an int8 / fp8 weight (a qwix QArray) is
     multiplied by qwix in its quantized form, an `Int4Groups` dequantized into the product, and a `LoRAWeight`'s
     low-rank path is added to its base's product."""
+    if isinstance(w, Observed):
+        if isinstance(x, jax.core.Tracer):
+            raise ValueError("an Observed weight (GPTQ calibration) runs in an eager forward, not under jax.jit")
+        w.on_input(x)
+        w = w.w
     if isinstance(w, LoRAWeight):
         spec_a, spec_b = _lora_specs(spec)
         return project(spec, x, w.w) + jnp.einsum(spec_b, jnp.einsum(spec_a, x, w.a), w.b) * w.scale
