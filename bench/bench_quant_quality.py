@@ -6,6 +6,7 @@ KV cache (and with int8 weights + the int8 cache) next to the float32 model's fu
 tokens and where rows first differ (`--kv-prompts` prompts of 128 tokens, 64 new tokens each).
 
     .venv/bin/python bench/bench_quant_quality.py                 # -> bench/results/quant_quality_cpu.{md,json}
+    .venv/bin/python bench/bench_quant_quality.py --schemes "" --gptq fp8,int8 --windows 64 --out ...  # GPTQ rows
 
 Goals (issue 42): int8 <= 1% perplexity increase and >= 97% agreement; fp8 <= 2% / >= 94%; int4 <= 6% / >= 90%.
 """
@@ -47,6 +48,19 @@ def windows(tok: Tokenizer, n: int, width: int, per_module: int = 2) -> np.ndarr
         if len(out) >= n:
             return np.asarray(out[:n], np.int32)
     raise SystemExit(f"the held-out modules give only {len(out)} windows of {width} tokens")
+
+
+def calibration_windows(tok: Tokenizer, n: int, width: int) -> np.ndarray:
+    """[n, width] token windows from the corpus's *training* modules (never the held-out ones scored here), one per
+    module: GPTQ's calibration text."""
+    out = []
+    for m in corpus.load().train:
+        ids = tok.encode(m.source, add_special_tokens=False)
+        if len(ids) >= width:
+            out.append(ids[:width])
+        if len(out) == n:
+            return np.asarray(out, np.int32)
+    raise SystemExit(f"the training modules give only {len(out)} windows of {width} tokens")
 
 
 def scores(params, cfg, toks: np.ndarray, batch: int = 4, kv_cache_dtype=None):
@@ -92,6 +106,9 @@ def main():
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--kv-prompts", type=int, default=16)
+    ap.add_argument("--gptq", default="", help="schemes also quantized by GPTQ (e.g. fp8,int8); int8 also with the "
+                                               "int8 KV cache")
+    ap.add_argument("--calibration", type=int, default=16, help="GPTQ: calibration windows (training modules)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant_quality_cpu"))
     args = ap.parse_args()
     d = model_dir()
@@ -101,14 +118,23 @@ def main():
     base_ppl = float(np.exp(base_nll.mean()))
     rows = [{"scheme": "float32", "ppl": base_ppl, "ppl_increase_pct": 0.0, "agreement_pct": 100.0}]
     print(f"float32: ppl {base_ppl:.4f} over {base_nll.size} tokens ({len(toks)} windows of {args.window})")
-    for name in args.schemes.split(",") + ["int8 KV cache", "int8 + int8 KV cache"]:
+    gptq = [g for g in args.gptq.split(",") if g]
+    cal = calibration_windows(Tokenizer.load(d), args.calibration, args.window) if gptq else None
+    gptq_cache = {}
+    names = [n for n in args.schemes.split(",") if n] + ["int8 KV cache", "int8 + int8 KV cache"] * bool(args.schemes)
+    names += [f"{g} GPTQ" for g in gptq] + ["int8 GPTQ + int8 KV cache"] * ("int8" in gptq)
+    for name in names:
         kv = "int8" if name.endswith("KV cache") else None
         q = Quantization.of(name.split()[0]) if not name.startswith("int8 KV") else None
         t = time.perf_counter()
-        qp = quantize_params(params, cfg, q) if q else params
+        if "GPTQ" in name:
+            qp = gptq_cache.get(q.name) or gptq_cache.setdefault(q.name, quantize_params(params, cfg, q,
+                                                                                          calibration=cal))
+        else:
+            qp = quantize_params(params, cfg, q) if q else params
         nll, top = scores(qp, cfg, toks, kv_cache_dtype=kv)
         ppl = float(np.exp(nll.mean()))
-        label = (q.name if q else "float32") + (" + int8 KV cache" if kv else "")
+        label = (q.name if q else "float32") + (" GPTQ" if "GPTQ" in name else "") + (" + int8 KV cache" if kv else "")
         q = q or Quantization("int8")  # the KV cache's goal: int8's
         row = {"scheme": label, "ppl": ppl, "ppl_increase_pct": 100 * (ppl / base_ppl - 1),
                "agreement_pct": 100 * float(np.mean(top == base_top)), "seconds": time.perf_counter() - t}
@@ -125,8 +151,10 @@ def main():
                      f"{r.get('goal', '')} | {('met' if r['met'] else '**missed**') if 'met' in r else ''} |")
     md = "\n".join(lines) + f"\n\n{base_nll.size} tokens: {len(toks)} windows of {args.window} tokens from the " \
                             f"held-out stdlib modules (demos/real/corpus.py split; at most 2 per module), model {d.name}\n"
+    if gptq:
+        md += f"GPTQ calibration: {len(cal)} windows of {args.window} tokens, one per training module\n"
     kv = kv_rows(params, cfg, toks[:args.kv_prompts, :128], quantize_params(params, cfg, "int8")) \
-        if args.kv_prompts else []
+        if args.kv_prompts and args.schemes else []
     if kv:
         md += ("\n| greedy AR, 64 new tokens | identical tokens | rows identical | mean first difference |\n"
                "|---|---:|---:|---:|\n" + "".join(

@@ -3,6 +3,8 @@ their own values and scales (the error within the scheme's step), the quantized 
 holding those float64-dequantized weights, lossless decoding on quantized weights == that quantized model's AR
 (greedy and sampled; `generate` and continuous batching; sharded: tests/test_decoding_sharded.py), a LoRA adapter
 on a quantized base, quantizing while loading == quantizing after, and the errors that name the option or weight."""
+import json
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -282,3 +284,34 @@ def test_gptq_equals_its_reference_and_beats_rounding_on_the_calibration(params,
             assert err(mine) < err(rq), (name, li)
     with pytest.raises(ConfigError, match="GPTQ calibration is for int8 and fp8"):
         quantize_params(params, CFG, "int4-g8", calibration=ids)
+
+
+def test_quantize_cli_saves_the_gptq_model(params, tmp_path, capsys):
+    """python -m sbd_jax.io.quantize DIR OUT --quantize fp8 --calibration text.jsonl: OUT loads quantized with GPTQ's
+    values (not round-to-nearest's) on the same scales; too little calibration text is an error line."""
+    from sbd_jax.io import quantize as cli
+    from sbd_jax.io.tokenizer import Tokenizer
+    src = sbd_jax.save_pretrained(CFG, params, tmp_path / "m")
+    words = [f"w{i}" for i in range(CFG.vocab_size - 1)]
+    from tokenizers import Tokenizer as HF
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    hf = HF(WordLevel({w: i for i, w in enumerate(["<unk>", *words])}, unk_token="<unk>"))
+    hf.pre_tokenizer = WhitespaceSplit()
+    hf.save(str(src / "tokenizer.json"))
+    rng = np.random.default_rng(1)
+    text = tmp_path / "cal.jsonl"
+    text.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, 40))}) + "\n" for _ in range(4)))
+    assert cli.main([str(src), str(tmp_path / "q"), "--quantize", "fp8", "--calibration", str(text),
+                     "--windows", "4", "--tokens", "32"]) == 0
+    cfg, got = sbd_jax.from_pretrained(tmp_path / "q")
+    assert cli.calibration_windows(text, Tokenizer.load(src), 4, 32).shape == (4, 32)
+    rtn = quantize_params(params, CFG, "fp8")  # GPTQ's values (checked above) on round-to-nearest's scales
+    for name in QUANTIZED:
+        g, r = got["layers"][name], rtn["layers"][name]
+        assert np.array_equal(g.scale, r.scale) and not np.array_equal(np.asarray(g.qvalue, np.float32),
+                                                                       np.asarray(r.qvalue, np.float32)), name
+    assert (tmp_path / "q" / "tokenizer.json").is_file()
+    assert cli.main([str(src), str(tmp_path / "q2"), "--quantize", "fp8", "--calibration", str(text),
+                     "--windows", "100"]) == 2
+    assert "holds 160 tokens; 100 windows of 512 need 51200" in capsys.readouterr().err
