@@ -32,6 +32,7 @@ from sbd_jax.decoding import generate  # noqa: E402
 from sbd_jax.io.hf import from_pretrained  # noqa: E402
 from sbd_jax.io.tokenizer import Tokenizer  # noqa: E402
 from sbd_jax.models import forward, init_cache  # noqa: E402
+from sbd_jax.models.gptq import gptq_params  # noqa: E402
 from sbd_jax.models.quant import Quantization, quantize_params  # noqa: E402
 
 GOALS = {"int8": (1.0, 97.0), "fp8": (2.0, 94.0), "int4": (6.0, 90.0)}  # max ppl increase %, min agreement %
@@ -128,8 +129,7 @@ def main():
         q = Quantization.of(name.split()[0]) if not name.startswith("int8 KV") else None
         t = time.perf_counter()
         if "GPTQ" in name:
-            qp = gptq_cache.get(q.name) or gptq_cache.setdefault(q.name, quantize_params(params, cfg, q,
-                                                                                          calibration=cal))
+            qp = gptq_cache.get(q.name) or gptq_cache.setdefault(q.name, gptq_params(params, cfg, q, cal))
         else:
             qp = quantize_params(params, cfg, q) if q else params
         nll, top = scores(qp, cfg, toks, kv_cache_dtype=kv)

@@ -258,12 +258,12 @@ def _obq_reference(W: np.ndarray, H: np.ndarray, scale: np.ndarray, grid) -> np.
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
 def test_gptq_equals_its_reference_and_beats_rounding_on_the_calibration(params, quantized, scheme):
-    """quantize_params(calibration=): the same scales and layout as round-to-nearest, values equal to a float64
-    reference of GPTQ's updates (exact grid values), and a smaller output error on the calibration activations."""
-    from sbd_jax.models.gptq import calibration_hessians
+    """gptq_params: the same scales and layout as round-to-nearest, values equal to a float64 reference of GPTQ's
+    updates (exact grid values), and a smaller output error on the calibration activations."""
+    from sbd_jax.models.gptq import calibration_hessians, gptq_params
     from sbd_jax.models.transformer import unstack_layers
     ids = np.random.default_rng(0).integers(0, CFG.vocab_size, (4, 24))
-    got = quantize_params(params, CFG, scheme, calibration=ids)
+    got = gptq_params(params, CFG, scheme, ids)
     rtn = quantized[scheme]
     H = calibration_hessians(unstack_layers(params), CFG, ids)
     grid = {"int8": lambda x: np.clip(np.round(x), -128, 127),
@@ -283,7 +283,7 @@ def test_gptq_equals_its_reference_and_beats_rounding_on_the_calibration(params,
             err = lambda G: np.trace((W - G * scale[:, None]) @ H[(li, name)] @ (W - G * scale[:, None]).T)  # noqa: E731
             assert err(mine) < err(rq), (name, li)
     with pytest.raises(ConfigError, match="GPTQ calibration is for int8 and fp8"):
-        quantize_params(params, CFG, "int4-g8", calibration=ids)
+        gptq_params(params, CFG, "int4-g8", ids)
 
 
 def test_quantize_cli_saves_the_gptq_model(params, tmp_path, capsys):

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..config import ConfigError
 from ..jsonlines import parse_object
+from ..models.gptq import gptq_params
 from ..models.quant import Quantization, quantize_params
 from .hf import from_pretrained, save_pretrained
 from .hf_layout import CheckpointError
@@ -61,7 +62,7 @@ def quantize_dir(model_dir, out_dir, quantize: str, *, calibration=None, windows
         raise ConfigError(f"{str(model_dir)!r} has no tokenizer.json to read the calibration text with")
     ids = None if calibration is None else calibration_windows(calibration, tok, windows, tokens)
     cfg, params = from_pretrained(model_dir)
-    params = quantize_params(params, cfg, q, calibration=ids)
+    params = quantize_params(params, cfg, q) if ids is None else gptq_params(params, cfg, q, ids)
     save_pretrained(cfg, params, out_dir)
     for f in [*(tok.files if tok else ()), model_dir / "generation_config.json"]:
         if Path(f).is_file():

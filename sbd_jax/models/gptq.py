@@ -6,7 +6,7 @@ loaded and multiplied like any other quantized weight (sbd_jax/models/quant.py).
 
   calibration_hessians(params, cfg, ids)      -> {(layer, name): H}, from an eager forward of the float model
   gptq_weight(w, name, H, q)                  -> the QArray of one projection's weight
-  gptq_params(params, cfg, q, ids)            -> every projection quantized so
+  gptq_params(params, cfg, q, ids)            -> every projection quantized so (quant.quantize_params' twin)
 
 The column loop is numpy float64 here: qwix.contrib.gptq_core unrolls it into one XLA program, whose compilation
 did not finish on CPU for a 1536-column weight (XLA's simplifier looped), and eagerly took over 10 minutes for
@@ -100,9 +100,12 @@ def _gptq(W: np.ndarray, H: np.ndarray, scale: np.ndarray, qtype) -> np.ndarray:
     return G
 
 
-def gptq_params(params: dict, cfg: ModelConfig, q: Quantization, ids) -> dict:
+def gptq_params(params: dict, cfg: ModelConfig, q: Quantization | str, ids) -> dict:
     """Every projection of `params` quantized by GPTQ on calibration windows `ids` [N, T], in the layout given
-    (stacked or `unstack_layers`' per-layer)."""
+    (stacked or `unstack_layers`' per-layer): `quantize_params`' result with GPTQ's values."""
+    q = Quantization.of(q)
+    if q.scheme == "int4":
+        raise ConfigError("GPTQ calibration is for int8 and fp8 (int4 groups are rounded to nearest)")
     stacked = not isinstance(params["layers"], (tuple, list))
     per = unstack_layers(params) if stacked else params
     H = calibration_hessians(per, cfg, ids)

@@ -141,18 +141,11 @@ def _int4_groups(w, tile) -> Int4Groups:
 quantize_jit = jax.jit(quantize_weight, static_argnames=("name", "q", "where"))
 
 
-def quantize_params(params: dict, cfg: ModelConfig, q: Quantization | str, *, delete: bool = False,
-                    calibration=None) -> dict:
+def quantize_params(params: dict, cfg: ModelConfig, q: Quantization | str, *, delete: bool = False) -> dict:
     """`params` with the projections of every layer quantized (stacked or `unstack_layers`' per-layer layout);
     `delete`: free each full-precision weight once quantized (the device then holds the quantized weights plus one
-    full-precision weight at most). `calibration`: token windows [N, T] of representative text; int8 / fp8 values
-    are then chosen by GPTQ (sbd_jax/models/gptq.py) instead of rounded to nearest, with the same scales."""
+    full-precision weight at most). Values rounded to nearest; calibrated by GPTQ: sbd_jax/models/gptq.py."""
     q = Quantization.of(q)
-    if calibration is not None:
-        if q.scheme == "int4":
-            raise ConfigError("GPTQ calibration is for int8 and fp8 (int4 groups are rounded to nearest)")
-        from .gptq import gptq_params
-        return gptq_params(params, cfg, q, calibration)
 
     def one(layer: dict, where: str) -> dict:
         out = dict(layer)
