@@ -186,3 +186,17 @@ def test_decode_py_on_a_locked_output_is_refused_before_loading(tmp_path, capsys
                     rf"other-host, pid 4242, started {re.escape(rec['started'])}, other.py\); lock file "
                     rf"{re.escape(repr(str(out) + '.lock'))}", err), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl.lock"]
+
+
+def test_an_output_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    """A read-only run directory (resuming on a filesystem mounted read-only, say): the lock, the first thing a run
+    writes, fails by name before anything else is tried."""
+    real_open = os.open
+
+    def read_only(path, flags, *a, **k):
+        if flags & os.O_CREAT:
+            raise OSError(30, "Read-only file system", str(path))
+        return real_open(path, flags, *a, **k)
+    monkeypatch.setattr(runlock.os, "open", read_only)
+    with pytest.raises(LockError, match=r"cannot create the lock file '.*train\.lock': Read-only file system"):
+        acquire(tmp_path / "train.lock", what="the training run")
