@@ -320,14 +320,18 @@ def test_errors_name_the_problem(tmp_path, tok_dir):
 
 
 def _counting(tok_dir):
-    """The tokenizer of tok_dir with its encode calls counted."""
+    """The tokenizer of tok_dir with the texts it encodes counted (one by one or in a batch)."""
     tk = Tokenizer.load(tok_dir)
-    calls, encode = [0], tk._encode
+    calls, encode, many = [0], tk._encode, tk._encode_many
 
     def counted(text, add_special_tokens):
         calls[0] += 1
         return encode(text, add_special_tokens)
-    tk._encode = counted
+
+    def counted_many(texts, add_special_tokens):
+        calls[0] += len(texts)
+        return many(texts, add_special_tokens)
+    tk._encode, tk._encode_many = counted, counted_many
     return tk, calls
 
 

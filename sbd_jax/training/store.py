@@ -149,9 +149,11 @@ def record_fn(cfg: DataConfig, mode: str, tok):
     eos = tok.eos_id if cfg.add_eos and not use_template else None
 
     def text_fn(batch):
+        texts = batch[cfg.text_field]
+        encoded = iter(tok.encode_batch([t for t in texts if isinstance(t, str) and t]))
         ids, status = [], []
-        for t in batch[cfg.text_field]:
-            x = tok.encode(t) if isinstance(t, str) and t else []
+        for t in texts:
+            x = next(encoded) if isinstance(t, str) and t else []
             if x and eos is not None and x[-1] != eos:
                 x.append(eos)
             ids.append(x)
@@ -159,26 +161,31 @@ def record_fn(cfg: DataConfig, mode: str, tok):
         return {"input_ids": ids, "n_prompt": [0] * len(ids), "status": status}
 
     def sft_fn(batch):
-        ids, n_prompt, status = [], [], []
         pairs = list(zip(batch[cfg.prompt_field], batch[cfg.response_field]))
         usable = [isinstance(pr, str) and isinstance(re, str) and bool(re) for pr, re in pairs]
-        rendered = iter(_render_pairs(tok, [p for p, u in zip(pairs, usable) if u]) if use_template else ())
+        kept = [p for p, u in zip(pairs, usable) if u]
+        if use_template:  # the prompt as rendered with the generation prompt, the response as the rest
+            rendered = _render_pairs(tok, kept)
+            p_texts, fulls = rendered[0::2], rendered[1::2]
+            if any(not f.startswith(p) for p, f in zip(p_texts, fulls)):
+                raise DataError("the chat template's rendering of [user, assistant] does not start with its "
+                                "rendering of [user] + generation prompt; set data.chat_template=false")
+            p_ids = tok.encode_batch(p_texts, False)
+            r_ids = tok.encode_batch([f[len(p):] for p, f in zip(p_texts, fulls)], False)
+        else:
+            p_ids = tok.encode_batch([pr for pr, _ in kept])
+            r_ids = [r + ([] if eos is None else [eos]) for r in tok.encode_batch([re for _, re in kept], False)]
+        encoded = iter(zip(p_ids, r_ids))
+        ids, n_prompt, status = [], [], []
         for (pr, re), ok in zip(pairs, usable):
             if not ok:
                 ids.append([])
                 n_prompt.append(0)
                 status.append(1 if not isinstance(pr, str) or not isinstance(re, str) else 2)
                 continue
-            if use_template:
-                p_text, full = next(rendered), next(rendered)
-                if not full.startswith(p_text):
-                    raise DataError("the chat template's rendering of [user, assistant] does not start with its "
-                                 "rendering of [user] + generation prompt; set data.chat_template=false")
-                p_ids, r_ids = tok.encode(p_text, False), tok.encode(full[len(p_text):], False)
-            else:
-                p_ids, r_ids = tok.encode(pr), tok.encode(re, False) + ([] if eos is None else [eos])
-            ids.append(p_ids + r_ids)
-            n_prompt.append(len(p_ids))
+            p, r = next(encoded)
+            ids.append(p + r)
+            n_prompt.append(len(p))
             status.append(0)
         return {"input_ids": ids, "n_prompt": n_prompt, "status": status}
 
