@@ -78,15 +78,17 @@ def _lora_specs(spec: str) -> tuple[str, str]:
     return f"{lhs},{ins}{r}->{keep}{r}", f"{keep}{r},{r}{outs}->{out}"
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("w",), meta_fields=("on_input",))
+@dataclasses.dataclass(frozen=True)
 class Observed:
-    """A weight whose input activations are handed to `on_input` whenever it is multiplied: how GPTQ calibration
-    (sbd_jax/models/gptq.py) sees a layer's inputs. Eager forwards only (the activations go to the host)."""
+    """A weight whose input activations are handed to `on_input` (on the host, `jax.debug.callback`) whenever it is
+    multiplied: how GPTQ calibration (sbd_jax/models/gptq.py) sees a layer's inputs, in a jitted forward."""
 
-    def __init__(self, w, on_input):
-        self.w, self.on_input = w, on_input
+    w: Any
+    on_input: Any
 
     def astype(self, dtype) -> Observed:
-        return Observed(self.w.astype(dtype), self.on_input)
+        return dataclasses.replace(self, w=self.w.astype(dtype))
 
 
 def project(spec: str, x, w):
@@ -94,9 +96,7 @@ def project(spec: str, x, w):
     multiplied by qwix in its quantized form, an `Int4Groups` dequantized into the product, and a `LoRAWeight`'s
     low-rank path is added to its base's product."""
     if isinstance(w, Observed):
-        if isinstance(x, jax.core.Tracer):
-            raise ValueError("an Observed weight (GPTQ calibration) runs in an eager forward, not under jax.jit")
-        w.on_input(x)
+        jax.debug.callback(w.on_input, x)
         w = w.w
     if isinstance(w, LoRAWeight):
         spec_a, spec_b = _lora_specs(spec)

@@ -4,7 +4,7 @@ folded into the columns not yet quantized through the inverse Hessian of the lay
 scale per output channel stays round-to-nearest's (qwix's absmax), so the result is an ordinary qwix QArray: saved,
 loaded and multiplied like any other quantized weight (sbd_jax/models/quant.py).
 
-  calibration_hessians(params, cfg, ids)      -> {(layer, name): H}, from an eager forward of the float model
+  calibration_hessians(params, cfg, ids)      -> {(layer, name): H}, from a forward of the float model
   gptq_weight(w, name, H, q)                  -> the QArray of one projection's weight
   gptq_params(params, cfg, q, ids)            -> every projection quantized so (quant.quantize_params' twin)
 
@@ -33,7 +33,8 @@ DAMP = 0.01  # of the mean diagonal, added to H's diagonal (the paper's dampenin
 
 def calibration_hessians(params: dict, cfg: ModelConfig, ids, *, batch: int = 4) -> dict:
     """H = X^T X (float64, [inputs, inputs]) of every projection's input activations X, over the token windows
-    `ids` [N, T] run through the float model (params in `unstack_layers`' per-layer layout), eagerly."""
+    `ids` [N, T] run through the float model (params in `unstack_layers`' per-layer layout; one compiled forward,
+    each projection's inputs handed to the host)."""
     from ..attention import clean_meta
     ids = np.asarray(ids, np.int32)
     if ids.ndim != 2 or ids.size == 0:
@@ -48,10 +49,15 @@ def calibration_hessians(params: dict, cfg: ModelConfig, ids, *, batch: int = 4)
     layers = tuple({**lp, **{n: Observed(lp[n], record((li, n))) for n in QUANTIZED}}
                    for li, lp in enumerate(params["layers"]))
     observed = {**params, "layers": layers}
-    for i in range(0, len(ids), batch):
-        x = jnp.asarray(ids[i:i + batch])
+
+    @jax.jit
+    def run(observed, x):
         B, T = x.shape
-        forward(observed, cfg, x, clean_meta(jnp.ones((B, T), jnp.int32), jnp.broadcast_to(jnp.arange(T), (B, T))))
+        meta = clean_meta(jnp.ones((B, T), jnp.int32), jnp.broadcast_to(jnp.arange(T), (B, T)))
+        return forward(observed, cfg, x, meta)[0].sum()
+    for i in range(0, len(ids), batch):
+        jax.block_until_ready(run(observed, jnp.asarray(ids[i:i + batch])))
+    jax.effects_barrier()  # every callback has run
     return hessians
 
 
