@@ -126,13 +126,14 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
         return None
 
 
-def _pid_alive(pid: int, start: int | None) -> bool:
-    """Whether `pid` names a live process on this machine (the same one, when its start time is known)."""
+def pid_alive(pid: int, start: int | None = None) -> bool:
+    """Whether `pid` names a live process on this machine (the same one, when its start time is known); a zombie
+    is not alive. Also what tells a killed GGUF conversion's leftovers (io/gguf_output.py)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # exists, owned by another user
+    except (PermissionError, OverflowError):  # exists, owned by another user / not a pid: counted alive
         pass
     stat = _proc_stat(pid)
     if stat is None:
@@ -152,7 +153,7 @@ def stale_reason(seen: Seen) -> str | None:
             return "no pid recorded"
         if pid == os.getpid():
             return None if rec.get("token") in _LIVE else "a lock this process no longer holds"
-        return None if _pid_alive(pid, rec.get("pid_start")) else "the process no longer exists"
+        return None if pid_alive(pid, rec.get("pid_start")) else "the process no longer exists"
     return f"no heartbeat for {seen.age:.0f} s" if seen.age > STALE_S else None
 
 

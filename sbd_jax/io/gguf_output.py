@@ -13,6 +13,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from ..runlock import pid_alive
 from .gguf_meta import GGUFError
 
 # In every directory convert() writes: the files it wrote (what `overwrite` may replace) and, in its temporary
@@ -91,13 +92,7 @@ def _alive(pid) -> bool:
     """Whether process `pid` may exist on this host (unknown counts as alive: its directory is kept)."""
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or os.name != "posix":
         return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError):  # EPERM: another user's live process
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def remove_leftovers(out_dir: Path) -> None:
