@@ -291,20 +291,39 @@ def test_missing_train_config_json_is_refused(trained, tmp_path, capsys):
     assert code == 0, err
 
 
+def interrupt_when(argv: list[str], ready, timeout: float = 120) -> tuple[int, str]:
+    """Run `python ARGV` (the repository as cwd), send it SIGINT once `ready()` holds -> (exit code, stderr). The
+    child starts with SIGINT handled, as at a terminal (a test runner started in the background ignores SIGINT, and
+    a Python started with it ignored never raises KeyboardInterrupt): a handler set here is reset to the default
+    in the child, an ignored signal stays ignored. Killed if the test fails first."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        p = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env, cwd=ROOT)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    try:
+        deadline = time.time() + timeout
+        while not ready():
+            assert p.poll() is None and time.time() < deadline, p.communicate()[1][-2000:]
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=timeout)
+        return p.returncode, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
 def test_ctrl_c_exits_130_without_abort(inputs):
     """SIGINT mid-run (checkpoint saves in flight): the message, exit 130, no native abort."""
     out = inputs.parent / "run"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config", str(inputs), "steps=100000",
-                          "checkpoint.every=1", "checkpoint.async_save=true"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    deadline = time.time() + 120
-    while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
-        assert p.poll() is None and time.time() < deadline, p.communicate()[1][-2000:]
-        time.sleep(0.05)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == 130, err[-3000:]
+    code, err = interrupt_when(
+        ["train.py", "--config", str(inputs), "steps=100000", "checkpoint.every=1", "checkpoint.async_save=true"],
+        lambda: (out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2)
+    assert code == 130, err[-3000:]
     assert "interrupted: the last complete checkpoint is intact" in err and "terminate called" not in err
 
 
@@ -478,16 +497,8 @@ def test_decode_py_ctrl_c_exits_130_without_abort(decode_model, tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"prompt_ids": [5 + i % 30, 7]}) + "\n" for i in range(20000)))
     out = tmp_path / "out.jsonl"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    p = subprocess.Popen([sys.executable, str(ROOT / "decode.py"), "--model", str(decode_model), "--input", str(inp),
-                          "--output", str(out), *DECODE_FLAGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env, cwd=ROOT)
-    deadline = time.time() + 120
-    while not (out.is_file() and out.stat().st_size):
-        assert p.poll() is None and time.time() < deadline, p.communicate()[1][-2000:]
-        time.sleep(0.05)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == 130, err[-3000:]
+    code, err = interrupt_when(["decode.py", "--model", str(decode_model), "--input", str(inp), "--output", str(out),
+                                *DECODE_FLAGS], lambda: out.is_file() and out.stat().st_size > 0)
+    assert code == 130, err[-3000:]
     assert "interrupted: every row in" in err and "terminate called" not in err
     assert all(json.loads(line)["tokens"] is not None for line in out.read_text().splitlines())
