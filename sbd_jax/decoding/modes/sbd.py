@@ -46,15 +46,20 @@ def first_call(state: LoopState, env: DecodeEnv, prompt_ids):
     return state, logits, h, cache, start, h_last
 
 
-def first_forward(state: LoopState, env: DecodeEnv, prompt_ids, start: int, width: int):
+def first_forward(state: LoopState, env: DecodeEnv, prompt_ids, start: int, width: int, used=None):
     """[the prompt's last piece (columns start..) CLEAN ; the first block's first `width` positions COPY] ->
-    (the copy positions' logits, None when width is 0; hidden states h; cache)."""
+    (the copy positions' logits, None when width is 0; hidden states h; cache). `used` (traced, <= width): only
+    the first `used` copy positions take part, the others are padding (the call computes what a `used`-wide one
+    would, in one program for every width)."""
     P = prompt_ids.shape[1]
     tokens, meta = prompt_ids[:, start:], prompt_meta(env.lengths, start, P - start)
     if width:
         ctok, cmeta = copy_window(state, env)
+        cmeta = jax.tree.map(lambda x: x[:, :width], cmeta)
+        if used is not None:
+            cmeta = cmeta._replace(segment=jnp.where(jnp.arange(width)[None] < used, cmeta.segment, 0))
         tokens = jnp.concatenate([tokens, ctok[:, :width]], axis=1)
-        meta = concat_meta(meta, jax.tree.map(lambda x: x[:, :width], cmeta))
+        meta = concat_meta(meta, cmeta)
     h, cache = forward(env.params, env.cfg, tokens, meta, state.cache, return_hidden=True)
     return (lm_head(env.params, env.cfg, h[:, P - start:]) if width else None), h, env.constrain(cache)
 

@@ -90,14 +90,16 @@ def check(state: LoopState, env: DecodeEnv, ar_BC) -> tuple[LoopState, jax.Array
     return restart(state, rejected & ~finished, g, env), put & ~rejected & ~finished
 
 
-def open_block(state: LoopState, env: DecodeEnv, logits_BwV, opened) -> LoopState:
+def open_block(state: LoopState, env: DecodeEnv, logits_BwV, opened, w=None) -> LoopState:
     """Rows `opened` (their block's first token is AR's, just placed) draft the block's other w - 1 positions from
-    the copy queries' logits at once; the block becomes the commit window the next call checks."""
-    w, b = logits_BwV.shape[1], state.block_offset
-    j = jnp.arange(w, dtype=jnp.int32)[None]
+    the copy queries' logits at once (w: all of them, or the first w, traced); the block becomes the commit window
+    the next call checks."""
+    b = state.block_offset
+    j = jnp.arange(logits_BwV.shape[1], dtype=jnp.int32)[None]
+    w = logits_BwV.shape[1] if w is None else w
     drawn = sampling.sample(logits_BwV, env.keys, b[:, None] + j, env.temp, top_k=env.spec.top_k,
                             top_p=env.spec.top_p, suppress=env.cfg.mask_token_id)
-    put = opened[:, None] & (j >= 1) & ((b[:, None] + j) < env.max_new[:, None])
+    put = opened[:, None] & (j >= 1) & (j < w) & ((b[:, None] + j) < env.max_new[:, None])
     pos = jnp.where(put, (env.lengths + b)[:, None] + j, state.seq.shape[1])
     seq = state.seq.at[jnp.arange(state.seq.shape[0])[:, None], pos].set(drawn, mode="drop")
     n = jnp.minimum(w, env.max_new - b)
@@ -214,16 +216,15 @@ def first(state: LoopState, env: DecodeEnv, prompt_ids) -> LoopState:
     with jax.named_scope("draft_policy"):
         kind = policy.choose(state, env)
 
-    def call(state, w):
-        logits, h, cache = sbd.first_forward(state, env, prompt_ids, start, w)
-        last = last_prompt_hidden(h, env.lengths, start, P, h_last)
-        tok = sampling.sample(lm_head(env.params, env.cfg, last), env.keys, jnp.zeros_like(env.lengths)[:, None],
-                              env.temp, top_k=env.spec.top_k, top_p=env.spec.top_p)
-        state, opened = check(state, env, tok)
-        state = open_block(state, env, logits, opened) if w else restart(state, opened, state.block_offset, env)
-        return state._replace(cache=cache)
-
-    state = jax.lax.switch(kind, [lambda s, w=w: call(s, w) for w in (0,) + env.spec.draft_widths], state)
+    # one call at the widest width; a narrower choice leaves the copy queries past it as padding
+    w = jnp.asarray((0,) + env.spec.draft_widths, jnp.int32)[kind]
+    logits, h, cache = sbd.first_forward(state, env, prompt_ids, start, max(env.spec.draft_widths), used=w)
+    last = last_prompt_hidden(h, env.lengths, start, P, h_last)
+    tok = sampling.sample(lm_head(env.params, env.cfg, last), env.keys, jnp.zeros_like(env.lengths)[:, None],
+                          env.temp, top_k=env.spec.top_k, top_p=env.spec.top_p)
+    state, opened = check(state, env, tok)
+    state = jax.lax.cond(w > 0, lambda s: open_block(s, env, logits, opened, w),
+                         lambda s: restart(s, opened, s.block_offset, env), state)._replace(cache=cache)
     state = since_wide(state, jnp.where(kind > 0, 0, state.mode_state.memory.since_wide + 1))
     return state._replace(nfe=state.nfe + ran.astype(jnp.int32), iters=state.iters + 1)
 
