@@ -25,7 +25,7 @@ A row is appended to --out (markdown) and its JSON twin (.json) as each config f
 
 --profile DIR: after the first config's timing, its step is compiled again without CUDA graphs
 (compiler option xla_gpu_enable_command_buffer="": the profiler does not see kernels inside a graph; the timed
-program is used if that compile fails) and 3 more steps (after one untraced warm-up) run under
+program is used if that compile fails) and 3 more steps (1 with --tiny; after one untraced warm-up) run under
 jax.profiler.trace(DIR). The top 25 device ops by total time (share of the device's busy time: the union of
 their intervals) and the busy / wall-clock ratio are printed and written to <out>_profile.md and the JSON
 ("profile"). On CPU the trace holds host threads only (XLA's worker threads are taken as the device).
@@ -181,7 +181,7 @@ def run_config(cfg, L: int, rows: int, args, profile_dir: Path | None = None) ->
     prof = None
     if profile_dir is not None:
         try:  # a failed profile (the profiler, the second compile's memory) keeps the timed row
-            state, prof = profile_steps(lowered, compiled, state, batch, profile_dir)
+            state, prof = profile_steps(lowered, compiled, state, batch, profile_dir, steps=1 if args.tiny else 3)
         except Exception as e:
             prof = {"text": f"profiling failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
     del state, metrics, compiled, lowered, step, batch
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU dry run of the same code path)")
     ap.add_argument("--out", default=None, help="markdown file (default $OUT/mfu.md, else bench/results/mfu.md)")
     ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="profile 3 more steps of the first config into DIR (see above); summary in <out>_profile.md")
+                    help="profile 3 more steps (--tiny: 1) of the first config into DIR (see above); summary in <out>_profile.md")
     args = ap.parse_args(argv)
     args.steps = args.steps or (2 if args.tiny else 10)
     rows = {s: r for s, (_, _, r) in SIZES.items()} | per_size(args.batch)
