@@ -206,9 +206,9 @@ def admit(state: LoopState, env: DecodeEnv) -> LoopState:
 
 
 def first(state: LoopState, env: DecodeEnv, prompt_ids) -> LoopState:
-    """NFE 1: [prompt CLEAN ; first block COPY, w positions], w the policy's first choice (0: no copy queries, an
-    AR call): AR's first token (from the last prompt token's query) opens the first block, whose other w - 1
-    positions the copy queries draft."""
+    """NFE 1: [prompt CLEAN ; first block COPY, w positions], w the policy's first choice (0: no copy query takes
+    part, an AR call): AR's first token (from the last prompt token's query) opens the first block, whose other
+    w - 1 positions the copy queries draft. One program for every w: the call is as wide as the widest choice."""
     P = prompt_ids.shape[1]
     ran = ~state.done
     state, start, h_last = prefill(state, env, prompt_ids)
