@@ -306,7 +306,9 @@ def interrupt_when(argv: list[str], ready, timeout: float = 120) -> tuple[int, s
     try:
         deadline = time.time() + timeout
         while not ready():
-            assert p.poll() is None and time.time() < deadline, p.communicate()[1][-2000:]
+            if p.poll() is not None or time.time() > deadline:  # ended early, or never ready: killed first, so
+                p.kill()                                         # reading its stderr cannot wait on a live child
+                raise AssertionError(f"not ready (exit {p.wait()}): {p.communicate()[1][-2000:]}")
             time.sleep(0.05)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=timeout)
