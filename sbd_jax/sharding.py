@@ -96,7 +96,16 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, rules=None) -> dict:
 
 
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, rules=None) -> dict:
-    return jax.device_put(params, param_shardings(cfg, mesh, rules))
+    """`params` laid out by the rules; an attached (copy-only) LoRA weight's base as its weight, its small A and B
+    replicated."""
+    from .models.adapted import LoRAWeight
+
+    def put(x, sh):
+        if isinstance(x, LoRAWeight):
+            return dataclasses.replace(x, w=jax.device_put(x.w, sh), a=jax.device_put(x.a, NamedSharding(mesh, P())),
+                                       b=jax.device_put(x.b, NamedSharding(mesh, P())))
+        return jax.device_put(x, sh)
+    return jax.tree.map(put, params, param_shardings(cfg, mesh, rules), is_leaf=lambda x: isinstance(x, LoRAWeight))
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2, batch_size: int | None = None) -> NamedSharding:

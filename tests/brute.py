@@ -128,7 +128,7 @@ def brute_force_generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_leng
             last = lengths + gen - 1
             logits = jnp.take_along_axis(_forward(params, seq, meta, cfg=cfg), jnp.asarray(last)[:, None, None], 1)
         index = jnp.asarray(nfe) if mode == "sbd" else jnp.asarray(gen)[:, None]  # AR: keyed by token index
-        h, drawn = score(logits, keys, index, temp, suppress=cfg.mask_token_id if mode == "sbd" else None)
+        h, drawn = score(logits, keys, index, temp, suppress=cfg.mask_token_id)
         h, drawn = np.asarray(h), np.asarray(drawn)
         for b in range(B):
             if done[b] or held[b]:
@@ -230,7 +230,7 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
         logits = _forward(params, np.concatenate([seq, np.full((B, k), cfg.mask_token_id, np.int32)], 1), meta,
                           cfg=cfg)
         ar_all = np.asarray(score(logits[:, :W], keys, jnp.asarray(cols - lengths[:, None] + 1), temp,
-                                  suppress=None)[1])            # AR's token at column + 1
+                                  suppress=cfg.mask_token_id)[1])            # AR's token at column + 1
         drawn = np.asarray(score(logits[:, W:], keys, jnp.asarray(pos_c - lengths[:, None]), temp,
                                  suppress=cfg.mask_token_id)[1])
         C = max(w, 1)                                           # clean queries this call: AR 1, a width w

@@ -128,12 +128,16 @@ def test_peft_loads_the_export_with_the_same_logits(case, hf_ref, tmp_path):
     np.testing.assert_allclose(forward(merged, cfg2, tokens, causal_meta(jnp.array([20, 20]), 20))[0], ours, atol=1e-5)
 
 
-def test_lora_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("copy_only", [False, True])
+def test_lora_resume_is_exact(tmp_path, copy_only):
     """A LoRA run (mask token added, base held in bf16) stopped and resumed == the same run straight: per-step
-    metrics and the final adapter identical. Its checkpoints hold the adapter and the base's fingerprint."""
+    metrics and the final adapter identical. Its checkpoints hold the adapter and the base's fingerprint. Also for
+    a copy-only adapter with the draft recipe's options (all-masked blocks, decayed position weights)."""
     cfg_path = write_inputs(tmp_path)
     over = ["lora.rank=4", "lora.base_dtype=bfloat16", "model.config.mask_token_id=null", "model.add_mask_token=true",
             "steps=8", "checkpoint.every=4", "checkpoint.export_hf=false"]
+    if copy_only:
+        over += ["lora.copy_only=true", "sbd.eta=[1.0, 1.0]", "sbd.position_decay=0.8"]
     straight = train(load_config(TrainConfig, cfg_path, over + [f"out_dir={tmp_path / 'a'}"]))
     cfg = load_config(TrainConfig, cfg_path, over + [f"out_dir={tmp_path / 'b'}"])
     first = train(cfg, stop_after=4)
@@ -141,7 +145,9 @@ def test_lora_resume_is_exact(tmp_path):
     assert second.resumed_from == 4 and second.step == 8 and straight.step_compilations == 1
     assert per_step(first.history + second.history) == per_step(straight.history)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(straight.params), jax.device_get(second.params))
-    assert set(straight.params) == {"layers", "mask_embed", "mask_head"}  # the adapter, not the model
+    # the adapter, not the model (a copy-only one has no lm_head row: the mask row is an input only)
+    assert set(straight.params) == {"layers", "mask_embed"} | (set() if copy_only else {"mask_head"})
+    assert all((h["ntp_loss"] == 0.0) == copy_only for h in straight.history)
     meta = Checkpointer(tmp_path / "b" / "checkpoints").restore_meta(8)
     assert re.fullmatch(r"sha256:[0-9a-f]{16}", meta["base_fingerprint"]), meta
     assert straight.history[-1]["matp_loss"] < straight.history[0]["matp_loss"]

@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 from ..config import ConfigError, ModelConfig
 from ..jsonlines import read_object
 from ..models.fingerprint import base_fingerprint
-from ..models.lora import LORA_TARGETS, AdapterLayout, adapter_specs, merge, target_spec
+from ..models.lora import LORA_TARGETS, AdapterLayout, adapter_specs, attach_copy_only, merge, target_spec
 from .hf import CheckpointError, atomic_write, host_value
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS, SBD_INFO = "adapter_config.json", "adapter_model.safetensors", "sbd_adapter.json"
@@ -93,7 +93,7 @@ def save_adapter(out_dir: str | os.PathLike, cfg: ModelConfig, layout: AdapterLa
             "inference_mode": True, "modules_to_save": None, "trainable_token_indices": tokens}
     info = {"format": 1, "base_fingerprint": fingerprint, "base_model": base_name,
             "base_vocab_size": cfg.vocab_size - added, "mask_token_id": cfg.mask_token_id,
-            "trained_as": {k: conf[k] for k in TRAINED_AS}}
+            "trained_as": {k: conf[k] for k in TRAINED_AS}, "copy_only": layout.copy_only}
     for fname, d in ((ADAPTER_CONFIG, conf), (SBD_INFO, info)):
         atomic_write(out_dir / fname, lambda p, d=d: Path(p).write_text(json.dumps(d, indent=2) + "\n"))
     return out_dir
@@ -194,6 +194,9 @@ def load_adapter(adapter_dir: str | os.PathLike, cfg: ModelConfig) -> LoadedAdap
     conf = _read_json(path / ADAPTER_CONFIG, True)
     layout = _layout(conf, path / ADAPTER_CONFIG)
     info = _read_json(path / SBD_INFO, False)
+    if not isinstance(info.get("copy_only", False), bool):
+        raise CheckpointError(f"{str(path / SBD_INFO)!r}: copy_only must be true or false, got {info['copy_only']!r}")
+    layout = dataclasses.replace(layout, copy_only=info.get("copy_only", False))
     _check_trained_as(conf, info, path)
     if info.get("base_vocab_size", cfg.vocab_size) != cfg.vocab_size:
         raise CheckpointError(f"adapter {str(path)!r} was made for a base with vocab_size {info['base_vocab_size']}, "
@@ -209,14 +212,19 @@ def load_adapter(adapter_dir: str | os.PathLike, cfg: ModelConfig) -> LoadedAdap
 def apply_adapter(cfg: ModelConfig, params: dict, adapter_dir: str | os.PathLike, *,
                   model_dir: str | os.PathLike | None = None) -> tuple[ModelConfig, dict]:
     """Merge the adapter in `adapter_dir` into `params` (the base, stacked layout; its target weights are consumed)
-    -> (config with the adapter's vocabulary and mask token id, merged params). Refuses a base whose fingerprint is
-    not the one the adapter was trained on, naming both. Every process must call it."""
+    -> (config with the adapter's vocabulary and mask token id, merged params); a copy-only adapter (sbd_adapter.json
+    "copy_only") is attached unmerged instead (`attach_copy_only`: clean tokens run the base). Refuses a base whose
+    fingerprint is not the one the adapter was trained on, naming both. Every process must call it."""
     loaded = load_adapter(adapter_dir, cfg)
     if loaded.fingerprint is not None and (fp := base_fingerprint(params)) != loaded.fingerprint:
         made = loaded.info.get("base_model") or "a base not named"
         raise CheckpointError(f"adapter {str(loaded.path)!r} was trained on base weights {loaded.fingerprint} ({made}); "
                               f"the model{f' in {str(model_dir)!r}' if model_dir else ''} has {fp}: load the adapter "
                               "onto the base it was made for")
-    merged = merge(params, loaded.tensors, loaded.layout, delete=True)
+    if loaded.layout.copy_only:
+        tensors = jax.tree.map(lambda x: jnp.asarray(x, jnp.dtype(cfg.param_dtype)), loaded.tensors)
+        merged = attach_copy_only(params, tensors, loaded.layout)
+    else:
+        merged = merge(params, loaded.tensors, loaded.layout, delete=True)
     mask = loaded.info.get("mask_token_id", cfg.mask_token_id)
     return dataclasses.replace(cfg, vocab_size=merged["embed"].shape[0], mask_token_id=mask), merged

@@ -15,28 +15,37 @@ import qwix
 from qwix import QArray
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("w", "a", "b"), meta_fields=("scale",))
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("w", "a", "b", "gate"),
+                   meta_fields=("scale", "copy_only"))
 @dataclasses.dataclass(frozen=True)
 class LoRAWeight:
     """A frozen weight `w` (its einsum's in dims, then out dims) plus A [in dims..., r] and B [r, out dims...]:
-    x @ W_eff = x @ w + scale * (x @ A) @ B, with W_eff = w + scale * A @ B never formed."""
+    x @ W_eff = x @ w + scale * (x @ A) @ B, with W_eff = w + scale * A @ B never formed.
+
+    `copy_only`: the low-rank path applies to copy-stream (mask) tokens only, so clean tokens run the base model
+    exactly; the forward sets `gate` (bool [B, T], True on copy tokens) per call (`gated`)."""
 
     w: Any
     a: Any
     b: Any
     scale: float
+    copy_only: bool = False
+    gate: Any = None
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("w", "value"), meta_fields=("index", "axis"))
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("w", "value"),
+                   meta_fields=("index", "axis", "input_only"))
 @dataclasses.dataclass(frozen=True)
 class RowPatch:
     """A frozen vocabulary matrix `w` (embedding [V, D]: axis 0; untied lm_head [D, V]: axis 1) whose entry `index`
-    along `axis` reads `value` [D] instead: the added mask token's trainable row."""
+    along `axis` reads `value` [D] instead: the added mask token's trainable row. `input_only`: only the embedding
+    lookup reads it; a tied head keeps the base's row (a copy-only adapter leaves every logit of the base)."""
 
     w: Any
     value: Any
     index: int
     axis: int
+    input_only: bool = False
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("q", "scale", "low"), meta_fields=("axis",))
@@ -100,7 +109,14 @@ def project(spec: str, x, w):
         w = w.w
     if isinstance(w, LoRAWeight):
         spec_a, spec_b = _lora_specs(spec)
-        return project(spec, x, w.w) + jnp.einsum(spec_b, jnp.einsum(spec_a, x, w.a), w.b) * w.scale
+        base = project(spec, x, w.w)
+        delta = jnp.einsum(spec_b, jnp.einsum(spec_a, x, w.a), w.b) * w.scale
+        if not w.copy_only:
+            return base + delta
+        if w.gate is None:
+            raise ValueError("a copy-only LoRA weight multiplied outside a forward that sets its gate (`gated`)")
+        gate = w.gate.reshape(w.gate.shape + (1,) * (base.ndim - w.gate.ndim))
+        return jnp.where(gate, base + delta, base)  # clean tokens: the base's product, bit for bit
     if isinstance(w, QArray | Int4Groups):
         # tied to the activations, a weight's dequantization runs when its layer does: without, XLA may schedule
         # every layer's (or hoist it out of the decode loop), a full-precision copy of the model beside it
@@ -121,12 +137,32 @@ def embed_rows(w, tokens_BT):
 
 def head_logits(spec: str, h_BTD, w, dtype):
     """Logits [B, T, V] in `dtype` (spec "btd,vd->btv" for a tied head, "btd,dv->btv" for lm_head); a `RowPatch`'s
-    entry is the logit of its own row."""
+    entry is the logit of its own row (not an `input_only` one's)."""
+    if isinstance(w, RowPatch) and w.input_only:
+        w = w.w
     if not isinstance(w, RowPatch):
         return jnp.einsum(spec, h_BTD, w, preferred_element_type=dtype)
     logits = jnp.einsum(spec, h_BTD, w.w, preferred_element_type=dtype)
     own = jnp.einsum("btd,d->bt", h_BTD, w.value, preferred_element_type=dtype)
     return logits.at[..., w.index].set(own)
+
+
+def has_copy_only(tree) -> bool:
+    """Whether `tree` holds a copy-only LoRA weight (the forward then gates it per token)."""
+    return any(isinstance(x, LoRAWeight) and x.copy_only
+               for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LoRAWeight)))
+
+
+def gated(tree, copy_BT):
+    """`tree` with every copy-only LoRA weight's gate set to `copy_BT` (bool [B, T]: the call's copy tokens)."""
+    return jax.tree.map(lambda x: dataclasses.replace(x, gate=copy_BT) if isinstance(x, LoRAWeight) and x.copy_only
+                        else x, tree, is_leaf=lambda x: isinstance(x, LoRAWeight))
+
+
+def base_of(tree):
+    """`tree` without its LoRA paths: each LoRAWeight's frozen weight."""
+    return jax.tree.map(lambda x: x.w if isinstance(x, LoRAWeight) else x, tree,
+                        is_leaf=lambda x: isinstance(x, LoRAWeight))
 
 
 def cast_floats(tree, dtype):

@@ -33,12 +33,17 @@ _SPECS = {s.name.removeprefix("layers/"): s for s in PARAM_SPECS}
 @dataclasses.dataclass(frozen=True)
 class AdapterLayout:
     """What an adapter holds: rank r, alpha (scale alpha / r), the target weights (LORA_TARGETS keys) and the added
-    mask token whose embedding row (and untied lm_head column) trains (None: no token was added)."""
+    mask token whose embedding row (and untied lm_head column) trains (None: no token was added).
+
+    `copy_only`: the adapter applies to copy-stream (mask) tokens only, and the mask row only as an input: clean
+    tokens run the base model bit for bit, so AR decoding and lossless (verify) output are the base's own, and the
+    clean half of a training example needs no backward pass. Such an adapter cannot be merged into the weights."""
 
     rank: int
     alpha: float
     targets: tuple[str, ...] = tuple(LORA_TARGETS)
     mask_row: int | None = None
+    copy_only: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "targets", tuple(self.targets))
@@ -105,7 +110,7 @@ def adapter_specs(cfg: ModelConfig, layout: AdapterLayout) -> dict:
             raise ConfigError(f"the adapter's mask token row {layout.mask_row} is outside the vocabulary "
                               f"[0, {cfg.vocab_size})")
         tree["mask_embed"] = AdapterSpec("mask_embed", ("embed",), (cfg.hidden_size,), "row", _SPECS["embed"])
-        if not cfg.tie_word_embeddings:
+        if not cfg.tie_word_embeddings and not layout.copy_only:
             tree["mask_head"] = AdapterSpec("mask_head", ("embed",), (cfg.hidden_size,), "row", _SPECS["lm_head"])
     return tree
 
@@ -135,10 +140,10 @@ def attach(base: dict, adapter: dict, layout: AdapterLayout) -> dict:
     (and untied lm_head column) a RowPatch. Nothing is merged: the forward adds (x @ A) @ B * scale per weight."""
     layers = dict(base["layers"])
     for name, ab in adapter["layers"].items():
-        layers[name] = LoRAWeight(layers[name], ab["a"], ab["b"], layout.scale)
+        layers[name] = LoRAWeight(layers[name], ab["a"], ab["b"], layout.scale, layout.copy_only)
     out = {**base, "layers": layers}
     if "mask_embed" in adapter:
-        out["embed"] = RowPatch(base["embed"], adapter["mask_embed"], layout.mask_row, 0)
+        out["embed"] = RowPatch(base["embed"], adapter["mask_embed"], layout.mask_row, 0, layout.copy_only)
     if "mask_head" in adapter:
         out["lm_head"] = RowPatch(base["lm_head"], adapter["mask_head"], layout.mask_row, 1)
     return out
@@ -168,6 +173,9 @@ def put_row(w, value, index: int, axis: int):
 def merge(base: dict, adapter: dict, layout: AdapterLayout, *, delete: bool = False) -> dict:
     """Plain parameters with the adapter folded in: W_eff per target weight, the mask row (and untied lm_head
     column) written. `delete`: free each base weight once its merged copy exists (peak: the weights plus one)."""
+    if layout.copy_only:
+        raise ConfigError("a copy-only LoRA adapter applies to copy-stream tokens only, so no merged weights "
+                          "express it: attach it instead (`attach_copy_only`)")
     layers = dict(base["layers"])
     for name, ab in adapter["layers"].items():
         old = layers[name]
@@ -179,3 +187,14 @@ def merge(base: dict, adapter: dict, layout: AdapterLayout, *, delete: bool = Fa
         if key in adapter:
             out[target] = put_row(base[target], adapter[key], layout.mask_row, axis)
     return out
+
+
+def attach_copy_only(base: dict, adapter: dict, layout: AdapterLayout) -> dict:
+    """The tree decoding runs for a copy-only adapter: the base (its vocabulary grown by the mask row when the
+    adapter added it, that row being the adapter's) with each target weight a gated LoRAWeight."""
+    out = dict(base)
+    if "mask_embed" in adapter:
+        out["embed"] = put_row(base["embed"], adapter["mask_embed"], layout.mask_row, 0)
+        if "lm_head" in base:
+            out["lm_head"] = put_row(base["lm_head"], adapter["mask_embed"] * 0, layout.mask_row, 1)
+    return attach(out, {"layers": adapter["layers"]}, layout)

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from ..attention import TokenMeta, attention, attention_parts, clean_meta, concat_meta
-from ..attention.mask import CLEAN
+from ..attention.mask import CLEAN, COPY
 from ..config import ModelConfig
-from .adapted import cast_floats, embed_rows, head_logits, project
+from .adapted import base_of, cast_floats, embed_rows, gated, has_copy_only, head_logits, project
 from .layers import apply_rope, rms_norm, rope_inv_freq, swiglu
 
 
@@ -185,6 +185,43 @@ def _read_kv(arrays: tuple, li, dt):
     return k.astype(dt) * sk[..., None].astype(dt), v.astype(dt) * sv[..., None].astype(dt)
 
 
+def _qkv(cfg: ModelConfig, inv_freq, h_BTD, p, meta: TokenMeta):
+    """A layer's queries, keys and values (RoPE applied) for hidden states `h_BTD`."""
+    x = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = (project("btd,dhk->bthk", x, p[w]) for w in ("wq", "wk", "wv"))
+    if cfg.attention_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    return (*(apply_rope(t, meta.position, inv_freq) for t in (q, k)), v)
+
+
+def _finish(cfg: ModelConfig, h_BTD, o, p):
+    """The attention output projected and added, then the MLP block."""
+    h_BTD = h_BTD + project("bthk,hkd->btd", o, p["wo"]) + (p["bo"] if cfg.attention_bias else 0)
+    with jax.named_scope("mlp"):
+        x = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
+        return h_BTD + swiglu(x, p["w_gate"], p["w_up"], p["w_down"])
+
+
+def _frozen_clean_layer(cfg: ModelConfig, inv_freq, h_BTD, p, meta: TokenMeta, P: int):
+    """[x ; x_hat] under a copy-only adapter: the clean half (first P tokens) is the base model's own computation,
+    which no trainable weight reaches, so it runs without the adapter and outside the gradient (no backward pass);
+    the copy half runs with the adapter and attends the clean half's K/V and its own."""
+    head, tail = (meta.take((slice(None), s)) for s in (slice(None, P), slice(P, None)))
+    pb, px = base_of(p), gated(p, tail.stream == COPY)
+    hc, hx = jax.lax.stop_gradient(h_BTD[:, :P]), h_BTD[:, P:]
+    with jax.named_scope("attention"):
+        qc, kc, vc = jax.lax.stop_gradient(_qkv(cfg, inv_freq, hc, pb, head))
+        qx, kx, vx = _qkv(cfg, inv_freq, hx, px, tail)
+        oc = attention(qc, kc, vc, head, head, impl=cfg.attention_impl)
+        ox = attention(qx, jnp.concatenate([kc, kx], 1), jnp.concatenate([vc, vx], 1), tail, meta,
+                       impl=cfg.attention_impl)
+    hc = jax.lax.stop_gradient(_finish(cfg, hc, oc, pb))
+    return jnp.concatenate([hc, _finish(cfg, hx, ox, px)], axis=1)
+
+
 _REMAT = {"full": None, "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
@@ -193,15 +230,13 @@ def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, wri
            kv_meta: tuple[TokenMeta, TokenMeta, TokenMeta] | None, clean_prefix: int | None = None):
     dt = jnp.dtype(cfg.dtype)
     p = cast_floats(lp, dt)
+    copy_only = has_copy_only(p)
+    if copy_only and cache_kv is None and clean_prefix:
+        return _frozen_clean_layer(cfg, inv_freq, h_BTD, p, meta, clean_prefix), None
+    if copy_only:
+        p = gated(p, meta.stream == COPY)
     with jax.named_scope("attention"):
-        x = rms_norm(h_BTD, p["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = (project("btd,dhk->bthk", x, p[w]) for w in ("wq", "wk", "wv"))
-        if cfg.attention_bias:
-            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-        if cfg.qk_norm:
-            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-        q, k = (apply_rope(t, meta.position, inv_freq) for t in (q, k))
+        q, k, v = _qkv(cfg, inv_freq, h_BTD, p, meta)
         if cache_kv is None:
             new_cache_kv = None
             if clean_prefix:
@@ -224,11 +259,7 @@ def _layer(cfg: ModelConfig, inv_freq, h_BTD, lp, meta: TokenMeta, cache_kv, wri
             cache_kv_meta, window_kv_meta, full_meta = kv_meta
             o = attention_parts(q, [(ck, cv, cache_kv_meta), (k, v, window_kv_meta)], meta, impl=cfg.attention_impl,
                                 kv_meta=full_meta)
-        h_BTD = h_BTD + project("bthk,hkd->btd", o, p["wo"]) + (p["bo"] if cfg.attention_bias else 0)
-    with jax.named_scope("mlp"):
-        x = rms_norm(h_BTD, p["mlp_norm"], cfg.rms_norm_eps)
-        h_BTD = h_BTD + swiglu(x, p["w_gate"], p["w_up"], p["w_down"])
-    return h_BTD, new_cache_kv
+    return _finish(cfg, h_BTD, o, p), new_cache_kv
 
 
 def forward(params: dict, cfg: ModelConfig, tokens_BT, meta: TokenMeta, cache: KVCache | None = None,

@@ -129,6 +129,10 @@ class LoRAConfig:
     targets: tuple[str, ...] = tuple(LORA_TARGETS)  # of q, k, v, o (attention), gate, up, down (MLP)
     base_dtype: str | None = None  # dtype the frozen base is held in (null: model.param_dtype); bfloat16 halves it
     export_merged: bool = False  # also write the merged full model to <out_dir>/hf (the adapter goes to adapter/)
+    # the adapter (and the mask row) applies to copy-stream tokens only: the clean stream is the base model bit for
+    # bit, so the NTP term is dropped (nothing to learn), the clean half runs without a backward pass, and lossless
+    # decoding returns the base model's own AR output (sbd_jax/models/lora.py AdapterLayout)
+    copy_only: bool = False
 
     def __post_init__(self):
         require(self.rank >= 1, f"lora.rank must be >= 1, got {self.rank}")
@@ -138,13 +142,36 @@ class LoRAConfig:
                 f"lora.targets must be distinct names among {list(LORA_TARGETS)}, got {list(self.targets)}")
         require(self.base_dtype in (None, "float32", "bfloat16", "float16"),
                 f"lora.base_dtype must be float32, bfloat16 or float16 (or null), got {self.base_dtype!r}")
+        require(not (self.copy_only and self.export_merged), "lora.copy_only adapters apply to copy tokens only and "
+                "cannot be merged into full weights: set lora.export_merged=false")
 
     def layout(self, mask_row: int | None = None) -> AdapterLayout:
         """The adapter this section trains; `mask_row`: the id of a mask token added to the vocabulary."""
-        return AdapterLayout(self.rank, float(self.alpha), self.targets, mask_row)
+        return AdapterLayout(self.rank, float(self.alpha), self.targets, mask_row, self.copy_only)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftEvalConfig:
+    """The `draft_eval` section: every `every` steps (and at the last), the draft-quality metric
+    (sbd_jax/training/draft_quality.py) on held-out {"prompt_ids", "response_ids"} records, appended to
+    <out_dir>/draft_quality.jsonl with the training seconds so far. null path: off."""
+
+    path: str | None = None
+    every: int = 100
+    rows: int = 8  # records used (one forward over all of them)
+    block_size: int = 16
+    prompt_len: int = 192  # prompts left-truncated to this many tokens
+    cont_len: int = 128  # continuations cut to this many tokens
+
+    def __post_init__(self):
+        for key in ("every", "rows", "prompt_len", "cont_len"):
+            require(getattr(self, key) >= 1, f"draft_eval.{key} must be >= 1, got {getattr(self, key)}")
+        require(2 <= self.block_size <= self.cont_len,
+                f"draft_eval.block_size must be in [2, cont_len={self.cont_len}], got {self.block_size}")
 
 
 RESUME_NEUTRAL = ("out_dir", "progress", "log_every", "allow_changes", "loss_chunk", "checkpoint.", "mesh.",
+                  "draft_eval.",
                   "data.store_dir", "data.num_proc", "data.cache_dir", "data.max_drop_share",
                   "model.scan_unroll", "model.remat", "model.attention_impl", "lora.export_merged")
 
@@ -158,6 +185,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     lora: LoRAConfig | None = None  # LoRA fine-tuning (e.g. lora.rank=16); null: every weight trains
+    draft_eval: DraftEvalConfig = DraftEvalConfig()
     out_dir: str = "runs/sbd"
     steps: int = 1000
     batch_size: int = 8  # global rows of L tokens per optimizer step
@@ -178,6 +206,8 @@ class TrainConfig:
                 f"of optim.grad_accum ({self.optim.grad_accum})")
         require(self.loss_chunk is None or self.loss_chunk >= 0, f"loss_chunk must be >= 0 (or null), got {self.loss_chunk}")
         spec = self.step_options()  # validates the example options
+        require(not (self.lora is not None and self.lora.copy_only and spec.ntp_only),
+                "lora.copy_only trains the copy stream only: it has nothing to train with sbd.ntp_only")
         block, largest = ("sbd.k_max", spec.k_max) if spec.block_size is None else ("sbd.block_size", spec.block_size)
         for key, n in (("data.seq_len", self.data.seq_len), ("data.copy_len", self.data.copy_len)):
             require(spec.ntp_only or n is None or n >= largest, f"{key} ({n}) is shorter than {block} ({largest}): "

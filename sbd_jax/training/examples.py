@@ -52,15 +52,16 @@ def sample_block_size(key, k_max: int, fixed: int | None = None):
     return jax.random.randint(key, (), 2, k_max + 1, dtype=jnp.int32) if fixed is None else jnp.int32(fixed)
 
 
-def sample_masked(key, batch: PackedBatch):
-    """bool [B, L]: which tokens of x_hat become `<m>`. eta ~ U[0,1) per document, each counted token
-    masked independently with probability eta; prompt and padding tokens never."""
+def sample_masked(key, batch: PackedBatch, eta=(0.0, 1.0)):
+    """bool [B, L]: which tokens of x_hat become `<m>`. eta ~ U[lo, hi) per document (the paper: [0, 1)), each
+    counted token masked independently with probability eta; prompt and padding tokens never. hi == 1 == lo:
+    every counted token."""
     B, L = batch.tokens.shape
     k_eta, k_tok = jax.random.split(key)
-    eta_BS = jax.random.uniform(k_eta, (B, L + 1))  # one eta per (row, segment id)
+    eta_BS = jax.random.uniform(k_eta, (B, L + 1), minval=eta[0], maxval=eta[1])  # one eta per (row, segment id)
     eta_BL = jnp.take_along_axis(eta_BS, batch.segment.astype(jnp.int32), axis=1)
     u_BL = jax.random.uniform(k_tok, (B, L))
-    return (u_BL < eta_BL) & (batch.loss_mask > 0) & (batch.segment > 0)
+    return ((u_BL < eta_BL) | (eta[0] >= 1.0)) & (batch.loss_mask > 0) & (batch.segment > 0)
 
 
 def build_sbd_example(batch: PackedBatch, masked_BL, k, spec: ExampleSpec) -> Example:
@@ -78,7 +79,10 @@ def build_sbd_example(batch: PackedBatch, masked_BL, k, spec: ExampleSpec) -> Ex
     offset = response_start(batch) if spec.block_align == "response" else jnp.zeros_like(pos)
     copy_seg = jnp.where(pos >= offset, seg, 0)
     matp_w = (masked_BL & (copy_seg > 0)).astype(jnp.float32)
-    copy = (copy_seg, jnp.where(masked_BL, M, tok), pos, block_starts(pos, k, offset), tok, matp_w)
+    starts = block_starts(pos, k, offset)
+    if spec.position_decay is not None:
+        matp_w = matp_w * jnp.float32(spec.position_decay) ** (pos - starts).astype(jnp.float32)
+    copy = (copy_seg, jnp.where(masked_BL, M, tok), pos, starts, tok, matp_w)
     if spec.copy_len is not None:
         copy = _compact_copy_stream(copy, spec.copy_len, M)
     copy_seg, x_hat, c_pos, c_start, c_tgt, matp_w = copy
@@ -114,4 +118,4 @@ def make_example(key, batch: PackedBatch, spec: ExampleSpec):
         return build_ntp_example(batch), jnp.int32(0)
     k_key, m_key = jax.random.split(key)
     k = sample_block_size(k_key, spec.k_max, spec.block_size)
-    return build_sbd_example(batch, sample_masked(m_key, batch), k, spec), k
+    return build_sbd_example(batch, sample_masked(m_key, batch, spec.eta), k, spec), k

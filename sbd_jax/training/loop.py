@@ -30,12 +30,13 @@ from tqdm import tqdm
 from ..config import ConfigError, ModelConfig, to_dict
 from ..io.hf import save_generation_files, save_pretrained
 from ..io.tokenizer import Tokenizer
-from ..models.lora import AdapterLayout, init_adapter
+from ..models.lora import AdapterLayout, attach, init_adapter
 from ..runlock import acquire
 from ..sharding import make_mesh, param_shardings, shard_params
 from .checkpoint import Checkpointer
 from .config import TrainConfig
 from .data import DataError, build_iterator, format_report
+from .draft_quality import DraftEval
 from .lora import LoRARun, check_base, export_lora, prepare_lora
 from .model_source import prepare_model
 from .monitor import FiniteGuard, MetricsLog, trim_metrics
@@ -302,7 +303,9 @@ def _run(run: Run, state: TrainState, stop_after: int | None, on_log: Callable[[
     with tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True,
               disable=not (cfg.progress and lead and start < end)) as bar:
         log = MetricsLog(cfg, end, FiniteGuard(cfg, run.ckpt.directory), metrics_path if lead else None, on_log, bar)
-        state, data_state, last_saved = _steps(run, state, start, end, log)
+        evaluator = None if cfg.draft_eval.path is None else DraftEval(cfg.draft_eval, run.model_cfg, run.out_dir,
+                                                                        run.resume, lead)
+        state, data_state, last_saved = _steps(run, state, start, end, log, evaluator)
     hf_dir = adapter_dir = None
     if end == cfg.steps:
         hf_dir, adapter_dir = _finish(run, state, data_state, last_saved, ran=end > start)
@@ -310,7 +313,7 @@ def _run(run: Run, state: TrainState, stop_after: int | None, on_log: Callable[[
                        adapter_dir)
 
 
-def _steps(run: Run, state: TrainState, start: int, end: int, log: MetricsLog):
+def _steps(run: Run, state: TrainState, start: int, end: int, log: MetricsLog, evaluator: DraftEval | None = None):
     """Steps start + 1 .. end, with a checkpoint on the interval (only of finite state). Nothing waits on the host
     per step: batches are prefetched (`_Prefetch`), a logged step's metrics are read after the next step is
     dispatched (`MetricsLog`), orbax writes checkpoints in the background.
@@ -326,6 +329,9 @@ def _steps(run: Run, state: TrainState, start: int, end: int, log: MetricsLog):
             state, metrics = run.step_fn(state, batch)
             run.ckpt.check_saves()  # a failed background save stops the run here, named
             log.after_step(step, metrics, tokens, last_saved)
+            if evaluator is not None and evaluator.due(step, end):
+                evaluator.run(step, state.params if run.lora is None else
+                              attach(run.lora.base, state.params, run.lora.layout))
             if run.ckpt.due(step):
                 log.guard.check(last_saved)
                 last_saved = step if run.ckpt.save(step, state, data_state, meta=run.meta) else last_saved

@@ -24,8 +24,19 @@ class SBDConfig:
     block_size: int | None = None  # fixed block size instead of the random draw
     ntp_only: bool = False  # the NTP baseline: same code path, only the clean half is run
     block_align: str = "document"  # "document" (paper) | "response" (SFT: blocks start at the response)
+    # the mask rate eta ~ U[lo, hi] per document (the paper: [0, 1]); [1, 1] masks every counted token: the
+    # all-masked blocks that whole-block drafting (lossless / verify mode) queries
+    eta: tuple[float, float] = (0.0, 1.0)
+    # MATP weight of a masked token at offset j in its block: position_decay ** j (null: 1). Verify mode keeps a
+    # draft only when every draft before it in its block stood, so near offsets are worth more
+    position_decay: float | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "eta", tuple(self.eta))
+        require(len(self.eta) == 2 and 0.0 <= self.eta[0] <= self.eta[1] <= 1.0,
+                f"sbd.eta must be [lo, hi] with 0 <= lo <= hi <= 1, got {list(self.eta)}")
+        require(self.position_decay is None or 0.0 < self.position_decay <= 1.0,
+                f"sbd.position_decay must be in (0, 1] (or null), got {self.position_decay}")
         require(self.k_max >= 2, f"sbd.k_max must be >= 2 (blocks of 2..k_max), got {self.k_max}")
         require(self.block_size is None or self.block_size >= 1, f"sbd.block_size must be >= 1, got {self.block_size}")
         require_choice("sbd.block_align", self.block_align, ("document", "response"))

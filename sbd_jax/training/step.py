@@ -115,6 +115,8 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
             ex, k = make_example(key, batch, opts)
             L = batch.tokens.shape[1]
             ex = place_example(ex, mesh, L, context_layout)
+            if layout is not None and layout.copy_only:  # the clean stream is the base's: no NTP term
+                ex = ex._replace(ntp_weight=jnp.zeros_like(ex.ntp_weight))
             totals = (jnp.sum(ex.ntp_weight), jnp.sum(ex.matp_weight))
             if A == 1:
                 (loss, sums), grads = grad_fn(state.params, ex, totals, L, base)

@@ -18,7 +18,7 @@ def update(state: LoopState, env: DecodeEnv, logits_B1V, cache) -> LoopState:
     active = ~state.done
     spec = env.spec
     tok = sampling.sample(logits_B1V, env.keys, state.block_offset[:, None], env.temp, top_k=spec.top_k,
-                          top_p=spec.top_p)[:, 0]
+                          top_p=spec.top_p, suppress=env.cfg.mask_token_id)[:, 0]
     pos = env.lengths + state.block_offset
     rows = jnp.arange(state.seq.shape[0])
     seq = state.seq.at[rows, jnp.where(active, pos, state.seq.shape[1])].set(tok, mode="drop")

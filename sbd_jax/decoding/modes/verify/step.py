@@ -36,7 +36,7 @@ from .state import DraftMemory, VerifyState, VerifyStats
 def ar_tokens(env: DecodeEnv, h_clean, gen):
     """AR's token at generated index gen + 1 from each clean query at gen."""
     return sampling.sample(lm_head(env.params, env.cfg, h_clean), env.keys, gen + 1, env.temp,
-                           top_k=env.spec.top_k, top_p=env.spec.top_p)
+                           top_k=env.spec.top_k, top_p=env.spec.top_p, suppress=env.cfg.mask_token_id)
 
 
 def block_mask(offset, env: DecodeEnv):
@@ -165,7 +165,7 @@ def ar_step(state: LoopState, env: DecodeEnv) -> LoopState:
     logits, cache = forward(env.params, env.cfg, gather(state.seq, pos), clean_meta(ran[:, None].astype(jnp.int32),
                                                                                      pos), state.cache)
     ar = sampling.sample(logits, env.keys, state.commit_start[:, None] + 1, env.temp, top_k=env.spec.top_k,
-                         top_p=env.spec.top_p)
+                         top_p=env.spec.top_p, suppress=env.cfg.mask_token_id)
     state, opened = check(state, env, ar)
     state = restart(state, opened, state.block_offset, env)  # no copy queries ran: nothing drafted
     return counted(state, ran, env.constrain(cache), wide=False)
@@ -221,7 +221,7 @@ def first(state: LoopState, env: DecodeEnv, prompt_ids) -> LoopState:
     logits, h, cache = sbd.first_forward(state, env, prompt_ids, start, max(env.spec.draft_widths), used=w)
     last = last_prompt_hidden(h, env.lengths, start, P, h_last)
     tok = sampling.sample(lm_head(env.params, env.cfg, last), env.keys, jnp.zeros_like(env.lengths)[:, None],
-                          env.temp, top_k=env.spec.top_k, top_p=env.spec.top_p)
+                          env.temp, top_k=env.spec.top_k, top_p=env.spec.top_p, suppress=env.cfg.mask_token_id)
     state, opened = check(state, env, tok)
     state = jax.lax.cond(w > 0, lambda s: open_block(s, env, logits, opened, w),
                          lambda s: restart(s, opened, s.block_offset, env), state)._replace(cache=cache)
