@@ -280,11 +280,14 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
             if tok in eos or g + 1 >= cap[b]:
                 done[b], stopped_eos[b], n_gen[b] = True, tok in eos, g + 1
                 continue
-            if m < count - 1 or not w:                          # a correction, or an AR call: nothing drafted
+            if not w:                                           # an AR call: nothing drafted
                 todo[b], blk[b] = (g, 1), g + 1
                 continue
-            n = int(min(w, cap[b] - g))                         # AR's token opens the block, the copy drafts it
-            seq[b, L + g + 1:L + g + n] = drawn[b, 1:n]
+            # AR's token opens the block at g; a wide call drafted its other positions from the text before g
+            # (all drafts standing: this call's copy block; a correction: the copy block of that outcome)
+            n = int(min(w, cap[b] - g))
+            row = drawn[b] if m == count - 1 else _outcome_drafts(params, cfg, seq, b, L, g, k, n, score, keys, temp)
+            seq[b, L + g + 1:L + g + n] = row[1:n]
             proposed[b] += n - 1
             opened[b] = g
             todo[b], blk[b] = (g, n), g + w
@@ -299,6 +302,22 @@ def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_length
     return GenerateOutput(jnp.asarray(out), jnp.asarray(n_gen), jnp.asarray(nfe), jnp.asarray(stopped_eos),
                           jnp.int32(calls), jnp.int32(wide_calls), jnp.asarray(accepted),
                           VerifyStats(jnp.asarray(proposed), jnp.asarray(agreed), memory), None)
+
+
+def _outcome_drafts(params, cfg: ModelConfig, seq, b: int, L: int, g: int, k: int, n: int, score, keys, temp):
+    """Row b's drafts for a block starting at generated index g from the text before it alone (no cache): [seq[b]'s
+    columns before L + g CLEAN ; n masks COPY (the call's width, within the row's cap), padding to k], drawn by
+    generated index as the decoder draws them -> [k] (entry 0, the block's first position, is AR's token's place:
+    unused)."""
+    W = seq.shape[1]
+    cols = np.arange(W, dtype=np.int32)[None]
+    pos_c = L + g + np.arange(k, dtype=np.int32)[None]
+    meta = concat_meta(clean_meta((cols < L + g).astype(np.int32), cols),
+                       copy_meta((np.arange(k) < n).astype(np.int32)[None], pos_c, np.full((1, k), L + g, np.int32)))
+    logits = _forward(params, np.concatenate([seq[b:b + 1], np.full((1, k), cfg.mask_token_id, np.int32)], 1), meta,
+                      cfg=cfg)
+    return np.asarray(score(logits[:, W:], keys[b:b + 1], jnp.asarray(pos_c - L), temp[b:b + 1],
+                            suppress=cfg.mask_token_id)[1])[0]
 
 
 def _width_choice(spec: DecodeSpec, calls: int, trials, hits, pool, done, since_wide, costs_w, stops, left) -> int:
@@ -322,9 +341,7 @@ def _width_choice(spec: DecodeSpec, calls: int, trials, hits, pool, done, since_
         for b in run:
             p = (hits[b] + prior * pooled) / (trials[b] + prior) * (np.float32(1.0) - stops)
             chain = np.cumprod(p[:w - 1], dtype=np.float32)
-            q = chain[-1] if w > 1 else np.float32(1.0)
-            taus.append(min((np.float32(2.0) + np.float32(chain.sum(dtype=np.float32)) - q) / (np.float32(2.0) - q),
-                            np.float32(left[b])))
+            taus.append(min(np.float32(1.0) + np.float32(chain.sum(dtype=np.float32)), np.float32(left[b])))
         rates.append(np.float32(sum(taus)) / np.float32(max(len(run), 1)) / c)
     best = int(np.argmax(rates))
     every = int(np.ceil(max(float(np.max(costs_w)) - 1.0, 0.0) / policy.EXPLORE_SHARE))

@@ -9,7 +9,7 @@ import numpy as np
 
 MODES = ("sbd", "ar")
 RULES = ("eb", "threshold")
-# verify mode's choice per call between a 1-wide AR call and the 2k-wide call that checks and drafts (policy.py)
+# verify mode's choice per call between a 1-wide AR call and a wide call that checks and drafts (policy.py)
 DRAFT_POLICIES = ("adaptive", "always", "never")
 KV_CACHE_DTYPES = ("int8",)  # the KV cache's storage besides the model's compute dtype (None, the default)
 # more drafting policies by name: name -> choose(state, env) -> the call's kind (policy.choose's contract);
@@ -58,12 +58,13 @@ class DecodeSpec:
     # clean queries; the output equals AR mode's for the same key, drafts only decide how many calls it takes
     verify: bool = False
     # verify mode: "adaptive" drafts where the rows' recent acceptance pays for the wider call on this device
-    # (policy.py); "always" / "never" force the 2k-wide / the 1-wide AR call; or a name given to
+    # (policy.py); "always" / "never" force the widest / the 1-wide AR call; or a name given to
     # `register_draft_policy`. Never changes a row's tokens, only its calls.
     draft_policy: str = "adaptive"
-    # verify mode: what a 2k-wide call costs in 1-wide calls at this batch (narrower ones in proportion to their
-    # width), or one cost per draft width (`calibrate`'s result); None: the cost model's estimate (modes/verify/
-    # costs.py). The adaptive policy drafts while the expected tokens per unit of cost beat AR's.
+    # verify mode: what the widest call (k clean + k * k copy queries) costs in 1-wide calls at this batch
+    # (narrower ones in proportion to their queries), or one cost per draft width (`calibrate`'s result); None:
+    # the cost model's estimate (modes/verify/costs.py). The adaptive policy drafts while the expected tokens per
+    # unit of cost beat AR's.
     wide_cost: float | tuple[float, ...] | None = None
     top_k: int = 0  # 0 = off; top_k and top_p shape the sampling distribution, not the entropies
     top_p: float = 1.0  # 1 = off
@@ -104,7 +105,7 @@ class DecodeSpec:
         n = len(self.draft_widths)
         if wc is not None and not (_is_positive(wc) or (isinstance(wc, tuple) and len(wc) == n
                                                            and all(map(_is_positive, wc)))):
-            raise DecodeError(f"wide_cost must be a positive number (a 2k-wide call's cost in 1-wide calls), {n} of "
+            raise DecodeError(f"wide_cost must be a positive number (the widest call's cost in 1-wide calls), {n} of "
                               f"them (one per draft width {self.draft_widths}, as `calibrate` returns) or None (the "
                               f"cost model), got {self.wide_cost!r}")
         if self.verify and self.mode != "sbd":
@@ -149,12 +150,12 @@ class DecodeSpec:
         return tuple(sorted({k} | {w for w in (k // 2, k // 4) if w >= 2}, reverse=True))
 
     def stated_call_costs(self) -> tuple[float, ...]:
-        """Per draft width, a 2w-wide call's cost in 1-wide calls from `wide_cost`: as given per width, or from the
-        2k-wide call's (narrower ones in proportion to their width)."""
+        """Per draft width, a width-w call's cost in 1-wide calls from `wide_cost`: as given per width, or from the
+        widest call's (narrower ones in proportion to their queries, w + w * w)."""
         if isinstance(self.wide_cost, tuple):
             return tuple(float(c) for c in self.wide_cost)
-        c = float(self.wide_cost)
-        return tuple(1.0 + (c - 1.0) * w / self.block_size for w in self.draft_widths)
+        c, k = float(self.wide_cost), self.block_size
+        return tuple(1.0 + (c - 1.0) * (w + w * w) / (k + k * k) for w in self.draft_widths)
 
     def stop_ids(self, cfg) -> tuple[int, ...]:
         return cfg.eos_ids if self.eos_ids is None else self.eos_ids

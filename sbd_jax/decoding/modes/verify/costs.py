@@ -1,8 +1,9 @@
-"""What each call of verify mode costs, in 1-wide AR calls, for its drafting policy (policy.py): a 2w-wide loop
-step (w clean + w copy tokens per row, w a draft width) next to a 1-wide one, at the batch's rows and cache.
+"""What each call of verify mode costs, in 1-wide AR calls, for its drafting policy (policy.py): a width-w loop
+step (w clean + w * w copy tokens per row, w a draft width: `wide_tokens`) next to a 1-wide one, at the batch's
+rows and cache.
 
 Three sources, in this order:
-  * stated: the spec's `wide_cost` (a number: the 2k-wide call's cost, narrower ones in proportion to their width;
+  * stated: the spec's `wide_cost` (a number: the widest call's cost, narrower ones in proportion to their queries;
     or one cost per draft width, e.g. what `calibrate` measured);
   * estimated (the default): a cost model from the call's arithmetic - weights and KV cache read once per call,
     FLOPs per token, a fixed cost per call and layer - and a `Machine` per backend (`MACHINES`). Pure Python
@@ -53,7 +54,7 @@ MACHINES = {
 
 def call_costs(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: int,
                backend: str | None = None) -> tuple[float, ...]:
-    """Per draft width of `spec.draft_widths`, a 2w-wide call's cost in 1-wide calls: the spec's stated
+    """Per draft width of `spec.draft_widths`, a width-w call's cost in 1-wide calls: the spec's stated
     `wide_cost`, else the estimate."""
     if spec.wide_cost is not None:
         return spec.stated_call_costs()
@@ -67,7 +68,13 @@ def estimate(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: 
     m = machine or MACHINES.get(backend or jax.default_backend(), MACHINES["gpu"])
     seconds = step_model(params, cfg, batch, cache_len, m, kv_int8=spec.kv_cache_dtype == "int8")
     one = seconds(1)
-    return tuple(seconds(2 * w) / one for w in spec.draft_widths)
+    return tuple(seconds(wide_tokens(w)) / one for w in spec.draft_widths)
+
+
+def wide_tokens(w: int) -> int:
+    """Queries per row of a width-w verify call: w clean (the commit window) + w copy blocks of w (one per outcome
+    of its check, step.py `outcome_window`)."""
+    return w + w * w
 
 
 def step_model(params, cfg: ModelConfig, batch: int, cache_len: int, m: Machine, kv_int8: bool = False):

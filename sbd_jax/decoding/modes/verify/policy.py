@@ -1,7 +1,7 @@
 """Verify mode's drafting policy (SBD.md "Lossless mode", step 2): before each call, the batch chooses between a
-1-wide AR call (one token per row; the next waiting draft checked for free) and a 2w-wide call [commit CLEAN ;
-next block COPY] for a draft width w of `spec.draft_widths` (k, k/2, k/4), which checks the waiting drafts and
-drafts the next w - 1 positions. Whatever it chooses, every row's tokens are AR's (step.py); the choice
+1-wide AR call (one token per row; the next waiting draft checked for free) and a wide call [commit CLEAN ; one
+COPY block per outcome of the check] for a draft width w of `spec.draft_widths` (k, k/2, k/4), which checks the
+waiting drafts and drafts the next w - 1 positions. Whatever it chooses, every row's tokens are AR's (step.py); the choice
 only sets how many calls, and of which width, a row takes.
 
   * Per row and draft offset (a draft's place in its block after the block's first token, 1 .. k - 1): the decayed
@@ -15,12 +15,13 @@ only sets how many calls, and of which width, a row takes.
   * A token is useful only up to the row's end: h, the chance that a verified token is an EOS (EOS stops over
     tokens, over the finished rows and those before them), makes a draft useful with chance p_j (1 - h), and no row
     makes more tokens per call than it has left before its cap.
-  * A row that drafts w - 1 positions per call alternates between calls that check them (1 + E[m] tokens; the
-    chain goes on when all stand, probability q = c_(w-1)) and, after a rejection, one call with nothing to check
-    (1 token): tokens per call tau_w = (2 + E[m] - q) / (2 - q), E[m] = c_1 + ... + c_(w-1), c_i = p_1 ... p_i.
+  * A width-w call checks the row's w - 1 waiting drafts and, whatever their outcome, drafts the next w - 1 (one
+    copy block per outcome, step.py): tokens per call tau_w = 1 + E[m], E[m] = c_1 + ... + c_(w-1),
+    c_i = p_1 ... p_i the chance the first i drafts stand.
   * The call that makes the most tokens per unit of time: AR gives 1 per running row at cost 1 (MARGIN); width w
     gives the running rows' mean tau_w at `call_costs[w]`
-    (what a 2w-wide call's loop step costs in AR steps at this batch on this device, costs.py).
+    (what a width-w call's loop step, w + w * w queries per row, costs in AR steps at this batch on this device,
+    costs.py).
     Every (c - 1) / EXPLORE_SHARE calls without drafting (c: the dearest width's cost), and while no draft was
     ever checked (a batch that started without `draft_memory`), the most promising width drafts anyway, so rows
     whose drafts start to agree, and far offsets the estimate has few checks of, are noticed at a bounded cost
@@ -100,12 +101,10 @@ def retire(state: LoopState, slots) -> LoopState:
 
 
 def tokens_per_wide_call(p_BJ, w: int):
-    """[B] expected tokens per 2w-wide call of a row that drafts w - 1 positions, p_BJ[:, j - 1] the chance the
-    draft at offset j agrees given the earlier ones did: c_i = p_1 ... p_i the chance the first i stand, E[m] =
-    c_1 + ... + c_(w-1), q = c_(w-1)."""
-    chain = jnp.cumprod(p_BJ[:, :w - 1], axis=1)
-    q = chain[:, -1] if w > 1 else jnp.ones(p_BJ.shape[:1], p_BJ.dtype)
-    return (2.0 + jnp.sum(chain, axis=1) - q) / (2.0 - q)
+    """[B] expected tokens per width-w call of a row that drafts w - 1 positions, p_BJ[:, j - 1] the chance the
+    draft at offset j agrees given the earlier ones did: 1 + E[m], E[m] = c_1 + ... + c_(w-1), c_i = p_1 ... p_i
+    the chance the first i stand."""
+    return 1.0 + jnp.sum(jnp.cumprod(p_BJ[:, :w - 1], axis=1), axis=1)
 
 
 def update_counts(vs: VerifyState, checked, first_B, agreed_B, failed_B) -> VerifyState:
@@ -124,7 +123,7 @@ def update_counts(vs: VerifyState, checked, first_B, agreed_B, failed_B) -> Veri
 
 
 def call_costs(state: LoopState, env: DecodeEnv):
-    """[W] what a 2w-wide call costs in 1-wide calls per draft width at this batch and cache (costs.py: the spec's
+    """[W] what a width-w call costs in 1-wide calls per draft width at this batch and cache (costs.py: the spec's
     stated `wide_cost`, else the cost model's estimate; static numbers, no device work)."""
     return jnp.asarray(costs.call_costs(env.params, env.cfg, env.spec, state.done.shape[0], state.cache.k.shape[2]),
                        jnp.float32)

@@ -6,11 +6,12 @@ A running row holds the commit window (commit_start cs, commit_len cl): the toke
 (verified; its K/V is written by the next clean query) and cs + 1 .. cs + cl - 1 are drafts; the current block
 starts at block_offset = cs + cl, all masked. Each call is one of these (policy.py chooses per call):
 
-  * wide (2w, w a draft width): [commit CLEAN ; block COPY], w tokens each. The clean queries give AR's tokens
-    at cs + 1 .. cs + w: the drafts' agreeing prefix stands, and AR's next token either corrects the first wrong
-    draft (the row restarts after it with nothing drafted) or, all standing, opens the block as its first token
-    while the copy queries draft its other w - 1 positions at once (one call drafts a whole block: no call only
-    refines drafts). A row holding more drafts than a narrower call checks keeps only those it checks.
+  * wide (w a draft width): [commit CLEAN, w tokens ; w COPY blocks of w tokens, one per outcome]. The clean
+    queries give AR's tokens at cs + 1 .. cs + w: the drafts' agreeing prefix (m) stands, and AR's next token at
+    cs + m + 1 (a correction, or all standing the next block's first token) opens a block whose other w - 1
+    positions the copy block of outcome m drafted in the same call from the verified text alone (one call checks
+    a whole block and drafts the next, whatever the check's outcome; no call only refines drafts). A row holding
+    more drafts than a narrower call checks keeps only those it checks.
   * AR (1-wide): the clean query at cs gives AR's token at cs + 1: it checks the next draft (agreeing, the window
     shrinks by one) or replaces it and what follows; a row with no draft left simply takes the token.
 Row stop: a verified EOS (a standing draft or AR's token) or the cap. Tokens are drawn by generated index
@@ -22,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ....attention import clean_meta, concat_meta
+from ....attention import clean_meta, concat_meta, copy_meta
 from ....models.transformer import KVCache, forward, lm_head
 from ... import sampling
 from ...prefill import last_prompt_hidden, prefill
@@ -53,12 +54,13 @@ def restart(state: LoopState, rows, at, env: DecodeEnv) -> LoopState:
                           masked=jnp.where(rows[:, None], block_mask(at + 1, env), state.masked))
 
 
-def check(state: LoopState, env: DecodeEnv, ar_BC) -> tuple[LoopState, jax.Array]:
+def check(state: LoopState, env: DecodeEnv, ar_BC):
     """Check the commit window's drafts against AR's tokens `ar_BC[:, i]` (AR's token at cs + 1 + i, from the
     clean query at cs + i; C queries ran). The agreeing prefix (m drafts) stands; AR's token at cs + 1 + m is
     placed when it corrects a draft or when every draft was checked and stood (C >= cl); otherwise (C < cl, all
     checked ones stood) the window moves on by C. A verified EOS or the cap ends the row. -> (state, the rows
-    whose drafts all stood and whose next token, AR's, now sits at block_offset: they open the next block)."""
+    whose drafts all stood and whose next token, AR's, now sits at block_offset: they open the next block; the rows
+    whose AR token corrected a draft: they restart after it with nothing drafted; m [B])."""
     C = ar_BC.shape[1]
     jc = jnp.arange(C, dtype=jnp.int32)[None]
     running, cs, cl, max_new = ~state.done, state.commit_start, state.commit_len, env.max_new
@@ -87,7 +89,7 @@ def check(state: LoopState, env: DecodeEnv, ar_BC) -> tuple[LoopState, jax.Array
         accepted=tally(state.accepted, jnp.minimum(verified - cs - 1, state.accepted.shape[1] - 1), running),
         mode_state=policy.update_counts(vs, running & (n_chk > 0), cs + 1 - vs.opened, stood,
                                         (rejected & ~in_drafts).astype(jnp.int32)))
-    return restart(state, rejected & ~finished, g, env), put & ~rejected & ~finished
+    return restart(state, rejected & ~finished, g, env), put & ~rejected & ~finished, rejected & ~finished, m
 
 
 def open_block(state: LoopState, env: DecodeEnv, logits_BwV, opened, w=None) -> LoopState:
@@ -140,21 +142,42 @@ def shorten(state: LoopState, env: DecodeEnv, w: int) -> LoopState:
                           mode_state=drafted(state.mode_state, -jnp.where(cut, state.commit_len - w, 0)))
 
 
+def outcome_window(state: LoopState, env: DecodeEnv, w: int):
+    """Copy queries for every outcome of this call's check: block m (m = 0 .. w - 1: the first m waiting drafts
+    stand) starts at generated index cs + m + 1, where AR's token then goes, and drafts the w - 1 positions after it
+    from the verified text up to cs + m alone (the copy queries attend clean keys before their block's start, this
+    call's included). Padding where the row holds fewer than m drafts, past its cap, or is done.
+    -> (tokens [B, w * w], meta), block m at columns m * w .. m * w + w - 1."""
+    B = state.seq.shape[0]
+    m = jnp.arange(w, dtype=jnp.int32)[None, :, None]
+    start = state.commit_start[:, None, None] + 1 + m
+    gen = start + jnp.arange(w, dtype=jnp.int32)[None, None, :]
+    valid = (~state.done)[:, None, None] & (m < state.commit_len[:, None, None]) & (gen < env.max_new[:, None, None])
+    flat = lambda x: jnp.broadcast_to(x, (B, w, w)).reshape(B, w * w)  # noqa: E731
+    meta = copy_meta(flat(valid.astype(jnp.int32)), flat(env.lengths[:, None, None] + gen),
+                     flat(env.lengths[:, None, None] + start))
+    return jnp.full((B, w * w), env.cfg.mask_token_id, jnp.int32), meta
+
+
 def wide_step(state: LoopState, env: DecodeEnv, w: int) -> LoopState:
-    """[commit CLEAN ; block COPY], w tokens each: check the waiting drafts (the first w - 1, `shorten`), then
-    draft w - 1 positions of the next block for rows whose drafts all stood."""
+    """[commit CLEAN (w tokens) ; one block of w COPY tokens per outcome of the check]: check the waiting drafts (the
+    first w - 1, `shorten`); whatever the agreeing prefix m, AR's token at cs + m + 1 (the correction, or the
+    next block's first token) opens a block whose other w - 1 positions outcome m's copy queries drafted in this
+    same call. So every such call checks drafts and drafts the next ones: a rejection costs no extra call."""
     state = shorten(state, env, w)
     j = jnp.arange(w, dtype=jnp.int32)[None]
     ran = ~state.done
     gen = state.commit_start[:, None] + j
     pos = env.lengths[:, None] + gen
     meta = clean_meta((ran[:, None] & (j < state.commit_len[:, None])).astype(jnp.int32), pos)
-    ctok, cmeta = sbd.copy_window(state, env)
-    cmeta = jax.tree.map(lambda x: x[:, :w], cmeta)
-    h, cache = forward(env.params, env.cfg, jnp.concatenate([gather(state.seq, pos), ctok[:, :w]], axis=1),
-                       concat_meta(meta, cmeta), state.cache, return_hidden=True)
-    state, opened = check(state, env, ar_tokens(env, h[:, :w], gen))
-    state = open_block(state, env, lm_head(env.params, env.cfg, h[:, w:]), opened)
+    otok, ometa = outcome_window(state, env, w)
+    h, cache = forward(env.params, env.cfg, jnp.concatenate([gather(state.seq, pos), otok], axis=1),
+                       concat_meta(meta, ometa), state.cache, return_hidden=True)
+    state, stood, redo, m = check(state, env, ar_tokens(env, h[:, :w], gen))
+    B = h.shape[0]
+    h_out = h[:, w:].reshape(B, w, w, h.shape[-1])[jnp.arange(B), jnp.clip(m, 0, w - 1)]  # outcome m's block
+    state = state._replace(block_offset=jnp.where(redo, state.commit_start, state.block_offset))
+    state = open_block(state, env, lm_head(env.params, env.cfg, h_out), stood | redo)
     return counted(state, ran, env.constrain(cache), wide=True)
 
 
@@ -166,7 +189,7 @@ def ar_step(state: LoopState, env: DecodeEnv) -> LoopState:
                                                                                      pos), state.cache)
     ar = sampling.sample(logits, env.keys, state.commit_start[:, None] + 1, env.temp, top_k=env.spec.top_k,
                          top_p=env.spec.top_p, suppress=env.cfg.mask_token_id)
-    state, opened = check(state, env, ar)
+    state, opened, _, _ = check(state, env, ar)
     state = restart(state, opened, state.block_offset, env)  # no copy queries ran: nothing drafted
     return counted(state, ran, env.constrain(cache), wide=False)
 
@@ -188,7 +211,7 @@ def ar_segment(state: LoopState, env: DecodeEnv) -> LoopState:
 
 def step(state: LoopState, env: DecodeEnv) -> LoopState:
     """The policy's call: a 1-wide AR call (a run of them while no row holds a draft, policies "adaptive" and
-    "never") or a 2w-wide one for a draft width w."""
+    "never") or a wide one for a draft width w."""
     with jax.named_scope("draft_policy"):
         kind = policy.choose(state, env)
     branches = [lambda s: ar_step(s, env)] + [lambda s, w=w: wide_step(s, env, w) for w in env.spec.draft_widths]
@@ -222,7 +245,7 @@ def first(state: LoopState, env: DecodeEnv, prompt_ids) -> LoopState:
     last = last_prompt_hidden(h, env.lengths, start, P, h_last)
     tok = sampling.sample(lm_head(env.params, env.cfg, last), env.keys, jnp.zeros_like(env.lengths)[:, None],
                           env.temp, top_k=env.spec.top_k, top_p=env.spec.top_p, suppress=env.cfg.mask_token_id)
-    state, opened = check(state, env, tok)
+    state, opened, _, _ = check(state, env, tok)
     state = jax.lax.cond(w > 0, lambda s: open_block(s, env, logits, opened, w),
                          lambda s: restart(s, opened, s.block_offset, env), state)._replace(cache=cache)
     state = since_wide(state, jnp.where(kind > 0, 0, state.mode_state.memory.since_wide + 1))
