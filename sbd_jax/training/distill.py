@@ -24,6 +24,15 @@ from ..config import ConfigError
 from ..jsonlines import read_object
 
 
+def id_records(pairs: list) -> dict:
+    """The data pipeline's `map` output for pre-tokenized (prompt ids, response ids) records, used as they are
+    (nothing appended): {"input_ids", "n_prompt", "status"} (status: store.RECORD_DROPS)."""
+    ok = [all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in p) and bool(p[1]) for p in pairs]
+    return {"input_ids": [p[0] + p[1] if k else [] for p, k in zip(pairs, ok)],
+            "n_prompt": [len(p[0]) if k else 0 for p, k in zip(pairs, ok)],
+            "status": [0 if k else 1 if not all(isinstance(x, list) for x in p) else 2 for p, k in zip(pairs, ok)]}
+
+
 def _rows(path: Path):
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):

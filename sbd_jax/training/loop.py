@@ -303,8 +303,7 @@ def _run(run: Run, state: TrainState, stop_after: int | None, on_log: Callable[[
     with tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True,
               disable=not (cfg.progress and lead and start < end)) as bar:
         log = MetricsLog(cfg, end, FiniteGuard(cfg, run.ckpt.directory), metrics_path if lead else None, on_log, bar)
-        evaluator = None if cfg.draft_eval.path is None else DraftEval(cfg.draft_eval, run.model_cfg, run.out_dir,
-                                                                        run.resume, lead)
+        evaluator = cfg.draft_eval.path and DraftEval(cfg.draft_eval, run.model_cfg, run.out_dir, run.resume, lead)
         state, data_state, last_saved = _steps(run, state, start, end, log, evaluator)
     hf_dir = adapter_dir = None
     if end == cfg.steps:
@@ -313,11 +312,10 @@ def _run(run: Run, state: TrainState, stop_after: int | None, on_log: Callable[[
                        adapter_dir)
 
 
-def _steps(run: Run, state: TrainState, start: int, end: int, log: MetricsLog, evaluator: DraftEval | None = None):
-    """Steps start + 1 .. end, with a checkpoint on the interval (only of finite state). Nothing waits on the host
-    per step: batches are prefetched (`_Prefetch`), a logged step's metrics are read after the next step is
-    dispatched (`MetricsLog`), orbax writes checkpoints in the background.
-    -> (state, the data position after the last step, the last step saved)."""
+def _steps(run: Run, state: TrainState, start: int, end: int, log: MetricsLog, evaluator: DraftEval | None):
+    """Steps start + 1 .. end, with a checkpoint on the interval (only of finite state) and the draft metric on its
+    own (`evaluator`). Nothing waits on the host per step: batches are prefetched (`_Prefetch`), a logged step's
+    metrics are read after the next one is dispatched, orbax saves in the background. -> (state, data position, last saved)."""
     last_saved, data_state = run.resume, None
     if start >= end:
         return state, data_state, last_saved
@@ -330,8 +328,7 @@ def _steps(run: Run, state: TrainState, start: int, end: int, log: MetricsLog, e
             run.ckpt.check_saves()  # a failed background save stops the run here, named
             log.after_step(step, metrics, tokens, last_saved)
             if evaluator is not None and evaluator.due(step, end):
-                evaluator.run(step, state.params if run.lora is None else
-                              attach(run.lora.base, state.params, run.lora.layout))
+                evaluator.run(step, attach(run.lora.base, state.params, run.lora.layout) if run.lora else state.params)
             if run.ckpt.due(step):
                 log.guard.check(last_saved)
                 last_saved = step if run.ckpt.save(step, state, data_state, meta=run.meta) else last_saved

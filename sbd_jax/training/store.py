@@ -26,6 +26,7 @@ import numpy as np
 
 from ..jsonlines import parse_object
 from .config import DataConfig
+from .distill import id_records
 from .documents import DataError, Documents
 
 STORE_VERSION = 2  # 2: counts.bin
@@ -162,8 +163,8 @@ def record_fn(cfg: DataConfig, mode: str, tok):
 
     def sft_fn(batch):
         pairs = list(zip(batch[cfg.prompt_field], batch[cfg.response_field]))
-        if any(isinstance(re, list) for _, re in pairs):
-            return ids_fn(pairs)
+        if any(isinstance(re, list) for _, re in pairs):  # token ids, e.g. a model's own outputs (distill.py)
+            return id_records(pairs)
         usable = [isinstance(pr, str) and isinstance(re, str) and bool(re) for pr, re in pairs]
         kept = [p for p, u in zip(pairs, usable) if u]
         if use_template:  # the prompt as rendered with the generation prompt, the response as the rest
@@ -189,17 +190,6 @@ def record_fn(cfg: DataConfig, mode: str, tok):
             ids.append(p + r)
             n_prompt.append(len(p))
             status.append(0)
-        return {"input_ids": ids, "n_prompt": n_prompt, "status": status}
-
-    def ids_fn(pairs):
-        """Pre-tokenized SFT records (lists of token ids, e.g. a model's own outputs from decode.py: exactly the ids
-        it produced, which text would not round-trip): used as they are, nothing appended."""
-        ids, n_prompt, status = [], [], []
-        for pr, re in pairs:
-            ok = all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in (pr, re)) and bool(re)
-            ids.append(pr + re if ok else [])
-            n_prompt.append(len(pr) if ok else 0)
-            status.append(0 if ok else 1 if not (isinstance(pr, list) and isinstance(re, list)) else 2)
         return {"input_ids": ids, "n_prompt": n_prompt, "status": status}
 
     return text_fn if mode == "text" else sft_fn
