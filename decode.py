@@ -52,11 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--verify", action="store_true",
                     help="lossless SBD: every draft checked against AR's tokens (output == --mode ar's, same --seed)")
     ap.add_argument("--draft-policy", choices=DRAFT_POLICIES, default="adaptive",
-                    help="--verify: per call, a 1-wide AR call or a 2w-wide check-and-draft call; 'adaptive' drafts "
+                    help="--verify: per call, a 1-wide AR call or a width-w check-and-draft call; 'adaptive' drafts "
                          "where the rows' acceptance pays for the wider call on this device ('always' / 'never' force "
                          "it). Speed only: the tokens are AR's whatever it chooses")
     ap.add_argument("--wide-cost", type=float, default=None,
-                    help="--verify: a 2k-wide call's cost in 1-wide calls (default: the cost model's estimate for this "
+                    help="--verify: the widest call's cost in 1-wide calls (default: the cost model's estimate for this "
                          "model, batch and device; sbd_jax.decoding.calibrate measures it)")
     ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="SBD block size k")
     ap.add_argument("--batch-size", type=int, default=8, help="rows decoded at once (continuous slots)")

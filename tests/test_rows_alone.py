@@ -20,7 +20,7 @@ from decoding_fixtures import BASE, CFG, LENGTHS, MAX_NEW, B, make_prompts, pick
 from sbd_jax.decoding import DecodeSpec, generate
 from sbd_jax.decoding.continuous import ContinuousDecoder, Request
 
-# verify: every call 2k-wide, so a row's calls are its own (the adaptive policy decides per batch: its calls
+# verify: every call drafting at the widest width, so a row's calls are its own (the adaptive policy decides per batch: its calls
 # depend on the neighbours, its tokens do not - tests/test_verify.py)
 MODES = {"sbd": dict(mode="sbd"), "ar": dict(mode="ar"), "verify": dict(mode="sbd", verify=True, draft_policy="always")}
 GAMMA = {"sbd": 2.0, "ar": 2.0, "verify": 3.0}

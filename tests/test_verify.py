@@ -35,8 +35,8 @@ def _verify(params, prompts, k, **kw):
 
 SAMPLING = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0), "topk": dict(temperature=0.8, top_k=5),
             "topp": dict(temperature=1.0, top_p=0.7)}
-# the draft policy's decisions (policy.py): forced (every call 2k-wide, every call AR, a coin per call switching
-# mid-row between AR and each draft width) and the adaptive rule at a stated cost of the 2k-wide call
+# the draft policy's decisions (policy.py): forced (every call drafting at the widest width, every call AR, a coin
+# per call switching mid-row between AR and each draft width) and the adaptive rule at a stated cost of the widest call
 POLICIES = {"always": dict(draft_policy="always"), "never": dict(draft_policy="never"),
             "random": dict(draft_policy="random"), "adaptive": dict(wide_cost=1.2)}
 GRID = [(s, p, k) for s in ("greedy", "t1") for p in POLICIES for k in (4, 16) if p in ("random", "adaptive") or k == 4] + [
@@ -147,7 +147,7 @@ def test_fewer_calls_than_ar_when_drafts_are_right(eos):
     assert eos != 17
     ar = generate(p, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=(eos,))
     assert (np.asarray(ar.tokens) == 17).all() and (np.asarray(ar.nfe) == MAX_NEW).all()
-    for pol in ("always", "adaptive"):  # every call 2k-wide; adaptive
+    for pol in ("always", "adaptive"):  # every call drafting at the widest width; adaptive
         v = generate(p, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=4, max_new_tokens=MAX_NEW,
                      eos_ids=(eos,), **POLICIES[pol])
         np.testing.assert_array_equal(np.asarray(v.tokens), np.asarray(ar.tokens))

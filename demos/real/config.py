@@ -43,9 +43,9 @@ class RealDemoConfig:
     block_size: int = 16
     max_new_tokens: int = 192
     # lossless (verify) rows, one per drafting policy (DecodeSpec.draft_policy): the default "adaptive", and
-    # "always" (every call 2k-wide: the drafts' quality, the tokens-per-forward ceiling of drafting)
+    # "always" (every call drafting at the widest width: the drafts' quality, the tokens-per-forward ceiling of drafting)
     lossless_policies: tuple[str, ...] = ("adaptive", "always")
-    wide_cost: float | None = None  # lossless rows: a 2k-wide call's cost in AR calls (None: the cost model's)
+    wide_cost: float | None = None  # lossless rows: the widest call's cost in AR calls (None: the cost model's)
     gammas: tuple[float, ...] = (0.1, 0.35, 1.0)  # the paper's EB rule (lossy)
     threshold_gammas: tuple[float, ...] = (0.1, 0.35)  # the threshold rule (lossy)
     eval_batch: int = 32  # throughput setting (batch >= 32); tokens/s at batch 1 over the first latency_n

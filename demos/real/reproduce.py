@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-latency", action="store_true", help="skip the batch-1 timing pass")
     # the lossless rows' drafting decisions change their calls, never their tokens
     ap.add_argument("--wide-cost", type=float, default=0.0,
-                    help="lossless rows: a 2k-wide call's cost in AR calls (0: the cost model's)")
+                    help="lossless rows: the widest call's cost in AR calls (0: the cost model's)")
     args = ap.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         ap.error(f"--limit must be >= 1, got {args.limit}")

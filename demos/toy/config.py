@@ -41,9 +41,9 @@ class DemoConfig:
     gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0)  # EB rule (the paper's): low 0.1, middle 0.35, high 0.6
     threshold_gammas: tuple[float, ...] = (0.1, 0.35, 0.6)  # the threshold rule (SBD.md step 4), for comparison
     # lossless (verify) rows, one per drafting policy (DecodeSpec.draft_policy; gamma and rule play no part):
-    # the default "adaptive", and "always" (every call 2k-wide: the drafts' quality, the ceiling of drafting)
+    # the default "adaptive", and "always" (every call drafting at the widest width: the drafts' quality, the ceiling of drafting)
     lossless_policies: tuple[str, ...] = ("adaptive", "always")
-    wide_cost: float | None = None  # lossless rows: a 2k-wide call's cost in AR calls (None: the cost model's)
+    wide_cost: float | None = None  # lossless rows: the widest call's cost in AR calls (None: the cost model's)
     max_new_tokens: int = 48
     eval_batch: int = 100
     latency_n: int = 100  # problems also decoded one at a time (batch 1) for the latency-bound tokens/s

@@ -31,7 +31,7 @@ class Decoder:
 
 
 # the lossless rows' labels by drafting policy (every policy gives the same tokens: AR's)
-POLICY_LABELS = {"adaptive": "adaptive policy", "always": "every call 2k-wide", "never": "never drafting"}
+POLICY_LABELS = {"adaptive": "adaptive policy", "always": "every call drafting, widest", "never": "never drafting"}
 
 
 def decoders(cfg) -> list[Decoder]:
