@@ -200,3 +200,20 @@ def test_an_output_that_cannot_be_written_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(runlock.os, "open", read_only)
     with pytest.raises(LockError, match=r"cannot create the lock file '.*train\.lock': Read-only file system"):
         acquire(tmp_path / "train.lock", what="the training run")
+
+
+def test_a_link_to_a_locked_output_is_refused(tmp_path, capsys):
+    """Two paths to one file (a symbolic link to the output, or to its directory) share one lock: the second
+    decode.py is refused before it loads anything, naming the file the link leads to."""
+    out = tmp_path / "real" / "out.jsonl"
+    out.parent.mkdir()
+    _foreign_fresh(tmp_path / "real" / "out.jsonl.lock")
+    (tmp_path / "link.jsonl").symlink_to(out)
+    (tmp_path / "dir").symlink_to(out.parent)
+    for given in (tmp_path / "link.jsonl", tmp_path / "dir" / "out.jsonl"):
+        capsys.readouterr()
+        assert _load("decode").main(["--model", str(tmp_path / "m"), "--input", str(tmp_path / "in.jsonl"),
+                                     "--output", str(given), "--overwrite", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"-> {out}" in err and "is in use by another run (host other-host, pid 4242" in err, err
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out.jsonl.lock"]

@@ -107,12 +107,15 @@ def _check_prompts(path, old_pairs, new_pairs, done, prompts) -> None:
 
 def lock_output(path):
     """An exclusive lock (sbd_jax/runlock.py) on the output `path` and its settings record, held by the file
-    `<output>.lock`: a second decode.py on the same --output is refused naming the first. The output's directory is
-    created for it, as `open_output` would."""
+    `<output>.lock` beside the file the path names (symbolic links followed: two paths to one file share one lock):
+    a second decode.py on the same output is refused naming the first. The output's directory is created for it, as
+    `open_output` would."""
     from ..runlock import acquire
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError:  # a file in the way: nothing can be written there, and open_output names it
         return contextlib.nullcontext()
-    return acquire(f"{path}.lock", what=f"the decode output {str(path)!r}")
+    real = path.resolve()
+    named = str(path) if real == path.absolute() else f"{str(path)} (-> {str(real)})"
+    return acquire(f"{real}.lock", what=f"the decode output {named!r}")
