@@ -39,6 +39,10 @@ pack() {  # what comes back: the logs and the real stage's results (small files)
     real/ft_*/data_report.json 2>/dev/null)
   # in pieces under the 16 MiB a returned file may hold (join: cat adapter.tgz.part* > adapter.tgz)
   [ -d "$r/ft_sbd_lora/adapter" ] && tar czf - -C "$r/ft_sbd_lora" adapter | split -b 15M - "$DEST/adapter.tgz.part"
+  local dr=$WORK/draft  # the draft recipe: its table, metric curve and logs; the copy-only adapter
+  [ -d "$dr" ] && tar czf "$DEST/draft.tgz" -C "$WORK" $(cd "$WORK" && ls -d draft/eval draft/run/metrics.jsonl \
+    draft/run/draft_quality.jsonl draft/run/train_config.json draft/*.source.json 2>/dev/null)
+  [ -d "$dr/run/adapter" ] && tar czf - -C "$dr/run" adapter | split -b 15M - "$DEST/draft_adapter.tgz.part"
   ls -la "$DEST"
 }
 trap pack EXIT
@@ -89,6 +93,13 @@ pyarrow.__version__, fsspec.__version__, jax.devices())'" ;;
             JAX_DEFAULT_MATMUL_PRECISION=highest stage real $((END_S - SECONDS)) $PY bench/gpu_campaign.py real \
               --size "$SIZE" --work "$WORK" ${CORPUS_ROOT:+--corpus-root "$CORPUS_ROOT"}
           fi ;;
+    # the draft recipe (docs/training.md "Drafts in hours"): the base's greedy continuations, a copy-only adapter on
+    # them, the table; after `take1` and `take2` (the model) in the same warm machine, e.g.
+    #   call 1: setup take1 info   call 2: setup take2 draft-data draft-train   call 3: setup draft-eval
+    draft-data|draft-train|draft-eval)
+          [ -f "$WORK/model.gguf" ] || stage join 60 $PY bench/gpu_campaign.py join --work "$WORK" || exit
+          stage "${s//-/_}" $((END_S - SECONDS)) $PY bench/gpu_campaign.py draft "${s#draft-}" --size "$SIZE" \
+            --work "$WORK" || exit ;;
     mfu) stage mfu "${LIMIT_MFU:-150}" $PY bench/bench_mfu.py $(tiny --tiny) --steps "${MFU_STEPS:-5}" \
            --configs "${MFU_CONFIGS:-1b-full,1b-save_dots,135m-full,135m-save_dots}" --out "$DEST/mfu.md" ;;
     # the train step under the profiler (the first config: MFU_CONFIGS, default the 1B shape): where its time goes

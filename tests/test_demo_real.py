@@ -54,13 +54,31 @@ def demo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("demo_real")
     gguf = make_tiny_gguf(tmp / "tiny.gguf", tokenizer_from=gguf_path(), quant="Q8_0")
     lib = _some_stdlib(tmp / "lib")
-    proc = campaign(tmp, "prepare", "take1", "info", "mfu", "mfu-profile", "decode8b", "take2", "real", GGUF=str(gguf),
+    proc = campaign(tmp, "prepare", "take1", "info", "mfu", "mfu-profile", "decode8b", "take2", "real", "draft-data",
+                    "draft-train", "draft-eval", GGUF=str(gguf),
                     CORPUS_ROOT=str(lib), MFU_CONFIGS="135m-full", MFU_STEPS="2", SLOTS="1", WIDE_COST="4", ROUNDS="1",
                     QUANT="int8", KV="int8")  # (decode8b with quantized weights and cache: issue 42's GPU stage)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp / "work" / "real" / "results.json").read_text())
     cfg = from_dict(RealDemoConfig, res["config"])
     return tmp, cfg, res, proc.stdout
+
+
+def test_the_draft_recipe_stages_run(demo):
+    """draft-data / draft-train / draft-eval (the copy-only recipe at the campaign's size, here tiny): the base's
+    greedy continuations as id records, the adapter trained with its draft metric logged (AR agreement 1: the
+    continuations are the base's own), the table with the lossless rows equal to the base's AR, all packed."""
+    tmp = demo[0]
+    d = tmp / "work" / "draft"
+    held = [json.loads(ln) for ln in (d / "heldout_distilled.jsonl").read_text().splitlines()]
+    assert held and all(r["prompt_ids"] and r["response_ids"] for r in held)
+    evals = [json.loads(ln) for ln in (d / "run" / "draft_quality.jsonl").read_text().splitlines()]
+    assert evals and all(e["ar_agreement"] == 1.0 for e in evals)
+    rows = {r["label"]: r for r in json.loads((d / "eval" / "results.json").read_text())["rows"]}
+    lossless = [r for label, r in rows.items() if "lossless" in label]
+    assert len(lossless) == 2 and all(r["same_as_base_ar"] == 1.0 for r in lossless), list(rows)
+    out = tmp / "out"
+    assert (out / "draft.tgz").is_file() and list(out.glob("draft_adapter.tgz.part*"))
 
 
 def test_every_stage_runs_and_lossless_rows_equal_ar(demo):

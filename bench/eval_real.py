@@ -1,10 +1,13 @@
-"""SmolLM2-135M-Instruct + an SBD adapter on held-out stdlib functions, on this machine: the base model's AR, the
+"""SmolLM2-135M-Instruct (or `--model`) + an SBD adapter on held-out stdlib functions, on this machine: the base model's AR, the
 adapter's AR, lossless (verify, adaptive policy; "always": every call at the widest width) and the lossy EB /
 threshold rules, through the real demo's evaluation (demos/real/evaluation.py: decode.py's batch runner, greedy,
 block 16): first-line exact, similarity, rows == the base's AR, tokens per forward, tokens/s at `--batch` rows and
 at batch 1, and the ratios to the base's AR.
 
-    python bench/eval_real_cpu.py --adapter adapters/smollm2-135m-sbd-copy-lora --limit 64 --out results/real_cpu
+    python bench/eval_real.py --adapter adapters/smollm2-135m-sbd-copy-lora --limit 64 --out results/real_cpu
+
+The held-out functions are made from this interpreter's stdlib (`--prompt-tokens`), or read from a data stage's
+heldout.jsonl (`--heldout`, e.g. the data the GPU campaign carries).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from pathlib import Path
 
 from demos.real import corpus
 from demos.real.config import RealDemoConfig
-from demos.real.evaluation import evaluate
+from demos.real.evaluation import evaluate, read_records
 from demos.real.metrics import identical_share
 from demos.real.stages import heldout_records, stage_base
 from sbd_jax.io.tokenizer import Tokenizer
@@ -38,6 +41,8 @@ def table(rows: list[dict], batch: int) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--adapter", required=True)
+    ap.add_argument("--model", default=None, help="the base's HF directory (default: SmolLM2-135M-Instruct's)")
+    ap.add_argument("--heldout", default=None, help="a data stage's heldout.jsonl (default: made from the stdlib)")
     ap.add_argument("--limit", type=int, default=64, help="held-out functions")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--latency-n", type=int, default=8, help="prompts timed one at a time")
@@ -55,8 +60,9 @@ def main(argv=None):
                          n_heldout=args.limit, lossless_policies=tuple(args.policies), gammas=tuple(args.gammas),
                          threshold_gammas=tuple(args.threshold_gammas), eval_batch=args.batch,
                          latency_n=args.latency_n, latency_lossy=args.lossy_latency, lora_rank=1)
-    base = stage_base(cfg)
-    records = heldout_records(cfg, Tokenizer.load(base), corpus.load(None))[:args.limit]
+    base = Path(args.model) if args.model else stage_base(cfg)
+    records = (read_records(Path(args.heldout)) if args.heldout else
+               heldout_records(cfg, Tokenizer.load(base), corpus.load(None)))[:args.limit]
     done = {}
 
     def save(row):
