@@ -1,10 +1,11 @@
-"""SmolLM2-135M-Instruct (or `--model`) + an SBD adapter on held-out stdlib functions, on this machine: the base model's AR, the
-adapter's AR, lossless (verify, adaptive policy; "always": every call at the widest width) and the lossy EB /
-threshold rules, through the real demo's evaluation (demos/real/evaluation.py: decode.py's batch runner, greedy,
-block 16): first-line exact, similarity, rows == the base's AR, tokens per forward, tokens/s at `--batch` rows and
-at batch 1, and the ratios to the base's AR.
+"""SmolLM2-135M-Instruct (or `--model`) + an SBD adapter on held-out stdlib functions, on this machine
+(demos/real/adapter_eval.py): the base model's AR, the adapter's lossless (verify) rows per drafting policy and the
+lossy EB / threshold rules; first-line exact, similarity, rows == the base's AR, tokens per forward, tokens/s at
+`--batch` rows and at batch 1, and the ratios to the base's AR. Writes table.md and results.json to `--out`;
+`--record` also writes the adapter's record.json (the settings, the functions and every row with its completions),
+which `make demo-real-eval` decodes again.
 
-    python bench/eval_real.py --adapter adapters/smollm2-135m-sbd-copy-lora --limit 64 --out results/real_cpu
+    python bench/eval_real.py --adapter adapters/smollm2-135m-sbd-copy-lora-r32 --limit 64 --out results/real_cpu
 
 The held-out functions are made from this interpreter's stdlib (`--prompt-tokens`), or read from a data stage's
 heldout.jsonl (`--heldout`, e.g. the data the GPU campaign carries).
@@ -14,28 +15,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import platform
+import sys
 from pathlib import Path
 
-from demos.real import corpus
-from demos.real.config import RealDemoConfig
-from demos.real.evaluation import evaluate, read_records
-from demos.real.metrics import identical_share
-from demos.real.stages import heldout_records, stage_base
-from sbd_jax.io.tokenizer import Tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import jax  # noqa: E402
 
-def table(rows: list[dict], batch: int) -> str:
-    ar = next(r for r in rows if r["model"] == "base")
-    head = (f"| decoding | first-line exact | similarity | = base AR | tokens / forward | tokens/s, batch {batch} | "
-            "ratio | tokens/s, batch 1 | ratio |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
-    out = []
-    for r in rows:
-        lat = r["latency_tokens_per_s"]
-        out.append(f"| {r['label']} | {100 * r['first_line_exact']:.1f}% | {r['similarity']:.3f} | "
-                   f"{100 * r['same_as_base_ar']:.0f}% | {r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.0f} | "
-                   f"{r['tokens_per_s'] / ar['tokens_per_s']:.2f}x | "
-                   + (f"{lat:.1f} | {lat / ar['latency_tokens_per_s']:.2f}x |" if lat == lat else "| |"))
-    return head + "\n".join(out) + "\n"
+from demos.real import corpus  # noqa: E402
+from demos.real.adapter_eval import evaluate_adapter, settings, table  # noqa: E402
+from demos.real.evaluation import read_records  # noqa: E402
+from demos.real.stages import heldout_records, stage_base  # noqa: E402
+from sbd_jax.io.tokenizer import Tokenizer  # noqa: E402
 
 
 def main(argv=None):
@@ -53,33 +45,36 @@ def main(argv=None):
     ap.add_argument("--threshold-gammas", type=float, nargs="*", default=[0.35])
     ap.add_argument("--lossy-latency", action="store_true", help="time the lossy rows at batch 1 too")
     ap.add_argument("--out", default="results/real_cpu")
+    ap.add_argument("--record", action="store_true", help="also write <adapter>/record.json")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = RealDemoConfig(out_dir=str(out), prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
-                         n_heldout=args.limit, lossless_policies=tuple(args.policies), gammas=tuple(args.gammas),
-                         threshold_gammas=tuple(args.threshold_gammas), eval_batch=args.batch,
-                         latency_n=args.latency_n, latency_lossy=args.lossy_latency, lora_rank=1)
+    cfg = settings(out_dir=str(out), prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
+                   n_heldout=args.limit, lossless_policies=tuple(args.policies), gammas=tuple(args.gammas),
+                   threshold_gammas=tuple(args.threshold_gammas), eval_batch=args.batch, latency_n=args.latency_n,
+                   latency_lossy=args.lossy_latency)
     base = Path(args.model) if args.model else stage_base(cfg)
+    mods = None if args.heldout else corpus.load(None)
     records = (read_records(Path(args.heldout)) if args.heldout else
-               heldout_records(cfg, Tokenizer.load(base), corpus.load(None)))[:args.limit]
-    done = {}
+               heldout_records(cfg, Tokenizer.load(base), mods))[:args.limit]
 
     def save(row):
-        done[row["label"]] = row
         with open(out / "rows.jsonl", "a") as f:
             f.write(json.dumps({k: v for k, v in row.items() if k != "outputs"}) + "\n")
-    rows = evaluate(cfg, {"base": base, "lora": (base, Path(args.adapter))}, records, [], on_row=save,
-                    select=lambda d: d.model == "base" or (d.model == "lora" and d.label != "SBD LoRA r1, AR"))
-    ar = next(r for r in rows if r["model"] == "base")
-    for r in rows:
-        r["label"] = r["label"].replace("SBD LoRA r1", "adapter").replace("original model", "base model")
-        r["same_as_base_ar"] = identical_share(r["outputs"], ar["outputs"])
+    rows = evaluate_adapter(cfg, base, Path(args.adapter), records, on_row=save)
     md = table(rows, args.batch)
     (out / "table.md").write_text(md)
+    plain = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]
     (out / "results.json").write_text(json.dumps({"adapter": args.adapter, "settings": dataclasses.asdict(cfg),
-                                                  "rows": [{k: v for k, v in r.items() if k != "outputs"}
-                                                           for r in rows]}, indent=1))
+                                                  "rows": plain}, indent=1))
+    if args.record:
+        rec = {"settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out_dir"},
+               "corpus": mods.summary() if mods else None, "device": str(jax.devices()[0].device_kind),
+               "machine": f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}",
+               "functions": [r["id"] for r in records],
+               "rows": [{**p, "outputs": {i: o for i, o in zip((r["id"] for r in records), r["outputs"])}}
+                        for p, r in zip(plain, rows)]}
+        (Path(args.adapter) / "record.json").write_text(json.dumps(rec) + "\n")
     print(md)
 
 

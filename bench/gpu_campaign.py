@@ -8,10 +8,11 @@
                                                            training functions, a copy-only adapter on them, the
                                                            table (bench/eval_real.py) on the held-out functions
 
-Why pieces: one device call carries at most 64 MiB and the SmolLM2 GGUF is 93.8 MiB, so two consecutive calls on
-the same warm machine each carry one piece (`pN/`), copied to the work directory, and `join` checks every piece's
-and the whole file's sha256 before anything reads it. Why the data travels: the GPU machine's interpreter is
-another patch release (another stdlib); the data made here is the data any CPU rerun here evaluates on.
+Why pieces: one device call carries at most 64 MiB (the working tree included) and the SmolLM2 GGUF is 93.8 MiB,
+so three consecutive calls on the same warm machine each carry one piece (`pN/`), copied to the work directory,
+and `join` checks every piece's and the whole file's sha256 before anything reads it. Why the data travels: the
+GPU machine's interpreter is another patch release (another stdlib); the data made here is the data any CPU rerun
+here evaluates on.
 
 The sizes: SIZE "gpu" (the campaign) or "tiny" (the CPU dry run of tests/test_gpu_campaign.py: the same calls on
 a tiny model, a few stdlib modules and a few steps).
@@ -30,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PIECES = 2
+PIECES = 3  # 31 MiB each: one piece, the wheels and the working tree (~25 MiB with the adapter) fit a call
 GGUF_NAME = "model.gguf"
 # `make demo-real` at the size the campaign's budget allows (an H100, 15 minutes of device time in all): 1200 steps of
 # 16 rows of 512 tokens (~6 epochs of the training functions), bf16 compute without remat (135M fits), one
@@ -192,7 +193,7 @@ def join(pieces_dir: Path, dest: Path) -> Path:
 
 
 def prepare(args) -> None:
-    """carry/p1, carry/p2 (the GGUF's pieces; the data directory travels in p2 as data/)."""
+    """carry/p1 .. pN (the GGUF's pieces; the data directory travels in the last one as data/)."""
     from demos.real.stages import stage_base, stage_data
     from demos.real_model import gguf_path
     from sbd_jax.io.tokenizer import Tokenizer

@@ -3,17 +3,18 @@
 # under its own time limit; logs and results are packed into $OUT (logs.tgz, adapter.tgz) when the script ends.
 #
 #   here (CPU):   bash bench/gpu_campaign.sh wheels prepare   # .whl/: the wheels the GPU image lacks; .gpu_carry/p1,
-#                                                         # p2: the SmolLM2 GGUF in two pieces with checksums (p2
-#                                                         # also holds the data made here); both git-ignored there:
+#                                                         # p2, p3: the SmolLM2 GGUF in three pieces with checksums
+#                                                         # (p3 also holds the data made here); git-ignored there:
 #                 echo /.whl/ >> .git/info/exclude; echo /.gpu_carry/ >> .git/info/exclude
 #   GPU call 1:   carry [".whl", ".gpu_carry/p1"]   bash bench/gpu_campaign.sh setup take1 info
 #   GPU call 2, at once (the machine stays warm 30 s; /tmp persists on it):
-#                 carry [".whl", ".gpu_carry/p2"]   bash bench/gpu_campaign.sh setup take2 real-train
-#   GPU call 3, at once:                             bash bench/gpu_campaign.sh setup real-eval
+#                 carry [".whl", ".gpu_carry/p2"]   bash bench/gpu_campaign.sh setup take2
+#   GPU call 3, at once: carry [".whl", ".gpu_carry/p3"]   bash bench/gpu_campaign.sh setup take3 real-train
+#   GPU call 4, at once:                             bash bench/gpu_campaign.sh setup real-eval
 #   (a warm machine keeps the fine-tunes in /tmp: a failed real-eval reruns alone, reusing them and the finished
 #   rows; after a machine is lost the calls start again from call 1)
 #
-# Stages: prepare (CPU), setup (the carried wheels, see bench/gpu_run.sh), take1/take2 (a piece into the work
+# Stages: prepare (CPU), setup (the carried wheels, see bench/gpu_run.sh), take1/2/3 (a piece into the work
 # directory), real-train / real-eval / real (join the pieces, check sha256, `make demo-real` at
 # bench/gpu_campaign.py's size: the two fine-tunes and the LoRA adapter, then the table), info, mfu and
 # mfu-profile (bench/bench_mfu.py: MFU_CONFIGS, MFU_STEPS, LIMIT_MFU), decode8b (bench/bench_policy8b.py: SLOTS,
@@ -75,6 +76,7 @@ for s in "$@"; do
            fi ;;
     take1) take 1 || exit ;;
     take2) take 2 || exit ;;
+    take3) take 3 || exit ;;
     info) stage info 60 bash -c "nvidia-smi || true; $PY -c 'import jax, flax, optax, datasets, gguf, pyarrow, fsspec, qwix; \
 import orbax.checkpoint; print(jax.__version__, flax.__version__, optax.__version__, datasets.__version__, \
 pyarrow.__version__, fsspec.__version__, jax.devices())'" ;;
@@ -94,8 +96,8 @@ pyarrow.__version__, fsspec.__version__, jax.devices())'" ;;
               --size "$SIZE" --work "$WORK" ${CORPUS_ROOT:+--corpus-root "$CORPUS_ROOT"}
           fi ;;
     # the draft recipe (docs/training.md "Drafts in hours"): the base's greedy continuations, a copy-only adapter on
-    # them, the table; after `take1` and `take2` (the model) in the same warm machine, e.g.
-    #   call 1: setup take1 info   call 2: setup take2 draft-data draft-train   call 3: setup draft-eval
+    # them, the table; after take1..take3 (the model) in the same warm machine, e.g. call 3: setup take3
+    # draft-data draft-train, call 4: setup draft-eval
     draft-data|draft-train|draft-eval)
           [ -f "$WORK/model.gguf" ] || stage join 60 $PY bench/gpu_campaign.py join --work "$WORK" || exit
           stage "${s//-/_}" $((END_S - SECONDS)) $PY bench/gpu_campaign.py draft "${s#draft-}" --size "$SIZE" \

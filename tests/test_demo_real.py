@@ -1,6 +1,6 @@
 """`make demo-real` end to end at a tiny setting on the CPU, run the way the GPU campaign runs it
 (bench/gpu_campaign.sh at CAMPAIGN_SIZE=tiny: the same stages and code paths as on the GPU): a tiny random GGUF that
-carries SmolLM2's real tokenizer, split into the two pieces two device calls carry, joined and checked; the data
+carries SmolLM2's real tokenizer, split into the three pieces three device calls carry, joined and checked; the data
 made beforehand from a dozen real stdlib modules; the SBD and NTP fine-tunes and the SBD LoRA adapter (two steps
 each); every decoder on a few held-out functions and HumanEval problems. The numbers mean nothing, but the
 lossless rows must equal AR's tokens, a rerun reuses every stage (evaluation by row) or names what changed, and a
@@ -54,8 +54,8 @@ def demo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("demo_real")
     gguf = make_tiny_gguf(tmp / "tiny.gguf", tokenizer_from=gguf_path(), quant="Q8_0")
     lib = _some_stdlib(tmp / "lib")
-    proc = campaign(tmp, "prepare", "take1", "info", "mfu", "mfu-profile", "decode8b", "take2", "real", "draft-data",
-                    "draft-train", "draft-eval", GGUF=str(gguf),
+    proc = campaign(tmp, "prepare", "take1", "info", "mfu", "mfu-profile", "decode8b", "take2", "take3", "real",
+                    "draft-data", "draft-train", "draft-eval", GGUF=str(gguf),
                     CORPUS_ROOT=str(lib), MFU_CONFIGS="135m-full", MFU_STEPS="2", SLOTS="1", WIDE_COST="4", ROUNDS="1",
                     QUANT="int8", KV="int8")  # (decode8b with quantized weights and cache: issue 42's GPU stage)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -87,7 +87,7 @@ def test_every_stage_runs_and_lossless_rows_equal_ar(demo):
     for f in ("table.md", "results.json", "quality_vs_speedup.png", "ft_ntp/hf/config.json", "ft_sbd/hf/config.json",
               "ft_sbd_lora/adapter/adapter_model.safetensors"):
         assert (out / f).is_file() and (out / f).stat().st_size > 0, f
-    assert "join: " in stdout and "from 2 pieces" in stdout  # the model file came in two pieces, checked
+    assert "join: " in stdout and "from 3 pieces" in stdout  # the model file came in three pieces, checked
     assert cfg.data_dir == str(tmp / "work" / "data") and res["complete"]
     assert res["corpus"]["fingerprint"] == corpus.load(cfg.corpus_root).fingerprint  # made by `prepare`
     assert res["corpus"]["examples"]["heldout"] == cfg.n_heldout and res["corpus"]["examples"]["humaneval"] == 2
@@ -166,7 +166,7 @@ def test_the_model_file_travels_in_checked_pieces(tmp_path):
     src = tmp_path / "file.bin"
     src.write_bytes(os.urandom(100_001))
     dirs = gpu_campaign.split(src, tmp_path / "carry")
-    assert [d.name for d in dirs] == ["p1", "p2"]
+    assert [d.name for d in dirs] == ["p1", "p2", "p3"]
     pieces = tmp_path / "pieces"
     pieces.mkdir()
     for i, d in enumerate(dirs, 1):
@@ -178,7 +178,7 @@ def test_the_model_file_travels_in_checked_pieces(tmp_path):
     with pytest.raises(SystemExit, match="piece 2 .* damaged"):
         gpu_campaign.join(pieces, tmp_path / "joined2")
     part2.unlink()
-    with pytest.raises(SystemExit, match="piece 2 of 2 is missing"):
+    with pytest.raises(SystemExit, match="piece 2 of 3 is missing"):
         gpu_campaign.join(pieces, tmp_path / "joined2")
     assert not (tmp_path / "joined2").exists()
     proc = campaign(tmp_path / "elsewhere", "take2")  # a call that did not carry its piece says so and stops
