@@ -64,14 +64,16 @@ def logits(model_dir, tokens_path, out_path, lengths_path=None):
 
 
 def generate(model_dir, prompts_path, max_new, out_path):
+    """Greedy; a config's SBD mask token is never generated (suppress_tokens), as sbd_jax's AR never emits it."""
     model = load(model_dir)
+    mask = json.load(open(os.path.join(model_dir, "config.json"))).get("mask_token_id")
     results = []
     for prompt in json.load(open(prompts_path)):
         ids = torch.tensor([prompt], dtype=torch.int64)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=int(max_new),
                                  min_new_tokens=int(max_new), do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
+                                 pad_token_id=0, suppress_tokens=None if mask is None else [int(mask)])
         results.append(out[0, len(prompt):].tolist())
     json.dump(results, open(out_path, "w"))
 

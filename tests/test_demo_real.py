@@ -174,7 +174,8 @@ def test_the_model_file_travels_in_checked_pieces(tmp_path):
         (pieces / f"manifest{i}.json").write_text((d / "manifest.json").read_text())
     assert gpu_campaign.join(pieces, tmp_path / "joined").read_bytes() == src.read_bytes()
     part2 = pieces / "model.gguf.part2"
-    part2.write_bytes(part2.read_bytes()[:-1] + b"x")
+    data = part2.read_bytes()
+    part2.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit flipped (a fixed byte would be a no-op 1 in 256)
     with pytest.raises(SystemExit, match="piece 2 .* damaged"):
         gpu_campaign.join(pieces, tmp_path / "joined2")
     part2.unlink()

@@ -197,6 +197,14 @@ def test_self_distillation_to_a_copy_only_adapter_end_to_end(tmp_path):
                         str(tmp_path / "prompts.jsonl"), "--output", str(out), "--verify", "--draft-policy", "always",
                         "--block-size", "4", "--max-new-tokens", "12", "--no-progress", "--ignore-eos"]) == 0
     assert [json.loads(ln)["tokens"] for ln in out.read_text().splitlines()] == ar.tolist()
+    # with int8 weights (the base under each LoRA path quantized): the quantized base's AR tokens
+    for name, extra in (("q_ar", ["--mode", "ar"]), ("q_verify", ["--adapter", str(run / "adapter"), "--verify"])):
+        assert decode.main(["--model", str(base), "--input", str(tmp_path / "prompts.jsonl"), "--output",
+                            str(tmp_path / f"{name}.jsonl"), "--quantize", "int8", "--block-size", "4",
+                            "--max-new-tokens", "12", "--no-progress", "--ignore-eos", *extra]) == 0
+    q_ar, q_verify = ([json.loads(ln)["tokens"] for ln in (tmp_path / f"{n}.jsonl").read_text().splitlines()]
+                      for n in ("q_ar", "q_verify"))
+    assert q_verify == q_ar
 
 
 def test_recipe_options_are_checked_by_name():

@@ -8,6 +8,8 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import jax
+
 from ..config import ModelConfig
 from ..io.tokenizer import Tokenizer
 from ..models.quant import Quantization, quantize_params
@@ -30,6 +32,15 @@ def generation_eos(cfg: ModelConfig, model_dir) -> tuple[int, ...]:
             raise DecodeError(f"cannot read {str(gc)!r}: not valid JSON ({err})") from None
         ids += [e] if isinstance(e, int) else list(e or [])
     return tuple(dict.fromkeys(ids))
+
+
+def quantized_base(params: dict, cfg: ModelConfig, quantization) -> dict:
+    """`params` with the projections quantized; an attached (copy-only) adapter's LoRA weights keep their adapter and
+    quantize the base weight under it."""
+    from ..models.adapted import LoRAWeight, base_of
+    q = quantize_params(base_of(params), cfg, quantization, delete=True)
+    return jax.tree.map(lambda p, qw: dataclasses.replace(p, w=qw) if isinstance(p, LoRAWeight) else qw, params, q,
+                        is_leaf=lambda x: isinstance(x, LoRAWeight))
 
 
 class Sampler:
@@ -67,7 +78,7 @@ class Sampler:
             cfg, params = apply_adapter(cfg, params, adapter, model_dir=model_dir)
             params = params if mesh is None else shard_params(params, cfg, mesh)
             if quantization is not None:
-                params = quantize_params(params, cfg, quantization, delete=True)
+                params = quantized_base(params, cfg, quantization)
             eos = tuple(dict.fromkeys(eos + generation_eos(cfg, adapter)))
         check_finite_params(params, f"model {str(model_dir)!r}" + (f" with adapter {str(adapter)!r}" if adapter else ""))
         tokenizer = (adapter is not None and Tokenizer.find(adapter)) or Tokenizer.find(model_dir)
