@@ -196,5 +196,5 @@ def attach_copy_only(base: dict, adapter: dict, layout: AdapterLayout) -> dict:
     if "mask_embed" in adapter:
         out["embed"] = put_row(base["embed"], adapter["mask_embed"], layout.mask_row, 0)
         if "lm_head" in base:
-            out["lm_head"] = put_row(base["lm_head"], adapter["mask_embed"] * 0, layout.mask_row, 1)
+            out["lm_head"] = put_row(base["lm_head"], jnp.zeros_like(adapter["mask_embed"]), layout.mask_row, 1)
     return attach(out, {"layers": adapter["layers"]}, layout)

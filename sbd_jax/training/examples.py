@@ -61,7 +61,7 @@ def sample_masked(key, batch: PackedBatch, eta=(0.0, 1.0)):
     eta_BS = jax.random.uniform(k_eta, (B, L + 1), minval=eta[0], maxval=eta[1])  # one eta per (row, segment id)
     eta_BL = jnp.take_along_axis(eta_BS, batch.segment.astype(jnp.int32), axis=1)
     u_BL = jax.random.uniform(k_tok, (B, L))
-    return ((u_BL < eta_BL) | (eta[0] >= 1.0)) & (batch.loss_mask > 0) & (batch.segment > 0)
+    return (u_BL < eta_BL) & (batch.loss_mask > 0) & (batch.segment > 0)  # eta = 1: u < 1 always
 
 
 def build_sbd_example(batch: PackedBatch, masked_BL, k, spec: ExampleSpec) -> Example:

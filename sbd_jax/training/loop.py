@@ -303,7 +303,7 @@ def _run(run: Run, state: TrainState, stop_after: int | None, on_log: Callable[[
     with tqdm(total=cfg.steps, initial=start, desc="train", dynamic_ncols=True,
               disable=not (cfg.progress and lead and start < end)) as bar:
         log = MetricsLog(cfg, end, FiniteGuard(cfg, run.ckpt.directory), metrics_path if lead else None, on_log, bar)
-        evaluator = cfg.draft_eval.path and DraftEval(cfg.draft_eval, run.model_cfg, run.out_dir, run.resume, lead)
+        evaluator = DraftEval(cfg.draft_eval, run.model_cfg, run.out_dir, run.resume, lead) if cfg.draft_eval.path else None
         state, data_state, last_saved = _steps(run, state, start, end, log, evaluator)
     hf_dir = adapter_dir = None
     if end == cfg.steps:
