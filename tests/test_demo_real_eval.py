@@ -1,5 +1,5 @@
 """`make demo-real-eval`: the committed copy-only SBD adapter (adapters/) on the installed SmolLM2, decoded here on
-the first held-out functions of its record: the completions must be the recorded ones token for token (the base's
+the first held-out functions of its record (their first 32 tokens): the completions must be the recorded ones token for token (the base's
 AR and lossless), lossless must equal the base's AR, and a corpus other than the record's is refused. (The lossy
 rows go through the same code; their figures on more functions: README.md and BENCHMARKS.md.)"""
 import json
@@ -17,7 +17,7 @@ def out(tmp_path_factory):
 
 def test_the_committed_adapter_decodes_as_recorded(out):
     rows = reproduce.reproduce(out_dir=str(out), limit=2, batch=2, latency=False, log=lambda *_: None,
-                               select=lambda d: d.mode == "ar" or d.verify)
+                               select=lambda d: d.mode == "ar" or d.verify, max_new=32)  # the first 32 tokens
     by = {(r["mode"], r["verify"]): r for r in rows}
     assert set(by) == {("ar", False), ("sbd", True)}
     for r in rows:
@@ -39,3 +39,5 @@ def test_another_corpus_is_refused(out, tmp_path):
                                                                        "python": "cpython-3.12.9"}}))
     with pytest.raises(ConfigError, match="cpython-3.12.9"):  # refused before any model is loaded
         reproduce.reproduce(fake, str(out), limit=1, log=lambda *_: None)
+    with pytest.raises(ConfigError, match=r"max_new must be in \[1, 128\] \(the record's\), got 0"):
+        reproduce.reproduce(reproduce.ADAPTER, str(out), max_new=0, log=lambda *_: None)

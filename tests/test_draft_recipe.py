@@ -188,7 +188,7 @@ def test_self_distillation_to_a_copy_only_adapter_end_to_end(tmp_path):
     assert _train_py(["--config", str(cfg_path), *over]) == 0
     evals = [json.loads(ln) for ln in (run / "draft_quality.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [2, 4] and all(e["ar_agreement"] == 1.0 and e["blocks"] == 18 for e in evals)
-    assert evals[1]["seconds"] > evals[0]["seconds"] > 0
+    assert evals[1]["seconds"] > evals[0]["seconds"] > 0 and evals[1]["cpu_seconds"] > evals[0]["cpu_seconds"] > 0
     hist = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(h["ntp_loss"] == 0.0 and h["matp_loss"] > 0 for h in hist)
     assert json.loads((run / "adapter" / "sbd_adapter.json").read_text())["copy_only"] is True

@@ -34,15 +34,20 @@ def load_record(adapter_dir: Path) -> dict:
 
 
 def reproduce(adapter_dir: Path = ADAPTER, out_dir: str = "results/real_eval", limit: int | None = None,
-              batch: int | None = None, latency: bool = True, select=None, log=print) -> list[dict]:
+              batch: int | None = None, latency: bool = True, select=None, log=print,
+              max_new: int | None = None) -> list[dict]:
     """The adapter's rows (those `select(decoder)` keeps, when given) decoded here on the record's first `limit`
-    held-out functions (all: None), at `batch` rows (None: the record's); -> rows, each with the recorded figures
-    on the same functions ("recorded") and the share of functions decoded token for token as recorded
-    ("same_as_record"). Writes compare.md and compare.json to `out_dir`."""
+    held-out functions (all: None), at `batch` rows (None: the record's), `max_new` tokens each (None: the
+    record's; fewer: compared with the recorded completions' first `max_new` tokens); -> rows, each with the
+    recorded figures on the same functions and tokens ("recorded") and the share of functions decoded token for
+    token as recorded ("same_as_record"). Writes compare.md and compare.json to `out_dir`."""
     rec = load_record(adapter_dir)
     out = Path(out_dir).absolute()
     cfg = from_dict(RealDemoConfig, {**rec["settings"], "out_dir": str(out)})
-    cfg = dataclasses.replace(cfg, eval_batch=batch or cfg.eval_batch, latency_n=cfg.latency_n if latency else 0)
+    if max_new is not None and not 1 <= max_new <= cfg.max_new_tokens:
+        raise ConfigError(f"max_new must be in [1, {cfg.max_new_tokens}] (the record's), got {max_new}")
+    cfg = dataclasses.replace(cfg, eval_batch=batch or cfg.eval_batch, latency_n=cfg.latency_n if latency else 0,
+                              max_new_tokens=max_new or cfg.max_new_tokens)
     mods = corpus.load(cfg.corpus_root)  # the record's corpus, or a refusal before anything is decoded
     if mods.fingerprint != rec["corpus"]["fingerprint"]:
         raise ConfigError(f"this interpreter's stdlib ({mods.python}, corpus {mods.fingerprint[:12]}) is not "
@@ -56,7 +61,7 @@ def reproduce(adapter_dir: Path = ADAPTER, out_dir: str = "results/real_eval", l
     rows = evaluate_adapter(cfg, base, Path(adapter_dir), records, log, select=select)
     recorded = {r["label"]: r for r in rec["rows"]}
     for r in rows:
-        outs = [recorded[r["label"]]["outputs"][i] for i in ids]
+        outs = [recorded[r["label"]]["outputs"][i][:cfg.max_new_tokens] for i in ids]
         r["same_as_record"] = metrics.identical_share(r["outputs"], outs)
         r["recorded"] = {**metrics.heldout_scores(records, [tok.decode(o) for o in outs]),  # the same functions
                          "tokens_per_forward": recorded[r["label"]]["tokens_per_forward"]}
@@ -89,10 +94,14 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="results/real_eval")
     ap.add_argument("--adapter", default=str(ADAPTER))
     ap.add_argument("--no-latency", action="store_true", help="skip the batch-1 timing pass")
+    ap.add_argument("--max-new", type=int, default=None, help="tokens per function (default: the record's)")
     args = ap.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         ap.error(f"--limit must be >= 1, got {args.limit}")
-    reproduce(Path(args.adapter), args.out, args.limit, args.batch, not args.no_latency)
+    try:
+        reproduce(Path(args.adapter), args.out, args.limit, args.batch, not args.no_latency, max_new=args.max_new)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

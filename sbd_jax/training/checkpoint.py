@@ -53,6 +53,18 @@ class _QuietOrbaxErrors(logging.Filter):
 _QUIET = _QuietOrbaxErrors()
 
 
+def _join_by(thread: threading.Thread, deadline: float) -> None:
+    """Join `thread` by `deadline`; one just started (listed, not yet running) is joined once it runs."""
+    while True:
+        try:
+            thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+            return
+        except RuntimeError:  # "cannot join thread before it is started": it starts within microseconds
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.001)
+
+
 class Checkpointer:
     """Thin wrapper over `ocp.CheckpointManager` (`.manager`) with items "state" (pytree), "data" (JSON) and, for a
     LoRA run, "meta" (JSON: the fingerprint of the frozen base the adapter belongs to). A save that fails (also in
@@ -82,8 +94,8 @@ class Checkpointer:
         """The error of the failed save of `self.saving`, once its partial (tmp) directories are removed (after the
         save's other writer threads, which orbax does not stop, have ended)."""
         deadline = time.monotonic() + 30.0
-        for t in set(threading.enumerate()) - self._threads:
-            t.join(timeout=max(deadline - time.monotonic(), 0.0))
+        for t in set(threading.enumerate()) - self._threads - {threading.current_thread()}:
+            _join_by(t, deadline)
         for tmp in self.directory.glob("*.orbax-checkpoint-tmp*"):
             shutil.rmtree(tmp, ignore_errors=True)
         step, self.saving = self.saving, None

@@ -142,8 +142,8 @@ def draft_quality(params, cfg: ModelConfig, ds: DraftSet, block_size: int) -> Dr
 
 class DraftEval:
     """The training loop's periodic metric (TrainConfig.draft_eval): <out_dir>/draft_quality.jsonl, one record per
-    evaluated step with the training seconds so far (its own time excluded; a resumed run continues the count of
-    the records it keeps)."""
+    evaluated step with the training seconds so far, wall and CPU (every thread of the process: the fair clock when
+    runs share a machine); its own time excluded; a resumed run continues the count of the records it keeps."""
 
     FILE = "draft_quality.jsonl"
 
@@ -159,17 +159,21 @@ class DraftEval:
             if lead:
                 self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.offset = kept[-1]["seconds"] if kept else 0.0
+        self.cpu_offset = kept[-1].get("cpu_seconds", 0.0) if kept else 0.0
         self.t0, self.clock = time.perf_counter(), time.perf_counter
+        self.cpu0, self.cpu_clock = time.process_time(), time.process_time  # every thread of this process
 
     def due(self, step: int, end: int) -> bool:
         return step % self.cfg.every == 0 or step == end
 
     def run(self, step: int, params) -> dict:
         jax.block_until_ready(params)  # the step that made them is training time
-        t = self.clock()
+        t, c = self.clock(), self.cpu_clock()
         q = draft_quality(params, self.model_cfg, self.data, self.cfg.block_size)
-        rec = {"step": step, "seconds": round(self.offset + t - self.t0, 1), **q.as_dict()}
+        rec = {"step": step, "seconds": round(self.offset + t - self.t0, 1),
+               "cpu_seconds": round(self.cpu_offset + c - self.cpu0, 1), **q.as_dict()}
         self.t0 += self.clock() - t  # the metric's own time is not training time
+        self.cpu0 += self.cpu_clock() - c
         if self.lead:
             with self.path.open("a") as f:
                 f.write(json.dumps(rec) + "\n")

@@ -1,0 +1,162 @@
+"""Recipe options for SBD drafts compared at equal CPU time on the draft metric (issue 50, point 2).
+
+Each recipe is configs/smollm2_copy_lora.yaml plus overrides, trained by train.py with single-threaded XLA (so two
+runs share this 2-core CPU without slowing each other's clock) until its CPU seconds (every thread of its process,
+draft metric excluded: `cpu_seconds` in draft_quality.jsonl) reach --budget; the learning rate is constant after
+warmup, so a run cut at the budget is not penalized against one that planned its decay. A rerun resumes each
+unfinished run from its checkpoint. Then the table (results.json, printed as markdown) and the plot of the draft
+metric against CPU seconds.
+
+    python bench/recipe_compare.py --model MODEL_DIR --distilled train_distilled.jsonl \
+        --heldout heldout_distilled.jsonl --human train.jsonl --out bench/results/recipes --budget 2400
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# name -> (what it tests, data source, overrides of configs/smollm2_copy_lora.yaml)
+RECIPES = {
+    "copy-distilled": ("the recipe: copy-only LoRA r32, self-distilled data, all-masked blocks, decay 0.85",
+                       "distilled", []),
+    "copy-human": ("data: the functions' own bodies instead of the model's continuations", "human", []),
+    "lora-every-row": ("what trains: LoRA on clean and copy rows, NTP kept, the paper's eta ~ U[0, 1]", "distilled",
+                       ["lora.copy_only=false", "sbd.eta=[0.0,1.0]", "model.remat=full"]),
+    "copy-k8": ("blocks: k ~ U[2, 8] instead of U[2, 16]", "distilled", ["sbd.k_max=8"]),
+    "copy-no-decay": ("position weights: every offset weighted 1", "distilled", ["sbd.position_decay=null"]),
+    "copy-lr3e-3": ("lr 3e-3 instead of 1e-3", "distilled", ["optim.lr=3.0e-3"]),
+}
+SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def human_records(distilled: Path, human: Path, tokenizer: str, out: Path) -> Path:
+    """The distilled records' prompts with the functions' own bodies (their first as many tokens as the model's
+    continuation has) as responses: the same prompts, human targets."""
+    from sbd_jax.io.tokenizer import Tokenizer
+    if out.exists():
+        return out
+    tok = Tokenizer.load(tokenizer)
+    bodies = [json.loads(x) for x in human.read_text().splitlines() if x.strip()]
+    rows = []
+    for x in distilled.read_text().splitlines():
+        r = json.loads(x)
+        n = int(r["id"].lstrip("t"))  # the distilled record of training function n
+        body = tok.encode(bodies[n]["response"], add_special_tokens=False)
+        rows.append({"id": r["id"], "prompt_ids": r["prompt_ids"], "response_ids": body[:len(r["response_ids"])]})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def evals(run: Path) -> list[dict]:
+    f = run / "draft_quality.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
+
+
+def command(args, name: str, data: Path) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "smollm2_copy_lora.yaml"),
+            f"model.init_from={args.model}", f"data.tokenizer={args.model}", f"data.path={data}",
+            f"draft_eval.path={args.heldout}", f"out_dir={args.out / name}", "steps=100000",
+            f"batch_size={args.batch}", "optim.schedule=constant", f"draft_eval.every={args.every}",
+            f"draft_eval.rows={args.rows}", f"checkpoint.every={args.every}", "progress=false", "log_every=5",
+            *RECIPES[name][2]]
+
+
+def run_all(args, names: list[str], data: dict[str, Path]) -> None:
+    """Runs `names`, `args.parallel` at a time, each stopped once its CPU seconds reach the budget."""
+    env = {**os.environ, "XLA_FLAGS": SINGLE_THREAD, "OMP_NUM_THREADS": "1"}
+    todo = [n for n in names if not (evals(args.out / n) and evals(args.out / n)[-1]["cpu_seconds"] >= args.budget)]
+    live: dict[str, subprocess.Popen] = {}
+    while todo or live:
+        while todo and len(live) < args.parallel:
+            n = todo.pop(0)
+            (args.out / n).mkdir(parents=True, exist_ok=True)
+            log = (args.out / n / "train.log").open("a")
+            live[n] = subprocess.Popen(command(args, n, data[RECIPES[n][1]]), env=env, stdout=log,
+                                       stderr=subprocess.STDOUT, cwd=ROOT)
+            print(f"{n}: started", flush=True)
+        time.sleep(10)
+        for n, p in list(live.items()):
+            e = evals(args.out / n)
+            if e and e[-1]["cpu_seconds"] >= args.budget:
+                p.terminate()  # the trainer checkpoints and stops on SIGTERM
+                p.wait()
+            if p.poll() is not None:
+                del live[n]
+                done = e and e[-1]["cpu_seconds"] >= args.budget
+                print(f"{n}: {'done' if done else f'exited {p.returncode} before the budget'}"
+                      f" ({e[-1]['step'] if e else 0} steps)", flush=True)
+
+
+def summary(args, names: list[str]) -> list[dict]:
+    rows = []
+    for n in names:
+        e = [r for r in evals(args.out / n) if r["cpu_seconds"] <= args.budget * 1.05]
+        if not e:
+            continue
+        last = e[-3:]  # the metric's noise (+-0.1 on 128 blocks): the mean of the last three evaluations
+        cfg = json.loads((args.out / n / "train_config.json").read_text())
+        rows.append({"recipe": n, "tests": RECIPES[n][0], "steps": e[-1]["step"], "rows": e[-1]["step"] * cfg["batch_size"],
+                     "cpu_seconds": e[-1]["cpu_seconds"],
+                     "tokens_per_forward": round(sum(r["tokens_per_forward"] for r in last) / len(last), 3),
+                     "agreement_1_3": [round(sum(r["agreement"][j] for r in last) / len(last), 3) for j in (1, 2, 3)]})
+    return rows
+
+
+def plot(args, names: list[str], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    for n in names:
+        e = evals(args.out / n)
+        if e:
+            ax.plot([r["cpu_seconds"] / 60 for r in e], [r["tokens_per_forward"] for r in e], marker="o", label=n)
+    ax.set_xlabel("CPU minutes (all threads of the run; draft metric excluded)")
+    ax.set_ylabel("1 + accepted drafts per block (block 16)")
+    ax.set_title("Recipe options at equal CPU time (bench/recipe_compare.py)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="the base model's HF directory (python -m demos.real_model)")
+    ap.add_argument("--distilled", type=Path, required=True, help="training records of the model's continuations")
+    ap.add_argument("--heldout", type=Path, required=True, help="held-out distilled records for the draft metric")
+    ap.add_argument("--human", type=Path, required=True, help="the training functions (prompt, response) as text")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "recipes")
+    ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    ap.add_argument("--budget", type=float, default=2400.0, help="CPU seconds per run")
+    ap.add_argument("--parallel", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--every", type=int, default=10, help="steps between draft metric evaluations")
+    ap.add_argument("--rows", type=int, default=16, help="held-out records of the draft metric (8 blocks each)")
+    ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "recipe_compare.png")
+    args = ap.parse_args(argv)
+    args.out = args.out.absolute()
+    data = {"distilled": args.distilled.absolute(),
+            "human": human_records(args.distilled, args.human, args.model, args.out / "data" / "human.jsonl")}
+    run_all(args, args.recipes, data)
+    rows = summary(args, args.recipes)
+    (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
+    plot(args, args.recipes, args.plot)
+    print("| recipe | what it tests | steps x rows | CPU s | 1 + E | agreement at offsets 1, 2, 3 |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['recipe']} | {r['tests']} | {r['steps']} x {r['rows'] // r['steps']} | {r['cpu_seconds']:.0f} | "
+              f"{r['tokens_per_forward']:.2f} | {', '.join(f'{a:.2f}' for a in r['agreement_1_3'])} |")
+
+
+if __name__ == "__main__":
+    main()
