@@ -114,7 +114,8 @@ def test_every_stage_runs_and_lossless_rows_equal_ar(demo):
     assert all(r["label"] in table for r in rows) and "tokens decoded per row" in table
     with tarfile.open(tmp / "out" / "logs.tgz") as t:  # what a device call brings back
         names = t.getnames()
-    assert {"real/table.md", "real/results.json", "logs/real.log", "logs/mfu_profile.log", "real/ft_sbd/metrics.jsonl"} <= set(names)
+    assert {"real/table.md", "real/results.json", "logs/real.log", "logs/mfu_profile.log",
+            "real/ft_sbd/metrics.jsonl"} <= set(names)
     pieces = sorted((tmp / "out").glob("adapter.tgz.part*"))  # each under what a device call returns
     assert pieces and all(p.stat().st_size <= 15 * 2**20 for p in pieces)
     with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in pieces))) as t:

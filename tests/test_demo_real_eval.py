@@ -1,7 +1,7 @@
 """`make demo-real-eval`: the committed copy-only SBD adapter (adapters/) on the installed SmolLM2, decoded here on
-the first held-out functions of its record (their first 32 tokens): the completions must be the recorded ones token for token (the base's
-AR and lossless), lossless must equal the base's AR, and a corpus other than the record's is refused. (The lossy
-rows go through the same code; their figures on more functions: README.md and BENCHMARKS.md.)"""
+the first held-out functions of its record (their first 32 tokens): the completions must be the recorded ones token
+for token (the base's AR and lossless), lossless must equal the base's AR, and a corpus other than the record's is
+refused. (The lossy rows go through the same code; their figures on more functions: README.md and BENCHMARKS.md.)"""
 import json
 
 import pytest
