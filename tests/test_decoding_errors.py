@@ -125,3 +125,17 @@ def test_a_stream_prompt_wider_than_the_engine_is_named(params):
     """The continuous engine checks each prompt of its stream as it is admitted (its first program compiled)."""
     with pytest.raises(DecodeError, match=r"prompt 0 has 5 tokens; this decoder takes 1 to 4"):
         list(decode_stream(params, CFG, [[1, 2, 3, 4, 5]], DecodeSpec(**OK), slots=2, prompt_width=4))
+
+
+@pytest.mark.parametrize("weights", ["nan", "overflow"])
+def test_nonfinite_logits_are_named_never_tokens(params, weights):
+    """NaN weights, or finite ones whose forward overflows (a 1e38 final norm: inf/NaN logits): every mode's
+    `generate` marks those positions -1 (sampling.NONFINITE) instead of choosing from garbage (greedy once chose 0
+    everywhere), and a host-side row (the continuous engine, the batch runner, Sampler) is a DecodeError naming it."""
+    bad = {**params, "final_norm": params["final_norm"] * (np.nan if weights == "nan" else 1e38)}
+    for kw in (dict(mode="ar"), dict(mode="sbd"), dict(mode="sbd", verify=True, draft_policy="always")):
+        out = generate(bad, CFG, make_prompts(), LENGTHS, **OK, **kw)
+        toks, n = np.asarray(out.tokens), np.asarray(out.lengths)
+        assert all((toks[b, :n[b]] < 0).any() for b in range(len(n))), (kw, toks)
+    with pytest.raises(DecodeError, match=r"the model's logits are not finite \(NaN or inf\) at generated token 0 "):
+        list(decode_stream(bad, CFG, [[1, 2, 3]], DecodeSpec(**OK), slots=2, prompt_width=4))

@@ -1,7 +1,8 @@
-"""`make demo-real-eval`: the committed copy-only SBD adapter (adapters/) on the installed SmolLM2, decoded here on
-the first held-out functions of its record (their first 32 tokens): the completions must be the recorded ones token
-for token (the base's AR and lossless), lossless must equal the base's AR, and a corpus other than the record's is
-refused. (The lossy rows go through the same code; their figures on more functions: README.md and BENCHMARKS.md.)"""
+"""`make demo` and `make demo-real-eval`: the committed copy-only SBD adapter (adapters/) on the installed SmolLM2,
+decoded here on the first held-out functions of its record (their first 32 tokens): the completions must be the
+recorded ones token for token (the base's AR and lossless), lossless must equal the base's AR, the plot is written,
+and a corpus other than the record's is refused. (The lossy rows go through the same code; their figures on more
+functions: README.md and BENCHMARKS.md.)"""
 import json
 
 import pytest
@@ -29,6 +30,7 @@ def test_the_committed_adapter_decodes_as_recorded(out):
     assert json.loads((out / "compare.json").read_text())["functions"] == rec["functions"][:2]
     table = (out / "compare.md").read_text()
     assert all(r["label"] in table for r in rows)
+    assert (out / "compare.png").stat().st_size > 10_000
 
 
 def test_another_corpus_is_refused(out, tmp_path):

@@ -15,6 +15,7 @@ from decoding_fixtures import CFG, LENGTHS, MAX_NEW, outputs
 import sbd_jax
 from sbd_jax.attention import clean_meta
 from sbd_jax.config import ConfigError
+from sbd_jax.io.hf_layout import CheckpointError
 from sbd_jax.decoding import DecodeError, DecodeSpec, generate
 from sbd_jax.decoding.continuous import decode_stream
 from sbd_jax.models import forward
@@ -207,6 +208,12 @@ def test_a_quantized_checkpoint_saves_and_loads_as_it_is(quantized, tmp_path, sc
     assert b'"dtype":"%s"' % {"int8": b"I8", "fp8": b"F8_E4M3", "int4-g8": b"U8"}[scheme] in w
     with pytest.raises(ConfigError, match=r"is already quantized \(%s\): load it without quantize=" % scheme):
         sbd_jax.from_pretrained(d, quantize="int8")
+    c = json.loads((d / "config.json").read_text())  # its scheme lost: the values are never read as weights
+    (d / "config.json").write_text(json.dumps({k: v for k, v in c.items() if k != "quantization_config"}))
+    with pytest.raises(CheckpointError, match=r"weight 'model.layers.0.[a-z_.]+_proj.weight' in .* is stored as "
+                       r"%s, not a float type: a quantized checkpoint whose config.json lacks quantization_config"
+                       % {"int8": "I8", "fp8": "F8_E4M3", "int4-g8": "U8"}[scheme]):
+        sbd_jax.from_pretrained(d)
 
 
 def test_a_damaged_quantized_checkpoint_is_refused_by_name(quantized, tmp_path):

@@ -109,9 +109,10 @@ def test_a_diverged_checkpoint_is_not_called_good(inputs):
     assert res.resumed_from == 2 and res.step == 4 and finite(res.params)
 
 
-def test_a_failed_async_save_is_named_at_once(inputs, monkeypatch, capfd):
-    """The disk fills during the background save of step 2 (step 1's was written): the run stops before step 4's
-    save with one error naming step 2, the cause and step 1; no partial directory is left, no traceback printed."""
+@pytest.mark.parametrize("async_save", ["true", "false"])
+def test_a_failed_save_is_named_at_once(inputs, monkeypatch, capfd, async_save):
+    """The disk fills during the (background or synchronous) save of step 2 (step 1's was written): the run stops
+    with one error naming step 2, the cause and step 1; no partial directory is left, no traceback printed."""
     from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
 
     from sbd_jax.training.checkpoint import CheckpointSaveError
@@ -125,7 +126,7 @@ def test_a_failed_async_save_is_named_at_once(inputs, monkeypatch, capfd):
             raise OSError(28, "No space left on device")
         return await write(self, x, directory)
     monkeypatch.setattr(handler.JsonCheckpointHandler, "_save_fn", disk_full_after_one)
-    cfg = cfg_of(inputs, "checkpoint.async_save=true", "steps=6")
+    cfg = cfg_of(inputs, f"checkpoint.async_save={async_save}", "steps=6")
     with pytest.raises(CheckpointSaveError, match=r"the checkpoint of step 2 could not be written \(OSError: \[Errno "
                                                   r"28\] No space left on device\); its partial files were removed; the "
                                                   r"last complete checkpoint is step 1 in"):

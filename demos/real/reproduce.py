@@ -40,7 +40,7 @@ def reproduce(adapter_dir: Path = ADAPTER, out_dir: str = "results/real_eval", l
     held-out functions (all: None), at `batch` rows (None: the record's), `max_new` tokens each (None: the
     record's; fewer: compared with the recorded completions' first `max_new` tokens); -> rows, each with the
     recorded figures on the same functions and tokens ("recorded") and the share of functions decoded token for
-    token as recorded ("same_as_record"). Writes compare.md and compare.json to `out_dir`."""
+    token as recorded ("same_as_record"). Writes compare.md, compare.json and compare.png (`plot`) to `out_dir`."""
     rec = load_record(adapter_dir)
     out = Path(out_dir).absolute()
     cfg = from_dict(RealDemoConfig, {**rec["settings"], "out_dir": str(out)})
@@ -71,6 +71,7 @@ def reproduce(adapter_dir: Path = ADAPTER, out_dir: str = "results/real_eval", l
                                                   indent=1))
     table = comparison_table(rows, rec["device"])
     write_atomic(out / "compare.md", table)
+    plot(rows, out / "compare.png")
     log("\n" + table)
     return rows
 
@@ -84,6 +85,36 @@ def comparison_table(rows: list[dict], device: str) -> str:
         f"| {r['similarity']:.3f} / {r['recorded']['similarity']:.3f} "
         f"| {r['tokens_per_forward']:.2f} / {r['recorded']['tokens_per_forward']:.2f} "
         f"| {100 * r['same_as_record']:.0f}% | {100 * r['same_as_base_ar']:.0f}% |\n" for r in rows)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Per row: tokens per forward (here and as recorded on all the record's functions) and tokens/s relative to
+    the base's AR here (at the batch, and at batch 1 when timed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ar = next((r for r in rows if r["mode"] == "ar"), None)
+    labels = [r["label"].replace(" (", "\n(") for r in rows]
+    y = range(len(rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 1.2 + 0.8 * len(rows)), sharey=True)
+    a.barh([i + 0.2 for i in y], [r["tokens_per_forward"] for r in rows], 0.4, label="here")
+    a.barh([i - 0.2 for i in y], [r["recorded"]["tokens_per_forward"] for r in rows], 0.4, label="recorded")
+    a.set_xlabel("tokens per forward")
+    a.set_yticks(list(y), labels, fontsize=8)
+    a.legend(fontsize=8)
+    if ar:
+        b.barh([i + 0.2 for i in y], [r["tokens_per_s"] / ar["tokens_per_s"] for r in rows], 0.4, label="batch")
+        lat = [r["latency_tokens_per_s"] / ar["latency_tokens_per_s"] if r.get("latency_n") else 0.0 for r in rows]
+        b.barh([i - 0.2 for i in y], lat, 0.4, label="batch 1")
+        b.axvline(1.0, color="grey", linewidth=1)
+        b.legend(fontsize=8)
+    b.set_xlabel("tokens/s relative to the base model's AR")
+    for ax in (a, b):
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle("The committed SBD adapter on held-out stdlib functions (demos/real/reproduce.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> None:

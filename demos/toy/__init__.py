@@ -1,1 +1,1 @@
-"""The built-in demo (`make demo`)."""
+"""The toy demo (`make demo-toy`): the paper's Table 1 in miniature."""

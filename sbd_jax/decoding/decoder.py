@@ -56,7 +56,8 @@ class GenerateOutput(NamedTuple):
     window tokens of the output (SBD: counted when their block ends; verify mode: when the call ends),
     mode_stats: what the mode reports of its own state (verify mode: `VerifyStats` - drafts placed and drafts
     that stood per row, and the policy's `memory` for a later call's `draft_memory`; None in the other modes),
-    cache (KVCache or None)."""
+    cache (KVCache or None). A token -1 (sampling.NONFINITE) marks where the model's logits were not finite: the
+    host-side entry points (RowResult's) raise a DecodeError for it; a caller of `generate` checks `tokens < 0`."""
 
     tokens: jax.Array
     lengths: jax.Array

@@ -13,6 +13,8 @@ import dataclasses
 
 import numpy as np
 
+from .spec import DecodeError
+
 
 @dataclasses.dataclass(frozen=True)
 class RowResult:
@@ -54,6 +56,13 @@ def row_stats(stats, b: int) -> dict:
 
 
 def row_result(tokens, nfe: int, eos: bool, accepted, stats: dict | None = None) -> RowResult:
+    """One finished row; a row with a NONFINITE token (sampling.py: the model's logits were not finite there) is a
+    DecodeError naming where, never tokens chosen from garbage."""
+    bad = np.flatnonzero(np.asarray(tokens) < 0)
+    if bad.size:
+        raise DecodeError(f"the model's logits are not finite (NaN or inf) at generated token {int(bad[0])} of a row "
+                          f"({len(tokens)} tokens): its weights (or quantization scales) are NaN or overflow in "
+                          "the forward; no tokens are returned")
     return RowResult(tokens=[int(t) for t in tokens], nfe=int(nfe), stop="eos" if eos else "length",
                      accepted=[int(a) for a in accepted], stats=stats or {})
 

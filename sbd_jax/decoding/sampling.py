@@ -121,17 +121,23 @@ def row_keys(key, batch: int):
     return key
 
 
+NONFINITE = -1  # the token of a position whose logits are not finite (row_result names it as an error)
+
+
 def sample(logits_BKV, keys_B, index, temperature_B, *, top_k: int = 0, top_p: float = 1.0, suppress=None):
     """Token per position [B, K] (int32): argmax for rows with temperature 0, else a Gumbel-max draw from the
     shaped distribution. `index` [B]: row b draws all K positions from fold_in(keys_B[b], index[b]) (SBD: its
     call count); `index` [B, K]: each position from fold_in(keys_B[b], index[b, k]) alone (its generated-token
     index), so a token is a pure function of (logits, key, position) whatever window it was computed in: how
-    AR mode draws and how verify mode checks drafts. `suppress`: a token id never drawn (the SBD mask token)."""
+    AR mode draws and how verify mode checks drafts. `suppress`: a token id never drawn (the SBD mask token).
+    A position whose logits are not finite (a NaN, +inf, or no finite value: NaN/overflowing weights) gets
+    NONFINITE, an id no vocabulary has, instead of a token chosen from garbage."""
     if suppress is not None:  # a select (fuses into the reductions), not a scatter (copies the logits)
         logits_BKV = jnp.asarray(logits_BKV)
         vocab = jax.lax.broadcasted_iota(jnp.int32, logits_BKV.shape, logits_BKV.ndim - 1)
         logits_BKV = jnp.where(vocab == suppress, -jnp.inf, logits_BKV)
     greedy = argmax(logits_BKV)
+    top = jnp.max(logits_BKV, axis=-1)  # NaN-propagating; the same reduction as argmax's (XLA computes it once)
     t = jnp.asarray(temperature_B, jnp.float32)
     index = jnp.asarray(index, jnp.int32)
 
@@ -148,4 +154,5 @@ def sample(logits_BKV, keys_B, index, temperature_B, *, top_k: int = 0, top_p: f
         return jnp.where(t[:, None] > 0, tok, greedy)
 
     # all-greedy batches skip the shaping (a sort over V for top-p) and the draw entirely
-    return jax.lax.cond(jnp.any(t > 0), drawn, lambda _: greedy, None)
+    tok = jax.lax.cond(jnp.any(t > 0), drawn, lambda _: greedy, None)
+    return jnp.where(jnp.isfinite(top), tok, NONFINITE)

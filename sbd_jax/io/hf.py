@@ -114,6 +114,9 @@ def _hf_slices(s: ParamSpec, shape: tuple[int, ...], box: list[tuple[int, int]])
     return tuple(hf_index[::-1] if s.hf_t else hf_index), our_shape, tuple(cut)
 
 
+_FLOATS = ("F32", "BF16", "F16", "F64")
+
+
 def _read(files: dict[str, Path], model_dir: Path, name: str, index: tuple[slice, ...], expected_shape) -> np.ndarray:
     """The slice `index` of HF tensor `name`, whose shape is checked against the config's. The file is memory-mapped
     for this read only, so its pages leave the process's memory with it."""
@@ -123,10 +126,13 @@ def _read(files: dict[str, Path], model_dir: Path, name: str, index: tuple[slice
     try:
         with safe_open(str(f), framework="numpy") as handle:
             t = handle.get_slice(name)
-            shape = tuple(t.get_shape())
-            out = t[index] if shape == tuple(expected_shape) else None
+            shape, dtype = tuple(t.get_shape()), t.get_dtype()
+            out = t[index] if shape == tuple(expected_shape) and dtype in _FLOATS else None
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read {name!r} from {str(f)!r} (truncated or corrupt?): {e}") from None
+    if dtype not in _FLOATS:  # e.g. a quantized checkpoint's values read as weights: garbage, never loaded
+        raise CheckpointError(f"weight {name!r} in {str(f)!r} is stored as {dtype}, not a float type: a quantized "
+                              f"checkpoint whose config.json lacks {QUANT_KEY}? (sbd_jax records its scheme there)")
     if out is None:
         raise CheckpointError(f"weight {name!r} has shape {shape}, expected {tuple(expected_shape)} for this "
                               f"config (vocab/hidden/head sizes disagree with config.json?)")

@@ -128,8 +128,8 @@ class Checkpointer:
             return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state._asdict()),
                                                                    data=ocp.args.JsonSave(data_state), **extra),
                                      force=force)
-        except OSError as e:  # a synchronous save's (or its directory's) failure
-            raise self._failed(e) from None
+        except Exception as e:  # noqa: BLE001 - a synchronous save's (or its directory's) failure, as the
+            raise self._failed(e) from None  # filesystem or tensorstore raised it (an OSError, or a ValueError)
 
     def restore(self, abstract: TrainState, step: int) -> tuple[TrainState, dict]:
         """Restore `step` into the structure/shardings of `abstract` (ShapeDtypeStructs with shardings)."""
