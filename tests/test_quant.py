@@ -313,6 +313,14 @@ def test_quantize_cli_saves_the_gptq_model(params, tmp_path, capsys):
                      "--windows", "4", "--tokens", "32"]) == 0
     cfg, got = sbd_jax.from_pretrained(tmp_path / "q")
     assert cli.calibration_windows(text, Tokenizer.load(src), 4, 32).shape == (4, 32)
+    huge = tmp_path / "huge.jsonl"  # one 20 MB line: only the prefix the windows need is tokenized
+    line = " ".join(rng.choice(words, 5_000_000))
+    huge.write_text(json.dumps({"text": line}) + "\n")
+    tok, seen = Tokenizer.load(src), []
+    encode = tok.encode
+    tok.encode = lambda t, **kw: seen.append(len(t)) or encode(t, **kw)
+    got_ids = cli.calibration_windows(huge, tok, 4, 32)
+    assert got_ids.ravel().tolist() == encode(line[:10_000], add_special_tokens=False)[:128] and max(seen) < 10_000
     rtn = quantize_params(params, CFG, "fp8")  # GPTQ's values (checked above) on round-to-nearest's scales
     for name in QUANTIZED:
         g, r = got["layers"][name], rtn["layers"][name]

@@ -44,11 +44,24 @@ def calibration_windows(path, tok: Tokenizer, windows: int, tokens: int) -> np.n
             text = next((obj[k] for k in TEXT_FIELDS if isinstance(obj.get(k), str)), None)
             if text is None:
                 raise ConfigError(f"{path}: line {n}: needs a string field {' or '.join(TEXT_FIELDS)}")
-            ids += tok.encode(text, add_special_tokens=False)
+            ids += _first_tokens(tok, text, windows * tokens - len(ids))
             if len(ids) >= windows * tokens:
                 return np.asarray(ids[:windows * tokens], np.int32).reshape(windows, tokens)
     raise ConfigError(f"calibration file {str(path)!r} holds {len(ids)} tokens; {windows} windows of {tokens} need "
                       f"{windows * tokens} (pass fewer --windows or --tokens, or more text)")
+
+
+def _first_tokens(tok: Tokenizer, text: str, need: int, margin: int = 16) -> list[int]:
+    """About the first `need` tokens of `text`, tokenizing only a prefix (growing from 8 characters per token needed)
+    so that a huge line costs what the windows use: the prefix's last `margin` tokens, which the cut may change,
+    are left out."""
+    cut = 8 * (need + margin)
+    while cut < len(text):
+        ids = tok.encode(text[:cut], add_special_tokens=False)
+        if len(ids) >= need + margin:
+            return ids[:need]
+        cut *= 2
+    return tok.encode(text, add_special_tokens=False)
 
 
 def quantize_dir(model_dir, out_dir, quantize: str, *, calibration=None, windows: int = 16, tokens: int = 512) -> Path:
