@@ -262,6 +262,16 @@ def _bad_yaml(d: Path, cfg: Path) -> tuple[list, str]:
     return [d / "bad.yaml"], r"config file '.*bad\.yaml' line 3 column 1 is not valid YAML"
 
 
+def _key_twice(d: Path, cfg: Path) -> tuple[list, str]:
+    (d / "twice.yaml").write_text(cfg.read_text() + "steps: 5\nsteps: 7\n")
+    return [d / "twice.yaml"], r"config file '.*twice\.yaml' line \d+ column 1 is not valid YAML: key 'steps' is " \
+        r"given twice \(first at line \d+\)"
+
+
+def _infinite_lr(d: Path, cfg: Path) -> tuple[list, str]:
+    return [cfg, "optim.lr=.inf"], r"optim\.lr must be a finite number > 0, got inf"
+
+
 def _string_hidden_size(d: Path, cfg: Path) -> tuple[list, str]:
     (d / "model").mkdir()
     conf = {"model_type": "llama", "vocab_size": 64, "hidden_size": "64", "intermediate_size": 64,
@@ -271,7 +281,8 @@ def _string_hidden_size(d: Path, cfg: Path) -> tuple[list, str]:
         r"model/config\.json': hidden_size is '64' \(str\), expected an integer"
 
 
-@pytest.mark.parametrize("case", [_bad_utf8, _bad_json_line, _out_dir_under_file, _bad_yaml, _string_hidden_size],
+@pytest.mark.parametrize("case", [_bad_utf8, _bad_json_line, _out_dir_under_file, _bad_yaml, _key_twice, _infinite_lr,
+                                  _string_hidden_size],
                          ids=lambda f: f.__name__.strip("_"))
 def test_train_py_bad_input_is_an_error_line(inputs, capsys, case):
     argv, match = case(inputs.parent, inputs)

@@ -58,6 +58,20 @@ def ids_in_vocab(ids, vocab_size: int, real=None) -> bool:
 def check_ids(cfg, ids, what: str) -> None:
     if not ids_in_vocab(ids, cfg.vocab_size):
         raise DecodeError(f"{what}: token ids must be in [0, {cfg.vocab_size}) (the vocabulary)")
+    _refuse_mask(cfg, np.asarray(ids)[None], None, what)
+
+
+def _refuse_mask(cfg, ids_BP, real_BP, what: str) -> None:
+    """The SBD mask token marks positions to fill: in a prompt it would be read as a hole, never as text (training
+    refuses it in data the same way)."""
+    if cfg.mask_token_id is None:
+        return
+    hit = ids_BP == cfg.mask_token_id
+    rows, cols = np.nonzero(hit if real_BP is None else hit & real_BP)
+    if rows.size:
+        at = f"position {cols[0]}" if real_BP is None else f"row {rows[0]}, position {cols[0]}"
+        raise DecodeError(f"{what} holds the SBD mask token (id {cfg.mask_token_id}) at {at}: it marks positions "
+                          "to fill and cannot be prompt text")
 
 
 def check_cap(cap: int | None, max_new_tokens: int, what: str) -> None:
@@ -103,8 +117,10 @@ def _check_lengths(cfg, lens, P: int, prompt_ids) -> None:
     if np.any(lens < 1) or np.any(lens > P):
         raise DecodeError(f"prompt_lengths must be in [1, {P}] (the padded prompt width), got {lens.tolist()}")
     if prompt_ids is not None and _is_concrete(prompt_ids):
-        if not ids_in_vocab(prompt_ids, cfg.vocab_size, np.arange(P)[None] < lens[:, None]):
+        real = np.arange(P)[None] < lens[:, None]
+        if not ids_in_vocab(prompt_ids, cfg.vocab_size, real):
             raise DecodeError(f"prompt token ids must be in [0, {cfg.vocab_size}) (the vocabulary)")
+        _refuse_mask(cfg, np.asarray(prompt_ids), real, "prompt_ids")
 
 
 def check_integers(name: str, value) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ..config import ModelConfig
 from ..models.lora import LORA_TARGETS, AdapterLayout
@@ -103,7 +104,7 @@ class OptimConfig:
         require_choice("optim.schedule", self.schedule, ("cosine", "linear", "constant"))
         require(self.grad_accum >= 1, f"optim.grad_accum must be >= 1, got {self.grad_accum}")
         require(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        require(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
+        require(math.isfinite(self.lr) and self.lr > 0, f"optim.lr must be a finite number > 0, got {self.lr}")
 
 
 @dataclasses.dataclass(frozen=True)
