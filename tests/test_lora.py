@@ -274,6 +274,11 @@ def test_lora_config_errors_name_the_key(tmp_path, override, message):
     ({"target_modules": "all-linear"}, "target_modules 'all-linear' must be a list of"),
     ({"target_modules": ["q_proj", "qkv_proj"]}, "must be a list of"),
     ({"trainable_token_indices": {"embed_tokens": [1, 2]}}, "only one trainable token"),
+    ({"r": "two"}, "r is 'two'; the LoRA rank must be an integer >= 1"),
+    ({"r": None}, "r is None; the LoRA rank must be an integer >= 1"),
+    ({"r": 2.5}, "r is 2.5; the LoRA rank"),
+    ({"lora_alpha": "8"}, "lora_alpha is '8'; it must be a finite number > 0"),
+    ({"lora_alpha": None}, "lora_alpha is None; it must be"),
 ])
 def test_adapter_options_not_implemented_are_refused(tmp_path, change, message):
     conf = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "bias": "none", **change}

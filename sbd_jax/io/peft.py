@@ -133,8 +133,13 @@ def _layout(conf: dict, where: Path) -> AdapterLayout:
     if len(ids) > 1:
         raise CheckpointError(f"{where}: trainable_token_indices {rows!r}: only one trainable token (the mask token) "
                               "is supported")
+    r, alpha = conf.get("r"), conf.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise CheckpointError(f"{where}: r is {r!r}; the LoRA rank must be an integer >= 1")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha < float("inf"):
+        raise CheckpointError(f"{where}: lora_alpha is {alpha!r}; it must be a finite number > 0")
     try:
-        return AdapterLayout(int(conf.get("r", 0)), float(conf.get("lora_alpha", 0)),
+        return AdapterLayout(r, float(alpha),
                              tuple(t for t in LORA_TARGETS if PEFT_MODULES[t] in modules), ids[0] if ids else None)
     except ConfigError as e:
         raise CheckpointError(f"{where}: {e}") from None
