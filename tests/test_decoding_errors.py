@@ -48,6 +48,9 @@ CASES = {
     "prompt_too_long": (lambda: gen(np.zeros((1, 125), np.int32), [125]), "max_position_embeddings 128"),
     "lengths_out_of_range": (lambda: gen(lengths=[8, 9, 1, 1]), r"prompt_lengths must be in \[1, 8\]"),
     "ids_beyond_vocab": (lambda: gen(bad_ids()), r"prompt token ids must be in \[0, 64\)"),
+    "block_beyond_positions": (lambda: gen(block_size=1_000_000), r"block_size 1000000 \(decode.py --block-size\) "
+                                                                  r"is more positions than the model has "
+                                                                  r"\(max_position_embeddings 128\)"),
     "mask_token_in_prompt": (lambda: gen(np.array([[5, 63, 7]]), [3]),
                              r"prompt_ids holds the SBD mask token \(id 63\) at row 0, position 1: it marks"),
     "ids_float": (lambda: gen(np.array([[1.7, 2.2]]), np.array([2])), r"prompt_ids must be integers, got dtype float"),

@@ -19,6 +19,9 @@ def check_model(cfg, spec: DecodeSpec) -> None:
     if spec.mode == "sbd" and cfg.mask_token_id is None:
         raise DecodeError("SBD decoding needs a mask token but the model config has no mask_token_id "
                           "(fine-tune it with SBD first, or use AR mode)")
+    if spec.mode == "sbd" and spec.block_size > cfg.max_position_embeddings:
+        raise DecodeError(f"block_size {spec.block_size} (decode.py --block-size) is more positions than the model "
+                          f"has (max_position_embeddings {cfg.max_position_embeddings})")
     bad = [e for e in (cfg.eos_ids if spec.eos_ids is None else spec.eos_ids) if not 0 <= e < cfg.vocab_size]
     if bad:
         raise DecodeError(f"eos id(s) {bad} (eos_ids, decode.py --eos-id) are outside the vocabulary "
