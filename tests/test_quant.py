@@ -313,6 +313,9 @@ def test_quantize_cli_saves_the_gptq_model(params, tmp_path, capsys):
                      "--windows", "4", "--tokens", "32"]) == 0
     cfg, got = sbd_jax.from_pretrained(tmp_path / "q")
     assert cli.calibration_windows(text, Tokenizer.load(src), 4, 32).shape == (4, 32)
+    (tmp_path / "bin.jsonl").write_bytes(b'{"text": "w1 w2"}\n\x89PNG\r\n\x1a\n\xff\x00')
+    with pytest.raises(ConfigError, match=r"bin\.jsonl' line 2 is not UTF-8 text \(byte 0\)"):
+        cli.calibration_windows(tmp_path / "bin.jsonl", Tokenizer.load(src), 4, 32)
     huge = tmp_path / "huge.jsonl"  # one 20 MB line: only the prefix the windows need is tokenized
     line = " ".join(rng.choice(words, 5_000_000))
     huge.write_text(json.dumps({"text": line}) + "\n")

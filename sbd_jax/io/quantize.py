@@ -36,8 +36,13 @@ def calibration_windows(path, tok: Tokenizer, windows: int, tokens: int) -> np.n
     if not path.is_file():
         raise ConfigError(f"calibration file {str(path)!r} does not exist")
     ids: list[int] = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"calibration file {str(path)!r} line {n} is not UTF-8 text (byte {e.start}): "
+                                  "JSON lines of text are expected") from None
             if not line.strip():
                 continue
             obj = parse_object(line, f"{path}: line {n}", ConfigError)
