@@ -77,14 +77,23 @@ def reproduce(adapter_dir: Path = ADAPTER, out_dir: str = "results/real_eval", l
 
 
 def comparison_table(rows: list[dict], device: str) -> str:
+    ar = next((r for r in rows if r["mode"] == "ar"), None)
+
+    def speed(r, key):  # tokens/s here and its ratio to the base's AR here
+        v = r.get(key, float("nan"))
+        if v != v:
+            return ""
+        return f"{v:.1f} ({v / ar[key]:.2f}x)" if ar and ar.get(key, 0) > 0 else f"{v:.1f}"
     head = (f"| row | first-line exact (here / recorded on {device}) | similarity (here / recorded) | tokens per "
-            "forward (here / recorded, all its functions) | functions decoded as recorded | rows = base AR here |\n"
-            "|---|---:|---:|---:|---:|---:|\n")
+            "forward (here / recorded, all its functions) | functions decoded as recorded | rows = base AR here | "
+            "tokens/s here (x base AR) | tokens/s at batch 1 here |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
     return head + "".join(
         f"| {r['label']} | {100 * r['first_line_exact']:.1f}% / {100 * r['recorded']['first_line_exact']:.1f}% "
         f"| {r['similarity']:.3f} / {r['recorded']['similarity']:.3f} "
         f"| {r['tokens_per_forward']:.2f} / {r['recorded']['tokens_per_forward']:.2f} "
-        f"| {100 * r['same_as_record']:.0f}% | {100 * r['same_as_base_ar']:.0f}% |\n" for r in rows)
+        f"| {100 * r['same_as_record']:.0f}% | {100 * r['same_as_base_ar']:.0f}% "
+        f"| {speed(r, 'tokens_per_s')} | {speed(r, 'latency_tokens_per_s') if r.get('latency_n') else ''} |\n"
+        for r in rows)
 
 
 def plot(rows: list[dict], path: Path) -> None:
