@@ -139,7 +139,7 @@ def test_nonfinite_logits_are_named_never_tokens(params, weights):
     everywhere), and a host-side row (the continuous engine, the batch runner, Sampler) is a DecodeError naming it."""
     bad = {**params, "final_norm": params["final_norm"] * (np.nan if weights == "nan" else 1e38)}
     for kw in (dict(mode="ar"), dict(mode="sbd"), dict(mode="sbd", verify=True, draft_policy="always")):
-        out = generate(bad, CFG, make_prompts(), LENGTHS, **OK, **kw)
+        out = generate(bad, CFG, make_prompts(), LENGTHS, max_new_tokens=4, block_size=2, **kw)
         toks, n = np.asarray(out.tokens), np.asarray(out.lengths)
         assert all((toks[b, :n[b]] < 0).any() for b in range(len(n))), (kw, toks)
     with pytest.raises(DecodeError, match=r"the model's logits are not finite \(NaN or inf\) at generated token 0 "):
