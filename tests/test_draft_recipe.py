@@ -75,8 +75,9 @@ def test_clean_stream_is_the_base_bit_for_bit(tied):
 
 
 def test_frozen_clean_half_gives_the_gated_forwards_loss_and_gradient():
-    """The training layout's fast path (clean half without adapter and backward, `clean_prefix`) == the plain gated
-    forward over the whole row: the same MATP loss and the same adapter gradient (float32, 1e-5)."""
+    """The training layout's fast path (clean half without adapter and backward, `clean_prefix`; and the CE on the
+    copy half only, `copy_only`) == the plain gated forward over the whole row: the same MATP loss and the same
+    adapter gradient (float32, 1e-5)."""
     cfg, base, layout, ad = _model()
     batch = jax.tree.map(jnp.asarray, packed_batch())
     spec = ExampleSpec(mask_token_id=cfg.mask_token_id, position_decay=0.8)
@@ -84,13 +85,16 @@ def test_frozen_clean_half_gives_the_gated_forwards_loss_and_gradient():
     ex = ex._replace(ntp_weight=jnp.zeros_like(ex.ntp_weight))
     L = batch.tokens.shape[1]
 
-    def loss(a, prefix):
-        s = loss_sums(attach(base, a, layout), cfg, ex, chunk=0, clean_prefix=prefix)
+    def loss(a, prefix, copy_only=False):
+        s = loss_sums(attach(base, a, layout), cfg, ex, chunk=0, clean_prefix=prefix, copy_only=copy_only)
         return s.matp_sum / s.matp_count
     (fast, g_fast), (slow, g_slow) = (jax.value_and_grad(loss)(ad, p) for p in (L, None))
     np.testing.assert_allclose(fast, slow, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), g_fast, g_slow)
     assert min(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_fast)) > 0  # every array gets a gradient
+    copy, g_copy = jax.value_and_grad(loss)(ad, L, True)  # the lm_head and CE on the copy half only: the same
+    np.testing.assert_allclose(copy, slow, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), g_copy, g_slow)
 
 
 def test_lossless_output_is_the_base_models_ar(tmp_path):

@@ -35,13 +35,26 @@ def auto_chunk(vocab_size: int, T: int) -> int:
 
 
 def loss_sums(params, cfg: ModelConfig, ex: Example, *, chunk: int | None = None,
-              clean_prefix: int | None = None, shards: int = 1) -> LossSums:
+              clean_prefix: int | None = None, shards: int = 1, copy_only: bool = False) -> LossSums:
     """Run the model on `ex.tokens` under `ex.meta` and sum the two CE terms (float32). `chunk`: tokens per
     lm_head + CE piece (0: one piece; None: `auto_chunk`). `clean_prefix=L`: the example is the SBD layout
     `[x ; x_hat]` with an L-token clean half that attends only itself (see `forward(clean_prefix)`).
     `shards`: the sequence is split into this many contiguous shards (the context axis); each loss piece then
-    takes `chunk` tokens of every shard, so no piece needs another shard's hidden states."""
+    takes `chunk` tokens of every shard, so no piece needs another shard's hidden states. `copy_only` (with
+    `clean_prefix`; the NTP weights all zero, as for a copy-only adapter): the lm_head and CE run on the copy half
+    only."""
     h, _ = forward(params, cfg, ex.tokens, ex.meta, return_hidden=True, clean_prefix=clean_prefix)
+    if copy_only and clean_prefix is not None:  # the clean half's CE has weight 0: no lm_head for its L tokens
+        counts = jnp.sum(ex.ntp_weight), jnp.sum(ex.matp_weight)
+        h = h[:, clean_prefix:]
+        ex = ex._replace(**{f: getattr(ex, f)[:, clean_prefix:] for f in ("targets", "ntp_weight", "matp_weight")})
+        s = _sums_of_hidden(params, cfg, h, ex, chunk, shards)
+        return LossSums(jnp.zeros_like(s.ntp_sum), s.matp_sum, *counts)
+    return _sums_of_hidden(params, cfg, h, ex, chunk, shards)
+
+
+def _sums_of_hidden(params, cfg: ModelConfig, h, ex: Example, chunk: int | None, shards: int) -> LossSums:
+    """The two CE sums of hidden states `h` [B, T, D] against `ex`'s targets and weights (loss_sums' second half)."""
     B, T = h.shape[:2]
     if T % shards:
         raise ValueError(f"a row of {T} tokens does not split into {shards} context shards")
