@@ -45,11 +45,8 @@ def loss_sums(params, cfg: ModelConfig, ex: Example, *, chunk: int | None = None
     only."""
     h, _ = forward(params, cfg, ex.tokens, ex.meta, return_hidden=True, clean_prefix=clean_prefix)
     if copy_only and clean_prefix is not None:  # the clean half's CE has weight 0: no lm_head for its L tokens
-        counts = jnp.sum(ex.ntp_weight), jnp.sum(ex.matp_weight)
-        h = h[:, clean_prefix:]
+        h = h[:, clean_prefix:]  # (every MATP weight lies in the copy half, every NTP weight is 0: the same sums)
         ex = ex._replace(**{f: getattr(ex, f)[:, clean_prefix:] for f in ("targets", "ntp_weight", "matp_weight")})
-        s = _sums_of_hidden(params, cfg, h, ex, chunk, shards)
-        return LossSums(jnp.zeros_like(s.ntp_sum), s.matp_sum, *counts)
     return _sums_of_hidden(params, cfg, h, ex, chunk, shards)
 
 
