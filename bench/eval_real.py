@@ -24,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 from demos.real import corpus  # noqa: E402
-from demos.real.adapter_eval import evaluate_adapter, settings, table  # noqa: E402
+from demos.real.adapter_eval import settings  # noqa: E402
 from demos.real.evaluation import read_records  # noqa: E402
+from demos.real.recipe import stage_eval  # noqa: E402
 from demos.real.stages import heldout_records, stage_base  # noqa: E402
 from sbd_jax.io.tokenizer import Tokenizer  # noqa: E402
 
@@ -58,15 +59,8 @@ def main(argv=None):
     records = (read_records(Path(args.heldout)) if args.heldout else
                heldout_records(cfg, Tokenizer.load(base), mods))[:args.limit]
 
-    def save(row):
-        with open(out / "rows.jsonl", "a") as f:
-            f.write(json.dumps({k: v for k, v in row.items() if k != "outputs"}) + "\n")
-    rows = evaluate_adapter(cfg, base, Path(args.adapter), records, on_row=save)
-    md = table(rows, args.batch)
-    (out / "table.md").write_text(md)
+    rows = stage_eval(cfg, base, Path(args.adapter), records, [], out)
     plain = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]
-    (out / "results.json").write_text(json.dumps({"adapter": args.adapter, "settings": dataclasses.asdict(cfg),
-                                                  "rows": plain}, indent=1))
     if args.record:
         rec = {"settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out_dir"},
                "corpus": mods.summary() if mods else None, "device": str(jax.devices()[0].device_kind),
@@ -75,7 +69,6 @@ def main(argv=None):
                "rows": [{**p, "outputs": {i: o for i, o in zip((r["id"] for r in records), r["outputs"])}}
                         for p, r in zip(plain, rows)]}
         (Path(args.adapter) / "record.json").write_text(json.dumps(rec) + "\n")
-    print(md)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,14 @@
 #   GPU call 1:   carry [".whl", ".gpu_carry/p1"]   bash bench/gpu_campaign.sh setup take1 info
 #   GPU call 2, at once (the machine stays warm 30 s; /tmp persists on it):
 #                 carry [".whl", ".gpu_carry/p2"]   bash bench/gpu_campaign.sh setup take2
-#   GPU call 3, at once: carry [".whl", ".gpu_carry/p3"]   bash bench/gpu_campaign.sh setup take3 real-train
-#   GPU call 4, at once:                             bash bench/gpu_campaign.sh setup real-eval
-#   (a warm machine keeps the fine-tunes in /tmp: a failed real-eval reruns alone, reusing them and the finished
-#   rows; after a machine is lost the calls start again from call 1)
+#   GPU call 3, at once: carry [".whl", ".gpu_carry/p3"]   bash bench/gpu_campaign.sh setup take3 draft-distill draft-train
+#   GPU call 4, at once:                             bash bench/gpu_campaign.sh setup draft-eval
+#   (a warm machine keeps the work in /tmp: a failed stage reruns alone, reusing the stages before it and resuming
+#   decoding and training; after a machine is lost the calls start again from call 1)
 #
 # Stages: prepare (CPU), setup (the carried wheels, see bench/gpu_run.sh), take1/2/3 (a piece into the work
-# directory), real-train / real-eval / real (join the pieces, check sha256, `make demo-real` at
-# bench/gpu_campaign.py's size: the two fine-tunes and the LoRA adapter, then the table), info, mfu and
+# directory), draft-distill / draft-train / draft-eval (join the pieces, check sha256, `make demo-real`'s stages at
+# the gpu size of demos/real/recipe.py: the base's greedy continuations, the copy-only adapter, the table), info, mfu and
 # mfu-profile (bench/bench_mfu.py: MFU_CONFIGS, MFU_STEPS, LIMIT_MFU), decode8b (bench/bench_policy8b.py: SLOTS,
 # QUANT, KV).
 # CAMPAIGN_SIZE=tiny runs every stage at toy size on a CPU (tests/test_gpu_campaign.py).
@@ -31,16 +31,12 @@ mkdir -p "$LOG" "$DEST" "$WORK/pieces"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export SBD_MODEL_CACHE=${SBD_MODEL_CACHE:-$WORK/models}
 PY=${PY:-python3}
-END_S=${END_S:-570}  # the real stage ends by then (seconds since the script started): a device call's limit is 600
+END_S=${END_S:-570}  # a draft stage ends by then (seconds since the script started): a device call's limit is 600
 
-pack() {  # what comes back: the logs and the real stage's results (small files), the adapter
-  local r=$WORK/real
-  tar czf "$DEST/logs.tgz" -C "$WORK" logs $(cd "$WORK" && ls -d real/table.md real/results.json real/eval_rows.jsonl \
-    real/demo_config.json real/quality_vs_speedup.png real/ft_*/DONE real/ft_*/train_config.json real/ft_*/metrics.jsonl \
-    real/ft_*/data_report.json 2>/dev/null)
-  # in pieces under the 16 MiB a returned file may hold (join: cat adapter.tgz.part* > adapter.tgz)
-  [ -d "$r/ft_sbd_lora/adapter" ] && tar czf - -C "$r/ft_sbd_lora" adapter | split -b 15M - "$DEST/adapter.tgz.part"
-  local dr=$WORK/draft  # the draft recipe: its table, metric curve and logs; the copy-only adapter
+pack() {  # what comes back: the logs, the draft recipe's table, metric curve and logs; the copy-only adapter in
+  # pieces under the 16 MiB a returned file may hold (join: cat draft_adapter.tgz.part* > draft_adapter.tgz)
+  tar czf "$DEST/logs.tgz" -C "$WORK" logs
+  local dr=$WORK/draft
   [ -d "$dr" ] && tar czf "$DEST/draft.tgz" -C "$WORK" $(cd "$WORK" && ls -d draft/eval draft/run/metrics.jsonl \
     draft/run/draft_quality.jsonl draft/run/train_config.json draft/*.source.json 2>/dev/null)
   [ -d "$dr/run/adapter" ] && tar czf - -C "$dr/run" adapter | split -b 15M - "$DEST/draft_adapter.tgz.part"
@@ -80,28 +76,18 @@ for s in "$@"; do
     info) stage info 60 bash -c "nvidia-smi || true; $PY -c 'import jax, flax, optax, datasets, gguf, pyarrow, fsspec, qwix; \
 import orbax.checkpoint; print(jax.__version__, flax.__version__, optax.__version__, datasets.__version__, \
 pyarrow.__version__, fsspec.__version__, jax.devices())'" ;;
-    # the fine-tunes (real-train), then in another process the evaluation (real-eval) with the decode loop as CUDA
-    # graphs (sbd_jax.runtime, as decode.py sets it) and float32 matmuls at full precision (TF32's rounding differs
-    # between a 1-wide and a wide call and flips near-ties between AR and lossless: bench/results/gpu_h100/campaign);
-    # each ends by END_S seconds after the script started, leaving time to pack. `real` is both in one call.
-    real|real-train|real-eval)
-          stage join 60 $PY bench/gpu_campaign.py join --work "$WORK" || exit
-          if [ "$s" != real-eval ]; then
-            stage real_train $((END_S - SECONDS)) $PY bench/gpu_campaign.py real --train-only --size "$SIZE" \
-              --work "$WORK" ${CORPUS_ROOT:+--corpus-root "$CORPUS_ROOT"} || exit
-          fi
-          if [ "$s" != real-train ]; then
-            XLA_FLAGS="${XLA_FLAGS:-} $($PY -c 'from sbd_jax.runtime import GPU_DECODE_FLAGS; print(*GPU_DECODE_FLAGS)')" \
-            JAX_DEFAULT_MATMUL_PRECISION=highest stage real $((END_S - SECONDS)) $PY bench/gpu_campaign.py real \
-              --size "$SIZE" --work "$WORK" ${CORPUS_ROOT:+--corpus-root "$CORPUS_ROOT"}
-          fi ;;
-    # the draft recipe (docs/training.md "Drafts in hours"): the base's greedy continuations, a copy-only adapter on
-    # them, the table; after take1..take3 (the model) in the same warm machine, e.g. call 3: setup take3
-    # draft-data draft-train, call 4: setup draft-eval
-    draft-data|draft-train|draft-eval)
+    # the draft recipe (demos/real/recipe.py, docs/training.md "Drafts in hours"): the base's greedy continuations,
+    # a copy-only adapter on them, the table; after take1..take3 (the model) in the same warm machine. The table's
+    # decode loop runs as CUDA graphs (sbd_jax.runtime, as decode.py sets it) with float32 matmuls at full precision
+    # (TF32's rounding differs between a 1-wide and a wide call and flips near-ties between AR and lossless)
+    draft-distill|draft-train|draft-eval)
           [ -f "$WORK/model.gguf" ] || stage join 60 $PY bench/gpu_campaign.py join --work "$WORK" || exit
+          if [ "$s" = draft-eval ]; then
+            export XLA_FLAGS="${XLA_FLAGS:-} $($PY -c 'from sbd_jax.runtime import GPU_DECODE_FLAGS; print(*GPU_DECODE_FLAGS)')"
+            export JAX_DEFAULT_MATMUL_PRECISION=highest
+          fi
           stage "${s//-/_}" $((END_S - SECONDS)) $PY bench/gpu_campaign.py draft "${s#draft-}" --size "$SIZE" \
-            --work "$WORK" || exit ;;
+            --work "$WORK" ${CORPUS_ROOT:+--corpus-root "$CORPUS_ROOT"} || exit ;;
     mfu) stage mfu "${LIMIT_MFU:-150}" $PY bench/bench_mfu.py $(tiny --tiny) --steps "${MFU_STEPS:-5}" \
            --configs "${MFU_CONFIGS:-1b-full,1b-save_dots,135m-full,135m-save_dots}" --out "$DEST/mfu.md" ;;
     # the train step under the profiler (the first config: MFU_CONFIGS, default the 1B shape): where its time goes

@@ -12,41 +12,43 @@ from .config import RealDemoConfig
 from .evaluation import evaluate
 from .metrics import identical_share
 
-ADAPTER_NAME = "adapter"  # the adapter rows' label prefix
-
 
 def settings(**kw) -> RealDemoConfig:
     """The evaluation's settings: greedy, block 16, 192-token prompts, 128 new tokens, the adaptive lossless policy,
     EB at gammas 0.35 and 1, the threshold rule at 0.35, batch 16, 8 prompts timed one at a time; `kw` overrides."""
     base = dict(prompt_tokens=192, max_new_tokens=128, lossless_policies=("adaptive",), gammas=(0.35, 1.0),
-                threshold_gammas=(0.35,), eval_batch=16, latency_n=8, latency_lossy=False, lora_rank=1)
+                threshold_gammas=(0.35,), eval_batch=16, latency_n=8, latency_lossy=False)
     return RealDemoConfig(**{**base, **kw})
 
 
 def evaluate_adapter(cfg: RealDemoConfig, base: Path, adapter: Path, records: list[dict], log=print, on_row=None,
-                     select=None) -> list[dict]:
-    """The rows (outputs kept: token ids per function) on `records` (held-out records with "prompt_ids"); `select`
+                     select=None, humaneval: list[dict] = ()) -> list[dict]:
+    """The rows (outputs kept: token ids per function, then per HumanEval problem) on `records` (held-out records
+    with "prompt_ids") and `humaneval` (its records, each program checked in the sandbox); `select`
     keeps decoders (demos/toy/evaluation.py `Decoder`) as evaluate's does. The adapter's own AR row is left out:
     a copy-only adapter's AR is the base's (tests/test_draft_recipe.py)."""
-    keep = lambda d: (d.model == "base" or (d.model == "lora" and d.mode != "ar")) and (select is None or select(d))  # noqa: E731
-    rows = evaluate(cfg, {"base": base, "lora": (base, Path(adapter))}, records, [], log, on_row=on_row, select=keep)
+    rows = evaluate(cfg, {"base": base, "lora": (base, Path(adapter))}, records, list(humaneval), log, on_row=on_row,
+                    select=select)
     ar = next((r for r in rows if r["model"] == "base"), None)
     for r in rows:
-        r["label"] = r["label"].replace("SBD LoRA r1", ADAPTER_NAME).replace("original model", "base model")
         r["same_as_base_ar"] = identical_share(r["outputs"], ar["outputs"]) if ar else float("nan")
     return rows
 
 
 def table(rows: list[dict], batch: int) -> str:
-    """Markdown: one line per row, ratios to the base model's AR row (`batch`: the rows decoded at once)."""
+    """Markdown: one line per row, ratios to the base model's AR row (`batch`: the rows decoded at once); HumanEval
+    pass@1 when problems were decoded."""
     ar = next(r for r in rows if r["model"] == "base")
-    head = (f"| decoding | first-line exact | similarity | = base AR | tokens / forward | tokens/s, batch {batch} | "
-            "ratio | tokens/s, batch 1 | ratio |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    he = any(r.get("n_humaneval") for r in rows)
+    head = (f"| decoding | first-line exact | similarity |{' HumanEval pass@1 |' if he else ''} = base AR | "
+            f"tokens / forward | tokens/s, batch {batch} | ratio | tokens/s, batch 1 | ratio |\n"
+            f"|---|---:|---:|{'---:|' if he else ''}---:|---:|---:|---:|---:|---:|\n")
     out = []
     for r in rows:
         lat, ref = r["latency_tokens_per_s"], ar["latency_tokens_per_s"]
         out.append(f"| {r['label']} | {100 * r['first_line_exact']:.1f}% | {r['similarity']:.3f} | "
-                   f"{100 * r['same_as_base_ar']:.0f}% | {r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.0f} | "
+                   + (f"{100 * r['humaneval_pass1']:.1f}% | " if he else "")
+                   + f"{100 * r['same_as_base_ar']:.0f}% | {r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.0f} | "
                    f"{r['tokens_per_s'] / ar['tokens_per_s']:.2f}x | "
                    + (f"{lat:.1f} | {lat / ref:.2f}x |" if lat == lat else "| |"))
     return head + "\n".join(out) + "\n"

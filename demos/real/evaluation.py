@@ -17,29 +17,11 @@ from .config import RealDemoConfig
 
 
 def decoders(cfg: RealDemoConfig) -> list[Decoder]:
-    """The original model, the NTP fine-tune (the baseline) and the SBD fine-tune AR, then the SBD fine-tune's
-    lossless and lossy rows (as in the toy demo), then the same rows of the SBD LoRA adapter (`lora_rank`)."""
-    rows = [Decoder("original model, AR", "base", "ar"), Decoder("NTP fine-tune, AR (baseline)", "ntp", "ar"),
-            Decoder("SBD fine-tune, AR", "sbd", "ar"), *sbd_decoders(cfg)]
-    if cfg.lora_rank:
-        name = f"SBD LoRA r{cfg.lora_rank}"
-        rows += [dataclasses.replace(d, label=d.label.replace("SBD fine-tune", name), model="lora")
-                 for d in (Decoder("SBD fine-tune, AR", "sbd", "ar"), *sbd_decoders(cfg))]
-    return rows
-
-
-def eval_order(rows: list[Decoder]) -> list[int]:
-    """The order rows are evaluated in, most needed first, so that a run stopped by a time limit leaves the
-    table's core: the baseline, the SBD fine-tune lossless (default policy) and AR (its reference), its lossy EB
-    rows, then the adapter's rows in the same order, the original model, the rest (other policies, the threshold
-    rule)."""
-    def rank(d: Decoder) -> tuple[int, int]:
-        kind = (0 if d.model == "ntp" else
-                1 if d.verify and d.policy == "adaptive" else 2 if d.mode == "ar" else
-                3 if d.rule == "eb" and not d.verify else 5)
-        group = {"ntp": 0, "sbd": 0, "lora": 1, "base": 2}[d.model]
-        return (group if kind < 5 else 3, kind)
-    return sorted(range(len(rows)), key=lambda i: rank(rows[i]))
+    """The base model's AR (the reference: lossless output equals it), then the adapter's lossless rows (one per
+    drafting policy) and its lossy EB and threshold rows (as in the toy demo)."""
+    return [Decoder("base model, AR", "base", "ar")] + [
+        dataclasses.replace(d, label=d.label.replace("SBD fine-tune", "adapter"), model="lora")
+        for d in sbd_decoders(cfg)]
 
 
 def _prompts(records: list[dict], start: int = 0) -> list[Prompt]:
@@ -92,46 +74,21 @@ def read_records(path: Path) -> list[dict]:
 
 
 def evaluate(cfg: RealDemoConfig, models: dict[str, Path | tuple[Path, Path]], held: list[dict],
-             humaneval: list[dict], log=print, done: dict[str, dict] | None = None, on_row=None,
-             select=None) -> list[dict]:
+             humaneval: list[dict], log=print, on_row=None, select=None) -> list[dict]:
     """Every decoder of `decoders(cfg)` whose model is in `models` (and that `select(decoder)` keeps, when given),
-    in `eval_order`, on the held-out and HumanEval records. `done`: rows finished earlier by label (not decoded
-    again); `on_row(row)`: called after each row (e.g. to save it). The tokenizer is the base model's."""
+    in order, on the held-out and HumanEval records; `on_row(row)`: called after each row (e.g. to save it). The
+    tokenizer is the base model's."""
     tok = Tokenizer.load(models["base"])
     todo = [d for d in decoders(cfg) if d.model in models and (select is None or select(d))]
     loaded = load_models({k: v for k, v in models.items() if any(d.model == k for d in todo)})
-    rows: list[dict | None] = [None] * len(todo)
-    for i in eval_order(todo):
-        d = todo[i]
-        if done and d.label in done:
-            rows[i] = done[d.label]
-            continue
+    rows = []
+    for d in todo:
         mcfg, params = loaded[d.model]
         r = run_decoder(d, params, mcfg, tok, held, humaneval, cfg)
         log(f"[eval] {d.label:52s} first-line EM {100 * r['first_line_exact']:5.1f}%  similarity "
             f"{r['similarity']:.3f}  tokens/forward {r['tokens_per_forward']:5.2f}  {r['tokens_per_s']:7.0f} tok/s "
             f"(compiled in {r['compile_seconds']:.0f}s)")
-        rows[i] = r
+        rows.append(r)
         if on_row is not None:
             on_row(r)
-    return [r for r in rows if r is not None]
-
-
-def compare(rows: list[dict]) -> list[dict]:
-    """The rows with their comparisons (copies, outputs dropped): identity with the same model's AR rows and
-    speedups over the NTP fine-tune's AR row, where those rows exist (NaN where not)."""
-    nan = float("nan")
-    ar = {r["model"]: r for r in rows if r["mode"] == "ar"}
-    base = ar.get("ntp")
-    out = []
-    for r in rows:
-        r = dict(r)
-        ref = ar.get(r["model"])
-        r["same_as_ar"] = metrics.identical_share(r["outputs"], ref["outputs"]) if ref else nan
-        del r["outputs"]
-        for key, num in (("nfe_speedup", "tokens_per_forward"), ("wall_speedup", "tokens_per_s"),
-                         ("latency_speedup", "latency_tokens_per_s")):
-            r[key] = r[num] / base[num] if base else nan
-        r["first_line_delta_pts"] = 100 * (r["first_line_exact"] - base["first_line_exact"]) if base else nan
-        out.append(r)
-    return out
+    return rows

@@ -1,7 +1,6 @@
-"""The real-model demo's stages before evaluation: the base model (a GGUF converted once), the data (the
-interpreter's stdlib split by module, HumanEval), and the two fine-tunes. Each stage leaves its result in the
-output directory with the settings that made it; a rerun reuses a finished stage, resumes an interrupted one and
-refuses one made with other settings (the toy demo's rules: demos.toy.stages)."""
+"""The real-model demo's first stages: the base model (a GGUF converted once) and the data (the interpreter's stdlib
+split by module, HumanEval). Each leaves its result in the output directory with the settings that made it; a rerun
+reuses a finished stage and refuses one made with other settings (the toy demo's rules: demos.toy.stages)."""
 from __future__ import annotations
 
 import hashlib
@@ -11,9 +10,6 @@ from pathlib import Path
 from sbd_jax.config import ConfigError
 from ..toy.stages import check_stage_settings
 from sbd_jax.io.tokenizer import Tokenizer
-from sbd_jax.sharding import MeshConfig
-from sbd_jax.training.config import (CheckpointConfig, DataConfig, LoRAConfig, ModelSource, OptimConfig, SBDConfig,
-                               TrainConfig)
 from .config import RealDemoConfig
 
 
@@ -53,10 +49,10 @@ def check_manifest(root: Path, files: dict[str, Path]) -> None:
                               f"(its sha256 is in {MANIFEST}): delete {str(root)!r} to remake the data")
 
 
-def stage_data(cfg: RealDemoConfig, tok: Tokenizer, log=print) -> dict[str, Path]:
+def stage_data(cfg: RealDemoConfig, tok: Tokenizer | None, log=print) -> dict[str, Path]:
     """train.jsonl (SFT prompt/response pairs of the train modules), heldout.jsonl (held-out functions) and
     humaneval.jsonl, with the corpus fingerprint and the split's counts in data/corpus.json. With `data_dir`, that
-    directory as made earlier (its settings must be this run's)."""
+    directory as made earlier (its settings must be this run's; no tokenizer needed)."""
     from . import corpus, tasks
     spec = {k: getattr(cfg, k) for k in ("seed", "prompt_tokens", "max_body_lines", "per_module", "n_heldout",
                                          "n_humaneval", "corpus_root")}
@@ -112,21 +108,3 @@ def prepared_data(root: Path, spec: dict, log=print) -> dict[str, Path]:
     check_stage_settings(root, {k: v for k, v in saved.items() if k != "corpus_fingerprint"}, spec)
     log(f"[data] using {root} (corpus {saved.get('corpus_fingerprint', '?')[:12]})")
     return files
-
-
-def train_config(cfg: RealDemoConfig, base: Path, data_file: Path, *, ntp_only: bool, out: Path,
-                 lora: bool = False) -> TrainConfig:
-    """One fine-tune of the base on the training functions (SFT, raw code, no chat template); the `<m>` row is
-    added to the embedding for both fine-tunes, so the two differ only in the loss. `lora`: the SBD fine-tune as a
-    LoRA adapter (base frozen; the adapter and the `<m>` row train, at `lora_lr`)."""
-    return TrainConfig(
-        model=ModelSource(init_from=str(base), add_mask_token=True, remat=cfg.remat, dtype=cfg.dtype),
-        data=DataConfig(path=str(data_file), mode="sft", tokenizer=str(base), seq_len=cfg.seq_len, seed=cfg.seed,
-                        chat_template=False),
-        sbd=SBDConfig(k_max=cfg.k_max, ntp_only=ntp_only, block_align="response"),
-        optim=OptimConfig(lr=cfg.lora_lr if lora else cfg.lr, warmup_steps=cfg.warmup_steps, schedule="cosine",
-                          weight_decay=0.0),
-        lora=LoRAConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha) if lora else None,
-        checkpoint=CheckpointConfig(every=-(-cfg.steps // cfg.checkpoints), keep=2, async_save=False),
-        mesh=MeshConfig(data=-1), out_dir=str(out), steps=cfg.steps, batch_size=cfg.batch_size, seed=cfg.seed,
-        log_every=10)
