@@ -350,7 +350,9 @@ def test_humaneval_harness_passes_canonical_and_fails_wrong():
     problems = tasks.humaneval_problems()
     assert len(problems) == 164 and problems[0].task_id == "HumanEval/0"
     assert all(tasks.def_indent(p.prompt) == 0 for p in problems)
-    picked = problems[:3]
+    # the first three, and three whose tests call the prompt's own helpers (poly, encode_cyclic, encode_shift): the
+    # judge runs the prompt beside the tests
+    picked = [*problems[:3], *(problems[i] for i in (32, 38, 50))]
     # the model keeps generating past the function: cutting leaves the canonical body
     good = [p.cut(p.canonical_solution + "\n\ndef check(candidate):\n    assert False\n") for p in picked]
     assert good == [p.canonical_solution.rstrip("\n") + "\n" for p in picked]
@@ -359,7 +361,7 @@ def test_humaneval_harness_passes_canonical_and_fails_wrong():
     records = tasks.humaneval_records(lambda text: list(text.encode()), 4096, limit=3)  # records work as problems
     results = metrics.humaneval_check([*picked, *records], good + wrong, timeout=2.0)
     assert time.time() - start < 25
-    assert [r.passed for r in results] == [True] * 3 + [False] * 3
-    assert [r.task_id for r in results] == [p.task_id for p in picked] * 2
-    assert results[3].result.startswith("failed") and results[5].result == "timed out"
-    assert metrics.pass_at_1(results) == 0.5
+    assert [r.passed for r in results] == [True] * 6 + [False] * 3, results
+    assert [r.task_id for r in results] == [p.task_id for p in picked] + [p.task_id for p in picked[:3]]
+    assert results[6].result.startswith("failed") and results[8].result == "timed out"
+    assert metrics.pass_at_1(results) == 6 / 9

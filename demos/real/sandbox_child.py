@@ -19,7 +19,10 @@ def _child_main():
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     try:
-        result, exception = _execute(source, config["timeout"])
+        if "serve" in config:  # judged: the program defines the candidate, the judge's calls run it
+            result, exception = _serve(source, config["timeout"], config["serve"])
+        else:
+            result, exception = _execute(source, config["timeout"])
     except BaseException:  # the timer fired after the program ended, before it was stopped
         result, exception = "timed out", None
     report.write(json.dumps({"result": result, "exception": exception}) + "\n")
@@ -273,3 +276,78 @@ def _execute(source, timeout):
         return f"failed: {message}", type(e).__name__
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _serve(source, timeout, serve):
+    """Judged mode: run the program (it defines the candidate), then answer the judge's calls on the pipe until it
+    closes it: each request the arguments' repr, each answer {"value": repr(result)} or {"error", "message"}. The
+    timer covers the program and every call. Returns the program's own verdict (the harness does not use it)."""
+    import json
+    import os
+    import signal
+
+    class TimeoutException(Exception):
+        pass
+
+    def on_alarm(signum, frame):
+        raise TimeoutException("Timed out!")
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    req, resp = os.fdopen(serve["req_fd"], "rb"), os.fdopen(serve["resp_fd"], "w")
+    try:
+        scope = {}
+        exec(compile(source, "<string>", "exec"), scope)
+        fn = scope[serve["entry_point"]]
+        for line in req:
+            try:
+                answer = {"value": repr(fn(*_literal(json.loads(line))))}
+            except TimeoutException:
+                raise
+            except BaseException as e:  # noqa: BLE001 - the candidate's failure goes to the judge
+                try:
+                    message = str(e)[:1000]
+                except BaseException:  # noqa: BLE001
+                    message = f"<{type(e).__name__}>"
+                answer = {"error": type(e).__name__, "message": message}
+            resp.write(json.dumps(answer) + "\n")
+            resp.flush()
+        return "served", None
+    except TimeoutException:
+        return "timed out", None
+    except BaseException as e:  # noqa: BLE001
+        return f"failed: {type(e).__name__}", type(e).__name__
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _literal(text):
+    """A plain value from its repr: None, bools, numbers (inf and nan included), strings, bytes, and tuples,
+    lists, dicts, sets and frozensets of them; anything else (a name, a call, an attribute) is a ValueError."""
+    import ast
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float, complex, str, bytes, bool, type(None)):
+            return node.value
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            items = [value(e) for e in node.elts]
+            return tuple(items) if isinstance(node, ast.Tuple) else items if isinstance(node, ast.List) else set(items)
+        if isinstance(node, ast.Dict) and None not in node.keys:
+            return {value(k): value(v) for k, v in zip(node.keys, node.values)}
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            v = value(node.operand)
+            if type(v) in (int, float, complex):
+                return -v if isinstance(node.op, ast.USub) else v
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):  # complex: (1+2j)
+            a, b = value(node.left), value(node.right)
+            if type(a) in (int, float) and type(b) is complex:
+                return a + b if isinstance(node.op, ast.Add) else a - b
+        if isinstance(node, ast.Name) and node.id in ("inf", "nan"):
+            return float(node.id)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("set", "frozenset")
+                and not node.keywords and len(node.args) <= 1):
+            items = value(node.args[0]) if node.args else ()
+            if isinstance(items, (set, list, tuple)):
+                return set(items) if node.func.id == "set" else frozenset(items)
+        raise ValueError(f"not a plain value: {type(node).__name__}")
+    return value(ast.parse(text, mode="eval").body)
