@@ -357,9 +357,14 @@ def test_store_is_made_once_and_reused(tmp_path, tok_dir):
     (other / "tokenizer_config.json").write_text((tok_dir / "tokenizer_config.json").read_text())
     build_iterator(DataConfig(**{**cfg.__dict__, "tokenizer": str(other)}), 2)
     assert len(list((tmp_path / "s").iterdir())) == 3
+    state = json.loads(json.dumps(first.state()))
     (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[::-1]))
-    build_iterator(cfg, 2, tokenizer=tk)
+    edited = build_iterator(cfg, 2, tokenizer=tk)
     assert calls[0] == 3 * len(TEXTS) and len(list((tmp_path / "s").iterdir())) == 4
+    with pytest.raises(DataError, match="content digests"):  # as many records, other content: not resumed onto
+        edited.restore(state)
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    build_iterator(cfg, 2, tokenizer=tk).restore(state)  # the same content written again (a new store): resumes
     assert not list((tmp_path / "s").glob(".*"))  # no partial store left behind
 
 

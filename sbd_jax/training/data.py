@@ -116,7 +116,8 @@ class PackedIterator:
         """JSON-able position of the local rows (`streams`, by row), which `restore` continues from."""
         return {"version": STATE_VERSION, "seed": self.seed, "seq_len": self.L, "copy_len": self.C,
                 "batch_size": self.B, "shuffle": self.shuffle, "weights": self.weights,
-                "documents": [len(d) for d in self.sources], "rows": sum(p.packed for p in self._streams.values()),
+                "documents": [len(d) for d in self.sources], "content": [d.digest for d in self.sources],
+                "rows": sum(p.packed for p in self._streams.values()),
                 "streams": {str(r): p.to_json() for r, p in self._streams.items()}}
 
     def restore(self, state: dict) -> None:
@@ -129,6 +130,9 @@ class PackedIterator:
         now = self.state()
         keys = ("seed", "seq_len", "copy_len", "batch_size", "shuffle", "weights", "documents")
         diff = [f"{k} {state.get(k)!r} there, {now[k]!r} now" for k in keys if state.get(k) != now[k]]
+        if "content" in state and state["content"] != now["content"] and not diff:  # (states saved before: none)
+            diff = [f"the documents' content digests {state['content']} there, {now['content']} now (the same "
+                    "number of records, edited)"]
         if diff:
             raise DataError(f"the data iterator state was saved with other settings or data ({'; '.join(diff)}); "
                             "resuming would not continue the same rows")

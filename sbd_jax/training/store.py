@@ -27,9 +27,9 @@ import numpy as np
 from ..jsonlines import parse_object
 from .config import DataConfig
 from .distill import id_records
-from .documents import DataError, Documents
+from .documents import ContentDigest, DataError, Documents
 
-STORE_VERSION = 2  # 2: counts.bin
+STORE_VERSION = 3  # 2: counts.bin; 3: meta "content", a digest of the documents
 _EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # a `save_to_disk` directory
 # why a record gives no document at tokenize time (status codes of the map; 0 = used)
@@ -277,7 +277,7 @@ class Store:
         n = self.meta["documents"]
         return Documents(FileArray(self.path / "tokens.bin", np.int32, self.meta["tokens"]),
                          FileArray(self.path / "offsets.bin", np.int64, n + 1),
-                         FileArray(self.path / "n_prompt.bin", np.int64, n))
+                         FileArray(self.path / "n_prompt.bin", np.int64, n), digest=self.meta["content"])
 
     def count(self, token: int) -> int:
         """How many times `token` occurs in the store's documents."""
@@ -344,7 +344,7 @@ def _write(cfg: DataConfig, tok, fmt: str, files: list[str], out: Path, fp) -> N
     out.mkdir(parents=True)
     n_docs, n_tokens, n_records, max_id, counts = 0, 0, 0, -1, np.zeros(0, np.int64)
     drops = {name: {"count": 0, "first": None} for name in RECORD_DROPS.values()}
-    file_doc_starts, mode = [], None
+    file_doc_starts, mode, content = [], None, ContentDigest()
     with (open(out / "tokens.bin", "wb") as f_tok, open(out / "offsets.bin", "wb") as f_off,
           open(out / "n_prompt.bin", "wb") as f_np, open(out / "record.bin", "wb") as f_rec):
         np.zeros(1, np.int64).tofile(f_off)
@@ -376,7 +376,9 @@ def _write(cfg: DataConfig, tok, fmt: str, files: list[str], out: Path, fp) -> N
                 max_id = max(max_id, int(values.max(initial=-1)))
                 counts = _add_counts(counts, values)
                 (n_tokens + np.cumsum(lens[keep])).astype(np.int64).tofile(f_off)
-                batch.column("n_prompt").to_numpy().astype(np.int64)[keep].tofile(f_np)
+                n_prompt = batch.column("n_prompt").to_numpy().astype(np.int64)[keep]
+                n_prompt.tofile(f_np)
+                content.add(lens[keep], values, n_prompt)
                 (start + keep).astype(np.int64).tofile(f_rec)
                 n_tokens += int(lens[keep].sum())
                 n_docs += len(keep)
@@ -385,7 +387,7 @@ def _write(cfg: DataConfig, tok, fmt: str, files: list[str], out: Path, fp) -> N
     counts.tofile(out / "counts.bin")
     meta = {"version": STORE_VERSION, "fingerprint": fp, "format": fmt, "files": files, "mode": mode,
             "records": n_records, "documents": n_docs, "tokens": n_tokens, "max_id": max_id,
-            "file_doc_starts": file_doc_starts, "dropped": drops}
+            "file_doc_starts": file_doc_starts, "dropped": drops, "content": content.hexdigest()}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
 
 
