@@ -4,6 +4,7 @@ holding those float64-dequantized weights, lossless decoding on quantized weight
 (greedy and sampled; `generate` and continuous batching; sharded: tests/test_decoding_sharded.py), a LoRA adapter
 on a quantized base, quantizing while loading == quantizing after, and the errors that name the option or weight."""
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -333,3 +334,26 @@ def test_quantize_cli_saves_the_gptq_model(params, tmp_path, capsys):
     assert cli.main([str(src), str(tmp_path / "q2"), "--quantize", "fp8", "--calibration", str(text),
                      "--windows", "100"]) == 2
     assert "holds 160 tokens; 100 windows of 512 need 51200" in capsys.readouterr().err
+
+
+def test_quantize_onto_a_full_disk_leaves_nothing_and_reruns(params, tmp_path, capsys, monkeypatch):
+    """A write that fails part way (ENOSPC after the first file) is one error line; the output directory does not
+    exist afterwards (no empty or partial one blocks the rerun), and the rerun writes it."""
+    import errno
+
+    from sbd_jax.io import quantize as cli
+    from sbd_jax.models.quant import quantization_of
+    src = sbd_jax.save_pretrained(CFG, params, tmp_path / "m")
+    save = cli.save_pretrained
+
+    def full_disk(cfg, p, out):
+        save(cfg, p, out)  # the files land, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(cli, "save_pretrained", full_disk)
+    assert cli.main([str(src), str(tmp_path / "q"), "--quantize", "int8"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err and "q'" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    monkeypatch.setattr(cli, "save_pretrained", save)
+    assert cli.main([str(src), str(tmp_path / "q"), "--quantize", "int8"]) == 0
+    assert quantization_of(sbd_jax.from_pretrained(tmp_path / "q")[1]) is not None

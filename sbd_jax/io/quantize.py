@@ -10,6 +10,7 @@ the float model instead of 93% (BENCHMARKS.md, "Quantized weights and KV cache")
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -81,10 +82,18 @@ def quantize_dir(model_dir, out_dir, quantize: str, *, calibration=None, windows
     ids = None if calibration is None else calibration_windows(calibration, tok, windows, tokens)
     cfg, params = from_pretrained(model_dir)
     params = quantize_params(params, cfg, q) if ids is None else gptq_params(params, cfg, q, ids)
-    save_pretrained(cfg, params, out_dir)
-    for f in [*(tok.files if tok else ()), model_dir / "generation_config.json"]:
-        if Path(f).is_file():
-            shutil.copy(f, out_dir / Path(f).name)
+    # written beside it and renamed when whole: a failed write (a full disk) leaves nothing that blocks a rerun
+    part = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    shutil.rmtree(part, ignore_errors=True)
+    try:
+        save_pretrained(cfg, params, part)
+        for f in [*(tok.files if tok else ()), model_dir / "generation_config.json"]:
+            if Path(f).is_file():
+                shutil.copy(f, part / Path(f).name)
+        part.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(part, ignore_errors=True)
+        raise
     return out_dir
 
 
@@ -103,6 +112,9 @@ def main(argv=None) -> int:
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. a full disk: nothing of the output is left
+        print(f"error: writing {args.out_dir!r}: {e.strerror or e} (nothing was written there)", file=sys.stderr)
+        return 1
     print(out)
     return 0
 
