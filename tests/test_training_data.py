@@ -366,6 +366,10 @@ def test_store_is_made_once_and_reused(tmp_path, tok_dir):
     (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     build_iterator(cfg, 2, tokenizer=tk).restore(state)  # the same content written again (a new store): resumes
     assert not list((tmp_path / "s").glob(".*"))  # no partial store left behind
+    (tmp_path / "file").write_text("")  # a store_dir that cannot be written: named before any tokenizing
+    with pytest.raises(DataError, match=r"data.store_dir '.*file/s' cannot be written \(Not a directory\)"):
+        build_iterator(DataConfig(**{**cfg.__dict__, "store_dir": str(tmp_path / "file" / "s"), "seed": 5}), 2,
+                       tokenizer=tk)
 
 
 def test_nothing_is_dropped_in_silence(tmp_path, tok_dir):

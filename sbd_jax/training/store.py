@@ -326,8 +326,13 @@ def prepare(cfg: DataConfig, tok, *, store_dir=None) -> Store:
     root = Path(store_dir or cfg.store_dir or default_store_dir())
     final = root / fp
     if not (final / "meta.json").is_file():
-        root.mkdir(parents=True, exist_ok=True)
         part = root / f".{fp}.part-{uuid.uuid4().hex[:8]}"
+        try:  # before tokenizing: a store that cannot be written is named at once
+            root.mkdir(parents=True, exist_ok=True)
+            part.mkdir()
+        except OSError as e:
+            raise DataError(f"data.store_dir {str(root)!r} cannot be written ({e.strerror or e}): tokenized stores "
+                            "are kept there; set data.store_dir to a writable directory") from None
         try:
             _write(cfg, tok, fmt, files, part, fp)
             try:
@@ -341,7 +346,7 @@ def prepare(cfg: DataConfig, tok, *, store_dir=None) -> Store:
 
 
 def _write(cfg: DataConfig, tok, fmt: str, files: list[str], out: Path, fp) -> None:
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     n_docs, n_tokens, n_records, max_id, counts = 0, 0, 0, -1, np.zeros(0, np.int64)
     drops = {name: {"count": 0, "first": None} for name in RECORD_DROPS.values()}
     file_doc_starts, mode, content = [], None, ContentDigest()
