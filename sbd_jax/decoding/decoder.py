@@ -95,7 +95,10 @@ def generate(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: D
       drafts earned and keeps its exploration schedule), else from nothing.
 
     Pure and static-shaped: works eagerly and inside a user's `jax.jit` (then gamma, temperature, keys
-    and prompts may be traced; the checks read what is concrete). Ahead of time: `GenerateCall`.
+    and prompts may be traced; the checks read what is concrete). Values traced by a user's jit are not checked:
+    prompt_lengths outside [1, P], row_max_new_tokens above the spec's cap, or mask tokens inside a prompt decode
+    garbage there without an error; check them before the jit (`checks.check_request` on concrete values does
+    what an eager call does). Ahead of time: `GenerateCall`.
     """
     spec = DecodeSpec.make(spec, **options)
     prompt_ids = jnp.asarray(prompt_ids)
