@@ -182,7 +182,7 @@ EVENTS: set[str] = set()  # how rows of the last brute_force_verify call stopped
 def brute_force_verify(params: dict, cfg: ModelConfig, prompt_ids, prompt_lengths, spec: DecodeSpec | None = None,
                        *, gamma=0.35, temperature=0.0, key=None, row_max_new_tokens=None, draft_memory=None,
                        **options) -> GenerateOutput:
-    """The verify-mode oracle (SBD.md "Lossless mode"), no cache: every call recomputes [the known text as CLEAN
+    """The verify-mode oracle (docs/sbd.md, "Lossless mode"), no cache: every call recomputes [the known text as CLEAN
     tokens (the prompt, the verified tokens and the drafts waiting to be checked) ; the current block as COPY
     tokens]. AR's token at generated index g comes from the clean query at g - 1. A w-wide call keeps the first
     w - 1 waiting drafts (drops the others) and checks them all (the agreeing prefix stays, AR's token corrects

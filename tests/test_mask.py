@@ -1,4 +1,4 @@
-"""The one SBD mask definition vs a hand-written, loop-based dense reference (SBD.md rules, written
+"""The one SBD mask definition vs a hand-written, loop-based dense reference (docs/sbd.md, Training, rule 4, written
 independently from scratch: per-document positions, blocks aligned to the document start)."""
 import jax.numpy as jnp
 import numpy as np

@@ -1,5 +1,5 @@
 """SBD training examples: the doubled input, metadata, targets and loss weights against hand-built
-arrays (SBD.md, training section), and the PRNG-driven parts (eta per document, k per step)."""
+arrays (docs/sbd.md, "Training"), and the PRNG-driven parts (eta per document, k per step)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

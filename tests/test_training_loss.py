@@ -1,5 +1,5 @@
 """The dual loss against an independent slow reference: numpy (float64) builds the doubled sequence,
-its dense attention mask straight from the rules in SBD.md, runs a numpy Llama forward and loops over
+its dense attention mask straight from docs/sbd.md (Training, rule 4), runs a numpy Llama forward and loops over
 tokens for the cross-entropies. Tolerance: relative 2e-5 on each term (float32 model vs float64)."""
 import dataclasses
 
@@ -39,7 +39,7 @@ def _batch():
 
 
 def _ref_doubled(tok, seg, pos, masked, k):
-    """numpy: [x ; x_hat], duplicated positions, stream ids, and the SBD.md mask (blocks from doc start)."""
+    """numpy: [x ; x_hat], duplicated positions, stream ids, and the docs/sbd.md mask (blocks from doc start)."""
     L = len(tok)
     t2 = np.concatenate([tok, np.where(masked, M, tok)])
     p2 = np.concatenate([pos, pos])

@@ -1,4 +1,4 @@
-"""Verify mode (SBD.md "Lossless mode"): drafts checked by the next call's clean queries against AR's
+"""Verify mode (docs/sbd.md, "Lossless mode"): drafts checked by the next call's clean queries against AR's
 position-keyed tokens. Its output equals AR mode's for the same key (greedy and sampled) under every decision of
 the draft policy, its calls equal the no-cache verifier's (brute.py), and on a model whose drafts are right it
 needs far fewer calls than AR. (The policy itself: tests/test_draft_policy.py.) (A batched

@@ -39,7 +39,7 @@ class DemoConfig:
     # evaluation
     block_size: int = DEFAULT_BLOCK_SIZE
     gammas: tuple[float, ...] = (0.1, 0.35, 0.6, 1.0)  # EB rule (the paper's): low 0.1, middle 0.35, high 0.6
-    threshold_gammas: tuple[float, ...] = (0.1, 0.35, 0.6)  # the threshold rule (SBD.md step 4), for comparison
+    threshold_gammas: tuple[float, ...] = (0.1, 0.35, 0.6)  # the threshold rule (docs/sbd.md, Inference step 4), for comparison
     # lossless (verify) rows, one per drafting policy (DecodeSpec.draft_policy; gamma and rule play no part):
     # the default "adaptive", and "always" (every call drafting at the widest width: the drafts' quality, the ceiling of drafting)
     lossless_policies: tuple[str, ...] = ("adaptive", "always")

@@ -25,8 +25,8 @@ class Decoder:
     model: str  # which model: "ntp" | "sbd" (the fine-tunes); the real-model demo adds "base"
     mode: str  # "ar" | "sbd"
     gamma: float | None = None
-    rule: str | None = None  # SBD acceptance rule (SBD.md step 4); None for AR
-    verify: bool = False  # lossless: drafts checked against AR's tokens (SBD.md "Lossless mode")
+    rule: str | None = None  # SBD acceptance rule (docs/sbd.md, Inference step 4); None for AR
+    verify: bool = False  # lossless: drafts checked against AR's tokens (docs/sbd.md, "Lossless mode")
     policy: str | None = None  # lossless rows: the drafting policy (DecodeSpec.draft_policy); None otherwise
 
 

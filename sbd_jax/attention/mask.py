@@ -7,7 +7,7 @@ Per-token metadata (`TokenMeta`, all int32 arrays of the same leading shape):
   stream    0 = clean (ordinary causal NTP stream), 1 = copy (the masked `x_hat` / MATP stream)
   block     block start: the position at which this token's SBD block begins. Only read for copy
             tokens (queries and keys). Carrying block *starts* instead of deriving `pos // k` lets
-            inference open blocks right after a prompt (SBD.md, inference step 8) and lets SFT
+            inference open blocks right after a prompt (docs/sbd.md, Inference step 8) and lets SFT
             align blocks to the response start.
 
 Rule for query q and key j (same segment, neither padding):

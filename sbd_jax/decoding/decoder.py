@@ -1,12 +1,12 @@
 """`generate`: jitted SBD / verify / AR decoding over a static KV cache, one `lax.while_loop` (loop.py), nothing
-returns to the host per step (SBD.md "Inference"; the options are a `DecodeSpec`; the modes in modes/, the loop
+returns to the host per step (docs/sbd.md, "Inference"; the options are a `DecodeSpec`; the modes in modes/, the loop
 state in state.py, the prompt prefill in prefill.py, the request checks in checks.py).
 
   * Prompts arrive right-padded: `prompt_ids [B, P]`, `prompt_lengths [B]`. Row b's prompt occupies
     positions (= cache slots) [0, len_b); its generated token j sits at position len_b + j. Rows never
     see each other or their padding (segment 0). The cache holds S = P + max_new_tokens slots; a
     token buffer `seq [B, S + block_size]` holds every token by position (room for a whole last block).
-  * Blocks start right after each row's prompt (explicit block starts in the metadata, SBD.md step 8);
+  * Blocks start right after each row's prompt (explicit block starts in the metadata, docs/sbd.md, Inference step 8);
     the last block's positions beyond max_new_tokens are padding.
   * NFE 1 (SBD) = [prompt CLEAN ; first block COPY]: the prefill is folded into the first step. Each
     later step is one call on one of two window shapes chosen by `lax.cond`: once a quorum of the live
@@ -15,11 +15,12 @@ state in state.py, the prompt prefill in prefill.py, the request checks in check
     [current block COPY], which rows waiting for a commit sit out (their tokens and NFE do not change).
     A copy token carries its token once accepted, the mask token while masked; SBD never samples `<m>`.
   * AR: the prefill call yields the first token, then one clean 1-token call per token (NTP logits).
-  * Stop (SBD.md step 7): an EOS decoded with every earlier position of its block decoded, or
+  * Stop (docs/sbd.md, Inference step 7): an EOS decoded with every earlier position of its block decoded, or
     max_new_tokens. Tokens after the EOS are dropped (the pad id fills the output beyond `lengths`).
     Finished rows become padding: their state, cache and NFE stop changing; NFE counts the calls that
     carry a token of the row. The loop ends when every row is done.
-  * Randomness: row b draws its step-n tokens from fold_in(key_b, n) (sampling.py).
+  * Randomness: in SBD mode row b draws its step-n tokens from fold_in(key_b, n); AR and verify mode draw the
+    token at generated index j from fold_in(key_b, j), so the two share it (sampling.py).
   * Sharding: with `mesh`, the cache is constrained to `cache_sharding` and per-row state to
     `batch_sharding`; params come laid out by `shard_params`. The loop traces under
     `mesh_context(mesh)`, so attention_impl="pallas" runs per shard (sbd_jax/attention/sharded.py).

@@ -1,12 +1,12 @@
 """Per-position entropies, the two SBD acceptance rules and token sampling (pure, jittable; B = batch rows,
 K = block positions, V = vocabulary).
 
-Entropies (SBD.md inference step 3): H_i is the entropy of the model's own distribution q_i = softmax(logits_i),
+Entropies (docs/sbd.md, Inference step 3): H_i is the entropy of the model's own distribution q_i = softmax(logits_i),
 at temperature 1 whatever the sampling temperature. With `tempered_entropy=True` and T > 0, H is computed on
 softmax(logits / T) instead (the EB paper's / diffusers' convention); greedy rows (T == 0) always use
 temperature 1, because a one-hot tempered distribution has zero entropy and would accept every position.
 
-Acceptance rules (SBD.md inference step 4), both applied to the still-masked positions only:
+Acceptance rules (docs/sbd.md, Inference step 4), both applied to the still-masked positions only:
   "eb"        sort by H ascending, i_1, i_2, ...; accept i_1..i_s for the largest s >= 1 with
               H_{i_1} + ... + H_{i_{s-1}} <= gamma (the last accepted entropy is not counted).
   "threshold" accept every position with H_i < gamma, and at least the one of lowest entropy.
@@ -14,9 +14,9 @@ Ties in H are broken by position (stable sort / first argmin), so the rule is de
 
 Sampling: temperature, then top-k, then top-p (HF's order) shape the distribution p_i used to draw the token;
 temperature 0 means argmax of the raw logits. SBD row b at its n-th model call draws from `fold_in(key_b, n)`;
-AR mode and verify mode draw the token at generated index j from `fold_in(key_b, j)` (SBD.md "Lossless mode" step
-3: the same key gives the same tokens in AR and verify mode). A row's output does not depend on its batch (given
-per-row keys), and the cached and brute-force decoders draw identically.
+AR mode and verify mode draw the token at generated index j from `fold_in(key_b, j)` (docs/sbd.md, "Lossless mode"
+step 3: the same key gives the same tokens in AR and verify mode). A row's output does not depend on its batch
+(given per-row keys), and the cached and brute-force decoders draw identically.
 """
 from __future__ import annotations
 

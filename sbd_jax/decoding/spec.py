@@ -54,7 +54,7 @@ class DecodeSpec:
     mode: str = "sbd"  # "sbd" (Set Block Decoding) | "ar" (next-token decoding, the baseline)
     block_size: int = DEFAULT_BLOCK_SIZE  # SBD: positions per block (AR makes one token per step)
     rule: str = "eb"  # SBD acceptance rule: "eb" (the paper's entropy bound) | "threshold" (sampling.py)
-    # SBD lossless mode (SBD.md "Lossless mode"): every block is checked against AR's tokens by the next call's
+    # SBD lossless mode (docs/sbd.md, "Lossless mode"): every block is checked against AR's tokens by the next call's
     # clean queries; the output equals AR mode's for the same key, drafts only decide how many calls it takes
     verify: bool = False
     # verify mode: "adaptive" drafts where the rows' recent acceptance pays for the wider call on this device

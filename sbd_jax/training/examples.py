@@ -1,9 +1,9 @@
-"""SBD training examples (SBD.md, training section): packed rows (`PackedBatch`, data.py) -> the doubled
+"""SBD training examples (docs/sbd.md, "Training"): packed rows (`PackedBatch`, data.py) -> the doubled
 input `[x ; x_hat]` (`Example`, T = 2L; L + copy_len with a compact copy stream; L for the NTP baseline)
 with its mask metadata (`sbd_jax.attention.mask`), targets (clean i -> x_{i+1}, copy i -> x_i) and per-term
 loss weights. Pure JAX, jittable, driven by a PRNG key.
 
-Choices (SBD.md marks these as ours): eta ~ U[0,1) per *document*, each counted token masked with
+Choices (docs/sbd.md, "Choices this project made"): eta ~ U[0,1) per *document*, each counted token masked with
 probability eta (the prompt stays clean); one block size k per step, uniform on [2, k_max] or fixed, a
 traced int32 (every k runs the same compiled step); blocks aligned to the document start (paper) or, with
 `block_align="response"`, to the response start, and then the prompt's copy tokens leave the copy stream

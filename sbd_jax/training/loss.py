@@ -1,7 +1,8 @@
 """The SBD dual loss: NTP cross-entropy on the clean half + MATP cross-entropy on the masked copy positions,
-each a mean over its own counted tokens, summed (SBD.md, eq. 14 with per-token means); the NTP baseline is
-the same function with MATP weights 0. With `chunk > 0` (by default when the logits are large), lm_head + CE
-run over time chunks in a rematerialised scan, so the [B, T, V] float32 logits never exist at once."""
+each a mean over its own counted tokens, summed (docs/sbd.md, Training, rule 8: the paper's eq. 14 with per-token
+means); the NTP baseline is the same function with MATP weights 0. With `chunk > 0` (by default when the logits
+are large), lm_head + CE run over time chunks in a rematerialised scan, so the [B, T, V] float32 logits never
+exist at once."""
 from __future__ import annotations
 
 from typing import NamedTuple

@@ -1,5 +1,5 @@
 """What a train step builds and runs: the `sbd` section and the frozen specs made from it, validated here, that
-go from `TrainConfig.step_options` to the train step, `make_example` and `build_sbd_example` (SBD.md, training)."""
+go from `TrainConfig.step_options` to the train step, `make_example` and `build_sbd_example` (docs/sbd.md, "Training")."""
 from __future__ import annotations
 
 import dataclasses

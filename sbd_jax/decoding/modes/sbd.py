@@ -1,4 +1,4 @@
-"""SBD mode (Set Block Decoding, SBD.md "Inference"): blocks of k positions start masked after each row's prompt;
+"""SBD mode (Set Block Decoding, docs/sbd.md, "Inference"): blocks of k positions start masked after each row's prompt;
 each call predicts the masked positions of the current block, the acceptance rule keeps some of them (sampling.py),
 and a block whose positions are all decoded is committed by a later call.
 
@@ -10,7 +10,7 @@ and a block whose positions are all decoded is committed by a later call.
     once accepted, the mask token while masked; SBD never samples `<m>`.
   * A call's update is four jobs: `draw` (entropies, acceptance, sampling), `place` (write the accepted tokens),
     the block outcome (`close_block`: EOS / cap stop, the accepted histogram, the next commit), and `next_state`.
-    Verify mode (verify.py) reuses the copy window and the first call.
+    Verify mode (modes/verify/) reuses the copy window and the first call.
 """
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ class Outcome(NamedTuple):
 
 
 def find_eos(env: DecodeEnv, block, decoded, active):
-    """An EOS decoded with every earlier position of its block decoded (SBD.md step 7) -> (rows it stops, its
+    """An EOS decoded with every earlier position of its block decoded (docs/sbd.md, Inference step 7) -> (rows it stops, its
     index in the block)."""
     prefix = jnp.cumprod(decoded.astype(jnp.int32), axis=1).astype(bool)
     stop = jnp.isin(block, env.eos) & decoded & prefix

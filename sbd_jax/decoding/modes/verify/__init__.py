@@ -1,4 +1,4 @@
-"""Verify mode, lossless SBD (SBD.md "Lossless mode"), all in this package: its loop steps (step.py), its state
+"""Verify mode, lossless SBD (docs/sbd.md, "Lossless mode"), all in this package: its loop steps (step.py), its state
 and what it reports (state.py), its drafting policy (policy.py) and the call costs the policy weighs (costs.py).
 SBD and AR runs carry none of it."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Verify mode, lossless SBD (SBD.md "Lossless mode"): every draft is checked against AR's token at its position
+"""Verify mode, lossless SBD (docs/sbd.md, "Lossless mode"): every draft is checked against AR's token at its position
 before it is kept, so the output equals AR mode's for the same key; drafts and the policy only decide how many
 calls, and of which width, a row takes.
 
