@@ -136,6 +136,28 @@ def test_a_failed_save_is_named_at_once(inputs, monkeypatch, capfd, async_save):
     assert "Traceback" not in capfd.readouterr().err
 
 
+def test_a_signal_inside_a_synchronous_save_leaves_no_partial_files(inputs, monkeypatch):
+    """Ctrl-C (or SIGTERM, which train.py turns into it) while step 2 is being written synchronously: the run stops,
+    step 2's partial directory is removed, and the rerun resumes from step 1."""
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
+
+    saves = []
+    write = handler.JsonCheckpointHandler._save_fn
+
+    async def interrupted_once(self, x, directory):
+        saves.append(1)
+        if len(saves) == 2:
+            raise KeyboardInterrupt("signal 15")
+        return await write(self, x, directory)
+    monkeypatch.setattr(handler.JsonCheckpointHandler, "_save_fn", interrupted_once)
+    cfg = cfg_of(inputs, "checkpoint.async_save=false", "steps=4")
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    ckpts = Path(cfg.out_dir) / "checkpoints"
+    assert [p.name for p in ckpts.iterdir() if not p.name.startswith("_")] == ["1"], list(ckpts.iterdir())
+    assert train(cfg).resumed_from == 1
+
+
 def test_nan_loss_is_named_and_nothing_is_saved(inputs):
     """NaN weights from the start: the loss of step 1 is named; no checkpoint is written."""
     cfg = cfg_of(inputs)

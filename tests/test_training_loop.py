@@ -157,7 +157,7 @@ def test_sigkill_leaves_complete_checkpoint_and_resume_matches(straight):
     partial = ckdir / f"{killed_at + 1}.orbax-checkpoint-tmp-1700000000000000"
     (partial / "state").mkdir(parents=True, exist_ok=True)
     (partial / "state" / "half_written").write_bytes(b"\0" * 100)
-    assert Checkpointer(ckdir).manager.latest_step() == killed_at
+    assert Checkpointer(ckdir).manager.latest_step() == killed_at and not partial.exists()  # removed at start
     cfg = load_config(TrainConfig, cfg_path, [f"out_dir={out}", "checkpoint.every=1", "checkpoint.keep=3"])
     resumed = train(cfg)  # restores the latest *complete* checkpoint (a half-written one is ignored)
     assert resumed.resumed_from == killed_at and resumed.step == STEPS

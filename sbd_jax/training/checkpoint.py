@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 import orbax.checkpoint as ocp
 
 from .data import gather_state
@@ -65,6 +66,12 @@ def _join_by(thread: threading.Thread, deadline: float) -> None:
             time.sleep(0.001)
 
 
+def _remove_partial(directory: Path) -> None:
+    """Remove the temporary directories of saves that did not finish (orbax's `*.orbax-checkpoint-tmp*`)."""
+    for tmp in directory.glob("*.orbax-checkpoint-tmp*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 class Checkpointer:
     """Thin wrapper over `ocp.CheckpointManager` (`.manager`) with items "state" (pytree), "data" (JSON) and, for a
     LoRA run, "meta" (JSON: the fingerprint of the frozen base the adapter belongs to). A save that fails (also in
@@ -74,6 +81,8 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every, create=True,
                                                enable_async_checkpointing=async_save)
+        if jax.process_index() == 0:  # a save cut short before (SIGKILL, a signal mid-write): never complete
+            _remove_partial(self.directory)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
         self.saving: int | None = None  # the step of the save in flight (or last started)
         self._threads: set = set()
@@ -96,8 +105,7 @@ class Checkpointer:
         deadline = time.monotonic() + 30.0
         for t in set(threading.enumerate()) - self._threads - {threading.current_thread()}:
             _join_by(t, deadline)
-        for tmp in self.directory.glob("*.orbax-checkpoint-tmp*"):
-            shutil.rmtree(tmp, ignore_errors=True)
+        _remove_partial(self.directory)
         step, self.saving = self.saving, None
         done = sorted(int(p.name) for p in self.directory.iterdir() if p.is_dir() and p.name.isdigit()) \
             if self.directory.is_dir() else []
@@ -130,6 +138,9 @@ class Checkpointer:
                                      force=force)
         except Exception as e:  # noqa: BLE001 - a synchronous save's (or its directory's) failure, as the
             raise self._failed(e) from None  # filesystem or tensorstore raised it (an OSError, or a ValueError)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (train.py) inside a synchronous save: no partial files left
+            self._failed(KeyboardInterrupt())
+            raise
 
     def restore(self, abstract: TrainState, step: int) -> tuple[TrainState, dict]:
         """Restore `step` into the structure/shardings of `abstract` (ShapeDtypeStructs with shardings)."""

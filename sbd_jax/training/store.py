@@ -6,8 +6,8 @@ it and never calls the tokenizer. Files are read one at a time through `datasets
 on disk) and appended as flat arrays, so memory stays bounded whatever the corpus size:
   tokens.bin int32 (all documents back to back), offsets.bin int64 [n + 1], n_prompt.bin int64 [n] (each
   document's loss-masked prefix), record.bin int64 [n] (its record in its file), counts.bin int64 [max_id + 1]
-  (how often each token id occurs: the mask id must not), meta.json (counts, drops).
-A store is written to a temporary directory and renamed into place: it is complete or absent.
+  (how often each token id occurs: the mask id must not), meta.json (counts, drops, a digest of the content).
+A store is written aside and renamed into place: it is complete or absent.
 """
 from __future__ import annotations
 
@@ -328,18 +328,16 @@ def prepare(cfg: DataConfig, tok, *, store_dir=None) -> Store:
     if not (final / "meta.json").is_file():
         part = root / f".{fp}.part-{uuid.uuid4().hex[:8]}"
         try:  # before tokenizing: a store that cannot be written is named at once
-            root.mkdir(parents=True, exist_ok=True)
-            part.mkdir()
+            part.mkdir(parents=True)
         except OSError as e:
-            raise DataError(f"data.store_dir {str(root)!r} cannot be written ({e.strerror or e}): tokenized stores "
-                            "are kept there; set data.store_dir to a writable directory") from None
+            raise DataError(f"data.store_dir {str(root)!r} cannot be written ({e.strerror or e}): set it to a writable "
+                            "directory (tokenized stores are kept there)") from None
         try:
             _write(cfg, tok, fmt, files, part, fp)
-            try:
-                os.rename(part, final)
-            except OSError:  # another process (host) finished the same store first: theirs is identical
-                if not (final / "meta.json").is_file():
-                    raise
+            os.rename(part, final)
+        except OSError:  # another process (host) finished the same store first: theirs is identical
+            if not (final / "meta.json").is_file():
+                raise
         finally:
             shutil.rmtree(part, ignore_errors=True)
     return Store(final, json.loads((final / "meta.json").read_text()))
@@ -381,8 +379,7 @@ def _write(cfg: DataConfig, tok, fmt: str, files: list[str], out: Path, fp) -> N
                 max_id = max(max_id, int(values.max(initial=-1)))
                 counts = _add_counts(counts, values)
                 (n_tokens + np.cumsum(lens[keep])).astype(np.int64).tofile(f_off)
-                n_prompt = batch.column("n_prompt").to_numpy().astype(np.int64)[keep]
-                n_prompt.tofile(f_np)
+                (n_prompt := batch.column("n_prompt").to_numpy().astype(np.int64)[keep]).tofile(f_np)
                 content.add(lens[keep], values, n_prompt)
                 (start + keep).astype(np.int64).tofile(f_rec)
                 n_tokens += int(lens[keep].sum())
@@ -398,8 +395,6 @@ def _write(cfg: DataConfig, tok, fmt: str, files: list[str], out: Path, fp) -> N
 
 def _add_counts(counts: np.ndarray, values: np.ndarray) -> np.ndarray:
     """`counts` (per token id) plus the occurrences in `values` (non-negative ids)."""
-    if not len(values):
-        return counts
     add = np.bincount(values[values >= 0], minlength=len(counts)).astype(np.int64)
     add[:len(counts)] += counts
     return add
