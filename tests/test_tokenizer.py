@@ -178,3 +178,36 @@ def test_renderer_process_is_reused_and_replaced(quick_limits):
     os.waitpid(child, 0)
     assert text == "e" and int(child_renderer) != pid
     assert r("f") == "f" and quick_limits.renderer_pid() == pid
+
+
+def test_a_long_text_is_encoded_in_pieces_with_the_same_ids(tmp_path, monkeypatch):
+    """A text past PIECE_CHARS (here lowered to 2000 characters) is encoded piece by piece (peak memory of a piece,
+    not of a 20 MB document: 6 GB -> 1.1 GB measured, docs/reliability.md), to the same ids as whole, specials
+    included, with Qwen2's tokenizer; a tokenizer whose pieces would differ (a prefix space added to each) is
+    probed, refused, and encodes the whole text as before."""
+    import lzma
+    import random
+
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from sbd_jax.io import long_text
+    monkeypatch.setattr(long_text, "PIECE_CHARS", 2000)
+    d = tmp_path / "qwen2"
+    d.mkdir()
+    fixture = Path(__file__).parent / "fixtures" / "qwen2_tokenizer" / "tokenizer.json.xz"
+    (d / "tokenizer.json").write_bytes(lzma.decompress(fixture.read_bytes()))
+    rng = random.Random(0)
+    words = ["def", "f(x):", "return", "x", "  ", "\n", "\n\n", "Grüße", "中文", "3.14", "<|im_end|>", "\t", "a_b", "é"]
+    text = " ".join(rng.choice(words) for _ in range(20_000))
+    hf = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok = Tokenizer.load(d)
+    assert len(long_text.pieces(text, ())) > 20
+    for add in (False, True):
+        assert tok.encode(text, add) == hf.encode(text, add_special_tokens=add).ids
+    assert tok.encode_batch(["short", text], False) == [hf.encode(t, add_special_tokens=False).ids for t in ("short", text)]
+    bpe = tokenizers.Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=True), decoders.ByteLevel()
+    bpe.train_from_iterator(list(long_text.PROBES) * 4, trainers.BpeTrainer(vocab_size=300))
+    enc = long_text.PieceEncoder(bpe)
+    assert enc.encode(text, False) == bpe.encode(text, add_special_tokens=False).ids and enc.by_pieces() is False

@@ -22,6 +22,7 @@ from pathlib import Path
 from ..config import ConfigError
 from ..jsonlines import read_object
 from .chat_worker import timeout_message
+from .long_text import PieceEncoder
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 CHAT_RENDER_MAX_CHARS = 4_000_000  # a rendered conversation longer than this is a broken template
@@ -81,11 +82,11 @@ class Tokenizer:
         eos = special.get("eos_token")
         files = tuple(f for f in (tok_file, conf_file, jinja_file, tok_file.parent / "special_tokens_map.json")
                       if f.is_file())
-        return cls(lambda text, add_special_tokens: hf.encode(text, add_special_tokens=add_special_tokens).ids,
-                   lambda ids: hf.decode(ids, skip_special_tokens=True), eos_id=hf.token_to_id(eos) if eos else None,
-                   chat_template=template, special_tokens=special, files=files,
-                   special_ids=frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special),
-                   encode_many=lambda texts, add: [e.ids for e in hf.encode_batch(texts, add_special_tokens=add)])
+        enc = PieceEncoder(hf)  # a very long text in pieces (bounded memory), where that gives the same ids
+        return cls(enc.encode, lambda ids: hf.decode(ids, skip_special_tokens=True),
+                   eos_id=hf.token_to_id(eos) if eos else None, chat_template=template, special_tokens=special,
+                   files=files, special_ids=frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special),
+                   encode_many=enc.encode_batch)
 
     @classmethod
     def find(cls, model_dir) -> Tokenizer | None:
