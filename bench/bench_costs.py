@@ -29,7 +29,8 @@ from sbd_jax.models.transformer import init_params  # noqa: E402
 
 # (name, hidden, layers, intermediate, vocab, batches)
 SHAPES = [("demo", 128, 4, 384, 192, (1, 16, 64)), ("tiny-1k", 128, 4, 384, 1024, (1, 16, 64)),
-          ("small", 256, 4, 768, 2048, (1, 16)), ("medium", 512, 8, 1536, 4096, (1, 4))]
+          ("small", 256, 4, 768, 2048, (1, 16)), ("medium", 512, 8, 1536, 4096, (1, 4)),
+          ("smollm2-135m", 576, 30, 1536, 49153, (1, 4))]  # the real model's shape (heads: 18 of 32 for its 9 of 64)
 CACHE, NEW = 128, 48
 
 
