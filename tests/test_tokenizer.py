@@ -182,7 +182,7 @@ def test_renderer_process_is_reused_and_replaced(quick_limits):
 
 def test_a_long_text_is_encoded_in_pieces_with_the_same_ids(tmp_path, monkeypatch):
     """A text past PIECE_CHARS (here lowered to 2000 characters) is encoded piece by piece (peak memory of a piece,
-    not of a 20 MB document: 6 GB -> 1.1 GB measured, docs/reliability.md), to the same ids as whole, specials
+    not of a 20 MB document: 7.0 -> 1.2 GB, bench/bench_long_document.py), to the same ids as whole, specials
     included, with Qwen2's tokenizer; a tokenizer whose pieces would differ (a prefix space added to each) is
     probed, refused, and encodes the whole text as before."""
     import lzma

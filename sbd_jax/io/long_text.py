@@ -1,10 +1,10 @@
 """Encoding a very long text (a 20 MB document) in pieces, so that the tokenizer's peak memory follows a piece and not
 the whole text (`tokenizers` keeps ~100 bytes of offsets and strings per token of an encoding: a 20 MB text peaked at
-6 GB). A text is cut only where this tokenizer never merges across: after a newline followed by a non-space, or
-before a space that follows a non-space and precedes a letter or digit, and never inside an added token. Whether a
-tokenizer splits there is probed once on sample texts (`PROBES`): every cut of every probe must give the same ids
-as the whole; a tokenizer that fails a probe (a prefix space added to each piece, a normalizer that joins) encodes
-long texts whole, as before."""
+7 GB; bench/bench_long_document.py). A text is cut only where this tokenizer never merges across: after a newline
+that follows a non-space and precedes a non-space, or before a space that follows a non-space and precedes a letter
+or digit, and never inside an added token. Whether a tokenizer splits there is probed once on sample texts
+(`PROBES`): every cut of every probe must give the same ids as the whole; a tokenizer that fails a probe (a prefix
+space added to each piece, a normalizer that joins) encodes long texts whole, as before."""
 from __future__ import annotations
 
 import re

@@ -42,8 +42,9 @@ class Machine:
 
 # cpu: fitted to `calibrate`'s timings of the current loop steps (w + w * w queries per row) on a 2-core x86 CPU, 5
 # model shapes up to SmolLM2-135M's x 2-3 batch sizes (bench/bench_costs.py --fit, BENCHMARKS "Verify mode's call
-# costs": a fit, not a datasheet - the fixed and per-row terms stand in for XLA:CPU's per-op overhead); gpu: bench_decode's bare forwards on one H100 (8B bf16: weights at 2.5 TB/s, 410 TFLOP/s at
-# 512 tokens per call); tpu: stated from the v5e sheet, not measured
+# costs": a fit, not a datasheet - the fixed and per-row terms stand in for XLA:CPU's per-op overhead); gpu:
+# bench_decode's bare forwards on one H100 (8B bf16: weights at 2.5 TB/s, 410 TFLOP/s at 512 tokens per call); tpu:
+# stated from the v5e sheet, not measured
 MACHINES = {
     "cpu": Machine(call_s=0.0, layer_s=0.0, wide_s=8.2e-4, flops={2: 5.7e10, 4: 1.15e11}, bandwidth=1.65e10,
                    overlap=False, row_layer_s=6.6e-6, wide_row_s=0.0),
