@@ -195,14 +195,14 @@ def test_examples_are_exact_source_slices():
     for ex in sel.examples:
         through_end = "\n".join(lines[:_end_line(ex)]) + "\n"
         assert ex.prompt + ex.target == through_end
-        assert ex.prompt.endswith('"""\n') and ex.target.endswith("\n")
+        assert ex.prompt.endswith('"""') and ex.target.startswith("\n") and ex.target.endswith("\n")
         assert lines[ex.lineno - 1].lstrip().startswith(("def ", "async def "))
         assert ex.indent == len(lines[ex.lineno - 1]) - len(lines[ex.lineno - 1].lstrip())
         assert tasks.def_indent(ex.prompt) == ex.indent
         assert metrics.parses(ex.parse_head, ex.target, ex.parse_tail)
     dec = sel.examples[1]
-    assert dec.prompt.endswith('        the docstring shows code\n    """\n')
-    assert dec.target.startswith("\n    if x:\n") and dec.target.endswith("    return x\n")
+    assert dec.prompt.endswith('        the docstring shows code\n    """')
+    assert dec.target.startswith("\n\n    if x:\n") and dec.target.endswith("    return x\n")
     assert dec.parse_head.startswith("@functools.lru_cache")
     in_try = sel.examples[5]
     assert not metrics.parses(in_try.prompt, in_try.target)  # the module prefix alone lacks the `except`
@@ -288,8 +288,9 @@ def test_records_and_jsonl(tmp_path):
     assert [r["qualname"] for r in limited] == [EXPECTED_QUALNAMES[i] for i in (0, 2, 4)]  # evenly spread
     he = tasks.humaneval_records(encode, 64, limit=2)
     assert [r["id"] for r in he] == ["HumanEval/0", "HumanEval/1"] and he[0]["prompt"].startswith("from typing")
-    assert len(he[0]["prompt_ids"]) <= 64 and he[0]["prompt"].endswith(tasks.truncate_prompt_text(he[0]["prompt"],
-                                                                                                   encode, 64))
+    model_prompt = he[0]["prompt"].removesuffix("\n")  # the model's prompt stops where held-out prompts do
+    assert len(he[0]["prompt_ids"]) <= 64 and he[0]["prompt_ids"] == encode(tasks.truncate_prompt_text(model_prompt,
+                                                                                                       encode, 64))
 
 
 # ---- cutting ----
@@ -335,13 +336,13 @@ def test_metrics_on_hand_made_cases():
     with pytest.raises(ValueError):
         metrics.identical_share(["a"], ["a", "b"])
 
-    ex = tasks.examples([_fake_module()])[0]  # plain: "    c = a + b\n    return c\n"
+    ex = tasks.examples([_fake_module()])[0]  # plain: "\n    c = a + b\n    return c\n"
     exact = metrics.score(ex, ex.target + "\n\ndef next_function():\n    pass\n")
     assert exact == metrics.CompletionScore(ex.target, True, 1.0, True)
-    wrong = metrics.score(ex, "    c = a - b\n    return (c\n")
+    wrong = metrics.score(ex, "\n    c = a - b\n    return (c\n")
     assert (wrong.first_line_exact, wrong.parses) == (False, False)
-    # matched: "    c = a " (10) + " b\\n    return " (14) + "c\\n" (2) of 28 + 27 characters
-    assert wrong.similarity == pytest.approx(2 * 26 / (28 + 27))
+    # matched: "\\n    c = a " (11) + " b\\n    return " (14) + "c\\n" (2) of 29 + 28 characters
+    assert wrong.similarity == pytest.approx(2 * 27 / (29 + 28))
     assert metrics.aggregate([exact, wrong]) == {"n": 2, "first_line_exact": 0.5,
                                                  "similarity": (1 + wrong.similarity) / 2, "parses": 0.5}
 

@@ -3,9 +3,11 @@
 An example is one function or method (`def` / `async def`, at any nesting) of a corpus module that has a docstring
 and a body of `min_body_lines`..`max_body_lines` non-blank lines after it:
 - prompt = the module's source text from its start through the end of the docstring statement's last line,
-  newline included (decorators, signature and docstring are in it);
-- target = the rest of the function, exactly as in the source: the lines after the docstring through the line
-  where the function's last statement ends, ending with a newline. prompt + target is the module's text through
+  its newline left out (decorators, signature and docstring are in it): SmolLM2's tokenizer merges a newline
+  with the next line's indentation ("\n   " is one token), so a prompt ending in a bare newline token reads as
+  a line at column 0 next, and the model starts a new function instead of the body;
+- target = the rest of the function, exactly as in the source: the docstring line's newline, the lines after
+  the docstring through the line where the function's last statement ends, ending with a newline. prompt + target is the module's text through
   the function's end.
 Prompts are whole module prefixes, left-truncated to a token budget by the caller (`truncate_prompt`).
 `cut_completion` cuts generated text at the first code line at or left of the `def`'s indentation (blank and
@@ -197,10 +199,11 @@ def heldout_records(modules: Iterable[Module], options: TaskOptions | None, enco
 
 def humaneval_records(encode: Encode, prompt_budget: int, *, limit: int | None = None) -> list[dict]:
     """HumanEval as records: "id" (task_id), "prompt" (the full problem prompt: the harness runs it),
-    "prompt_ids" (its ids, left-truncated to prompt_budget), "indent" (0), "entry_point", "test"; the first
-    `limit` problems with `limit`."""
+    "prompt_ids" (its ids without the final newline, as held-out prompts: see the module's docstring; left-truncated
+    to prompt_budget), "indent" (0), "entry_point", "test"; the first `limit` problems with `limit`."""
     problems = humaneval_problems()[:limit]
-    return [{"id": p.task_id, "prompt": p.prompt, "prompt_ids": truncate_prompt(p.prompt, encode, prompt_budget),
+    return [{"id": p.task_id, "prompt": p.prompt,
+             "prompt_ids": truncate_prompt(p.prompt.removesuffix("\n"), encode, prompt_budget),
              "indent": def_indent(p.prompt), "entry_point": p.entry_point, "test": p.test} for p in problems]
 
 
@@ -296,7 +299,7 @@ def _example(module, starts, fn, qualname, span, options) -> tuple[Example | Non
     if fn.body[1].lineno <= doc.end_lineno or doc.lineno <= fn.lineno:
         return None, "docstring shares a line with code"
     source = module.source
-    prompt_end = _line_end(starts, source, doc.end_lineno)
+    prompt_end = _line_end(starts, source, doc.end_lineno) - 1  # the docstring line's newline opens the target
     target_end = _line_end(starts, source, fn.end_lineno)
     target = _with_newline(source[prompt_end:target_end])
     n_lines = sum(1 for line in target.split("\n") if line.strip())
