@@ -2,13 +2,11 @@
 
 An example is one function or method (`def` / `async def`, at any nesting) of a corpus module that has a docstring
 and a body of `min_body_lines`..`max_body_lines` non-blank lines after it:
-- prompt = the module's source text from its start through the end of the docstring statement's last line,
-  its newline left out (decorators, signature and docstring are in it): SmolLM2's tokenizer merges a newline
-  with the next line's indentation ("\n   " is one token), so a prompt ending in a bare newline token reads as
-  a line at column 0 next, and the model starts a new function instead of the body;
-- target = the rest of the function, exactly as in the source: the docstring line's newline, the lines after
-  the docstring through the line where the function's last statement ends, ending with a newline. prompt + target is the module's text through
-  the function's end.
+- prompt = the module's source text from its start through the docstring statement's last line, without its
+  newline: BPE tokenizers merge a newline with the next line's indentation ("\n   " is one token), so a prompt
+  ending in a bare newline token announces a line at column 0 and the model starts a new function;
+- target = the rest of the function, exactly as in the source (the docstring line's newline first) through the
+  line where its last statement ends, ending with a newline. prompt + target is the module's text through it.
 Prompts are whole module prefixes, left-truncated to a token budget by the caller (`truncate_prompt`).
 `cut_completion` cuts generated text at the first code line at or left of the `def`'s indentation (blank and
 comment lines never cut: a comment may sit at any column inside a body).
@@ -198,9 +196,8 @@ def heldout_records(modules: Iterable[Module], options: TaskOptions | None, enco
 
 
 def humaneval_records(encode: Encode, prompt_budget: int, *, limit: int | None = None) -> list[dict]:
-    """HumanEval as records: "id" (task_id), "prompt" (the full problem prompt: the harness runs it),
-    "prompt_ids" (its ids without the final newline, as held-out prompts: see the module's docstring; left-truncated
-    to prompt_budget), "indent" (0), "entry_point", "test"; the first `limit` problems with `limit`."""
+    """HumanEval as records: "id" (task_id), "prompt" (the full problem prompt: the harness runs it), "prompt_ids"
+    (its ids without the final newline, left-truncated to prompt_budget), "indent", "entry_point", "test"."""
     problems = humaneval_problems()[:limit]
     return [{"id": p.task_id, "prompt": p.prompt,
              "prompt_ids": truncate_prompt(p.prompt.removesuffix("\n"), encode, prompt_budget),
