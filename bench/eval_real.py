@@ -27,6 +27,7 @@ from demos.real import corpus  # noqa: E402
 from demos.real.adapter_eval import settings  # noqa: E402
 from demos.real.evaluation import read_records  # noqa: E402
 from demos.real.recipe import stage_eval  # noqa: E402
+from demos.real.reproduce import prompt_digest  # noqa: E402
 from demos.real.stages import heldout_records, stage_base  # noqa: E402
 from sbd_jax.io.tokenizer import Tokenizer  # noqa: E402
 
@@ -66,6 +67,7 @@ def main(argv=None):
                "corpus": mods.summary() if mods else None, "device": str(jax.devices()[0].device_kind),
                "machine": f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}",
                "functions": [r["id"] for r in records],
+               "prompt_digests": {r["id"]: prompt_digest(r["prompt_ids"]) for r in records},
                "rows": [{**p, "outputs": {i: o for i, o in zip((r["id"] for r in records), r["outputs"])}}
                         for p, r in zip(plain, rows)]}
         (Path(args.adapter) / "record.json").write_text(json.dumps(rec) + "\n")

@@ -1,9 +1,10 @@
 """`make demo` and `make demo-real-eval`: the committed copy-only SBD adapter (adapters/) on the installed SmolLM2,
 decoded here on the first held-out functions of its record (their first 32 tokens): the completions must be the
 recorded ones token for token (the base's AR and lossless), lossless must equal the base's AR, the plot is written,
-and a corpus other than the record's is refused. (The lossy rows go through the same code; their figures on more
+and a corpus or a prompt other than the record's is refused. (The lossy rows go through the same code; their figures on more
 functions: README.md and BENCHMARKS.md.)"""
 import json
+import re
 
 import pytest
 
@@ -40,6 +41,11 @@ def test_another_corpus_is_refused(out, tmp_path):
     (fake / reproduce.RECORD).write_text(json.dumps({**rec, "corpus": {**rec["corpus"], "fingerprint": "0" * 64,
                                                                        "python": "cpython-3.12.9"}}))
     with pytest.raises(ConfigError, match="cpython-3.12.9"):  # refused before any model is loaded
+        reproduce.reproduce(fake, str(out), limit=1, log=lambda *_: None)
+    # a held-out function made into another prompt than the recorded one (the task format changed): refused by name
+    first = rec["functions"][0]
+    (fake / reproduce.RECORD).write_text(json.dumps({**rec, "prompt_digests": {**rec["prompt_digests"], first: "0" * 16}}))
+    with pytest.raises(ConfigError, match=re.escape(f"{first!r}: its prompt made here is not the one the record was decoded")):
         reproduce.reproduce(fake, str(out), limit=1, log=lambda *_: None)
     with pytest.raises(ConfigError, match=r"max_new must be in \[1, 128\] \(the record's\), got 0"):
         reproduce.reproduce(reproduce.ADAPTER, str(out), max_new=0, log=lambda *_: None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -24,6 +25,11 @@ from .stages import heldout_records, stage_base
 
 ADAPTER = Path(__file__).resolve().parents[2] / "adapters" / "smollm2-135m-sbd-copy-lora-r32"
 RECORD = "record.json"
+
+
+def prompt_digest(prompt_ids) -> str:
+    """A held-out prompt's fingerprint in a record: the first 16 hex digits of sha256 over its ids."""
+    return hashlib.sha256(json.dumps(list(prompt_ids)).encode()).hexdigest()[:16]
 
 
 def load_record(adapter_dir: Path) -> dict:
@@ -58,6 +64,12 @@ def reproduce(adapter_dir: Path = ADAPTER, out_dir: str = "results/real_eval", l
     ids = rec["functions"][:limit]
     by_id = {r["id"]: r for r in heldout_records(cfg, tok, mods)}
     records = [by_id[i] for i in ids]
+    for r in records:  # the same function made into another prompt (the task format changed): not comparable
+        want = rec.get("prompt_digests", {}).get(r["id"])
+        if want is None or want != prompt_digest(r["prompt_ids"]):
+            raise ConfigError(f"held-out function {r['id']!r}: its prompt made here is not the one the record was "
+                              f"decoded from ({'no prompt digest in the record' if want is None else 'digests differ'})"
+                              ": record the adapter again (bench/eval_real.py --record)")
     rows = evaluate_adapter(cfg, base, Path(adapter_dir), records, log, select=select)
     recorded = {r["label"]: r for r in rec["rows"]}
     for r in rows:
