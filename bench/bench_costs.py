@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from sbd_jax.config import ModelConfig  # noqa: E402
+from sbd_jax.models.config import ModelConfig  # noqa: E402
 from sbd_jax.decoding import DecodeSpec  # noqa: E402
 from sbd_jax.decoding.modes.verify import calibration, costs  # noqa: E402
 from sbd_jax.models.transformer import init_params  # noqa: E402

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from sbd_jax.config import ModelConfig  # noqa: E402
+from sbd_jax.models.config import ModelConfig  # noqa: E402
 from sbd_jax.sharding import MeshConfig  # noqa: E402
 from sbd_jax.training.config import CheckpointConfig, DataConfig, ModelSource, OptimConfig, TrainConfig  # noqa: E402
 from sbd_jax.training.data import Documents, PackedIterator  # noqa: E402

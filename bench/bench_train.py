@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax
 import numpy as np
 
-from sbd_jax.config import ModelConfig
+from sbd_jax.models.config import ModelConfig
 from sbd_jax.models import init_params, param_shapes
 from sbd_jax.sharding import MeshConfig, make_mesh
 from sbd_jax.training.config import OptimConfig

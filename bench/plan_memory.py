@@ -33,7 +33,7 @@ import jax  # noqa: E402
 
 from shapes import SHAPES  # noqa: E402
 
-from sbd_jax.config import ModelConfig  # noqa: E402
+from sbd_jax.models.config import ModelConfig  # noqa: E402
 from sbd_jax.decoding import DecodeSpec  # noqa: E402
 from sbd_jax.decoding import continuous  # noqa: E402
 from sbd_jax.decoding.decoder import decode_batch  # noqa: E402

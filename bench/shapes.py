@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from sbd_jax.config import ModelConfig, RopeScaling
+from sbd_jax.models.config import ModelConfig, RopeScaling
 
 _LLAMA31 = dict(model_type="llama", vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
                 rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), num_key_value_heads=8, mask_token_id=128002)

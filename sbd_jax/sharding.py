@@ -14,7 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .config import ConfigError, ModelConfig
+from .config import ConfigError
+from .models.config import ModelConfig
 from .models.transformer import param_specs
 from .sharding_rules import (CONTEXT_AXIS, DEFAULT_RULES, MESH_AXES, context_size,  # noqa: F401 (re-exported)
                              logical_to_spec)

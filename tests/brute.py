@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sbd_jax.attention import clean_meta, concat_meta, copy_meta
-from sbd_jax.config import ModelConfig
+from sbd_jax.models.config import ModelConfig
 from sbd_jax.decoding import DecodeSpec, DraftMemory, GenerateOutput, VerifyStats, check_request, sampling
 from sbd_jax.decoding.modes.verify import costs, policy
 from sbd_jax.models.transformer import forward

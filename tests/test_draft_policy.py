@@ -7,7 +7,7 @@ import pytest
 
 from decoding_fixtures import CFG, LENGTHS, MAX_NEW, make_params, make_prompts, pick_eos
 from sbd_jax.decoding import DecodeSpec, generate
-from sbd_jax.config import ModelConfig
+from sbd_jax.models.config import ModelConfig
 from sbd_jax.decoding.modes.verify import calibrate, costs, policy
 from sbd_jax.models.transformer import init_params
 from sbd_jax.decoding.spec import DRAFT_POLICIES, EXTRA_DRAFT_POLICIES

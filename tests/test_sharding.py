@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import sbd_jax.sharding as sh
-from sbd_jax.config import ConfigError, ModelConfig
+from sbd_jax.config import ConfigError
+from sbd_jax.models.config import ModelConfig
 from sbd_jax.models import init_params, param_shapes
 from sbd_jax.models.transformer import param_specs
 from sbd_jax.training.optim import decay_mask

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sbd_jax.config import ModelConfig
+from sbd_jax.models.config import ModelConfig
 from sbd_jax.models import init_params, param_shapes
 from sbd_jax.training.examples import (
     PackedBatch,

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from sbd_jax.config import ModelConfig
+from sbd_jax.models.config import ModelConfig
 from sbd_jax.sharding import MeshConfig, make_mesh
 from sbd_jax.training.config import OptimConfig
 from sbd_jax.training.optim import decay_mask, make_optimizer, make_schedule

@@ -13,7 +13,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from tokenizers.processors import TemplateProcessing
 
-from sbd_jax.config import ModelConfig
+from sbd_jax.models.config import ModelConfig
 from sbd_jax.models import param_shapes
 from sbd_jax.sharding import param_shardings
 from sbd_jax.training.config import OptimConfig

@@ -7,7 +7,8 @@ import json
 import time
 from pathlib import Path
 
-from sbd_jax.config import ConfigError, ModelConfig, changed_settings, to_dict
+from sbd_jax.config import ConfigError, changed_settings, to_dict
+from sbd_jax.models.config import ModelConfig
 from sbd_jax.sharding import MeshConfig
 from sbd_jax.training.config import CheckpointConfig, DataConfig, ModelSource, OptimConfig, SBDConfig, TrainConfig
 from . import tasks

@@ -9,7 +9,7 @@ import os
 import jax
 import numpy as np
 
-from ..config import ModelConfig
+from ..models.config import ModelConfig
 from .spec import DecodeError, DecodeSpec, PromptTooLongError
 
 

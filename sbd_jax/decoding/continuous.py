@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import ModelConfig
+from ..models.config import ModelConfig
 from ..models.transformer import init_cache
 from ..sharding import mesh_context
 from .checks import check_fits, check_stream_prompt

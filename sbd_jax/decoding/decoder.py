@@ -38,7 +38,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..config import ModelConfig
+from ..models.config import ModelConfig
 from ..models.transformer import KVCache
 from ..sharding import mesh_context
 from . import sampling

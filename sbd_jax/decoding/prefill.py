@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from ..attention import clean_meta
-from ..config import ModelConfig
+from ..models.config import ModelConfig
 from ..models.transformer import KVCache, forward
 from .state import DecodeEnv, LoopState
 

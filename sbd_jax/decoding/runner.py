@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import ModelConfig
+from ..models.config import ModelConfig
 from . import checks
 from .checks import check_model, check_rate, max_prompt_width
 from .decoder import GenerateCall

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jax
 
-from ..config import ModelConfig
+from ..models.config import ModelConfig
 from ..io.tokenizer import Tokenizer
 from ..models.quant import Quantization, quantize_params
 from .prompts import Prompt, row_ids

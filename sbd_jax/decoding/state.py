@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..config import ModelConfig
+from ..models.config import ModelConfig
 from ..models.transformer import KVCache, init_cache
 from ..sharding import batch_sharding, cache_sharding
 from .spec import DecodeSpec

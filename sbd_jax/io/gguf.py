@@ -37,7 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ConfigError, ModelConfig, RopeScaling
+from ..config import ConfigError
+from ..models.config import ModelConfig, RopeScaling
 from ..models.transformer import param_specs
 from .gguf_header import scan_header
 from .gguf_meta import GGUFError, meta_value

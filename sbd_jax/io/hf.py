@@ -14,7 +14,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from safetensors import SafetensorError, safe_open
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError
+from ..models.config import ModelConfig
 from ..jsonlines import read_object
 from ..models.hf_config import KNOWN_KEYS, config_from_hf
 from ..models.quant import QUANTIZED, Quantization, quantize_jit

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..config import ModelConfig
+from ..models.config import ModelConfig
 from ..models.transformer import ParamSpec, axis_sizes
 
 

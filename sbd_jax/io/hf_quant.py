@@ -22,7 +22,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError
+from ..models.config import ModelConfig
 from ..models.adapted import Int4Groups
 from ..models.quant import QArray, Quantization, weight_axes
 from ..models.transformer import ParamSpec

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError
+from ..models.config import ModelConfig
 from ..models.hf_config import config_to_hf
 from ..models.quant import QUANTIZED, quantization_of
 from ..models.transformer import param_specs

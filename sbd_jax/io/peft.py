@@ -18,7 +18,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError
+from ..models.config import ModelConfig
 from ..jsonlines import read_object
 from ..models.fingerprint import base_fingerprint
 from ..models.lora import LORA_TARGETS, AdapterLayout, adapter_specs, attach_copy_only, merge, target_spec

@@ -22,7 +22,8 @@ import ml_dtypes
 import numpy as np
 from qwix import QArray
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError
+from .config import ModelConfig
 from .adapted import Observed
 from .quant import QUANTIZED, Quantization, quantize_weight, weight_axes
 from .transformer import forward, unstack_layers

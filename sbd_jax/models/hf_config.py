@@ -2,7 +2,8 @@
 `qk_norm`). The math of both lives in transformer.py."""
 from __future__ import annotations
 
-from ..config import ConfigError, ModelConfig, RopeScaling
+from ..config import ConfigError
+from .config import ModelConfig, RopeScaling
 
 # keys of a HF config.json (transformers 4.x and 5.x) that we read or that cannot change the math
 _LLAMA_KEYS = frozenset("""

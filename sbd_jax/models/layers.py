@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import ModelConfig
+from .config import ModelConfig
 from .adapted import project
 
 

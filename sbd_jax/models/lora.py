@@ -21,7 +21,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError
+from .config import ModelConfig
 from .adapted import LoRAWeight, RowPatch
 from .transformer import PARAM_SPECS, ParamSpec, axis_sizes
 

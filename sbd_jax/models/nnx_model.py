@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from ..config import ModelConfig
+from .config import ModelConfig
 from .transformer import forward, init_params
 
 

@@ -6,7 +6,7 @@ Schemes (`Quantization.scheme`):
   * "fp8": float8_e4m3fn values (what Hopper multiplies natively), one scale per output channel;
   * "int4": 4-bit values with a float scale and low end per group of `group_size` consecutive inputs of each output
     channel (`adapted.Int4Groups`, llama.cpp's Q4_1 form; by hand, not qwix: its int4 zero point is an integer,
-    and symmetric int4 loses far more on small models: BENCHMARKS.md "Quantized weights").
+    and symmetric int4 loses far more on small models: BENCHMARKS.md "Quantization").
 The seven projections (q, k, v, o, gate, up, down) are quantized; embeddings, the LM head and norms stay as they
 are. Both forms are pytrees (values, scales [, low ends]), so the layer scan, `unstack_layers` and sharding treat
 their arrays like any weight; `adapted.cast_floats` casts only their scales.
@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import qwix
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError
+from .config import ModelConfig
 from .adapted import Int4Groups
 from .transformer import PARAM_SPECS
 

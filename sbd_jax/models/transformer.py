@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from ..attention import TokenMeta, attention, attention_parts, clean_meta, concat_meta
 from ..attention.mask import CLEAN, COPY
-from ..config import ModelConfig
+from .config import ModelConfig
 from .adapted import base_of, cast_floats, embed_rows, gated, has_copy_only, head_logits, project
 from .layers import apply_rope, rms_norm, rope_inv_freq, swiglu
 

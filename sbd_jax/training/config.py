@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..config import ModelConfig
+from ..models.config import ModelConfig
 from ..models.lora import LORA_TARGETS, AdapterLayout
 from ..sharding import MeshConfig
 from .spec import SBDConfig, StepOptions, require, require_choice

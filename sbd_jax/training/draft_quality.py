@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..attention import clean_meta, concat_meta, copy_meta
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError
+from ..models.config import ModelConfig
 from ..models.transformer import forward, lm_head
 
 

@@ -7,8 +7,7 @@
 It resumes from the latest complete checkpoint in `<out_dir>/checkpoints`, logs metrics to
 `<out_dir>/metrics.jsonl`, saves every `checkpoint.every` steps and at the end, and exports the final
 weights in HF layout to `<out_dir>/hf`. While it runs, process 0 holds `<out_dir>/train.lock` (sbd_jax/runlock.py):
-a second run on the same out_dir is refused, naming the first.
-"""
+a second run on the same out_dir is refused, naming the first."""
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +26,8 @@ import optax
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from ..config import ConfigError, ModelConfig, to_dict
+from ..config import ConfigError, to_dict
+from ..models.config import ModelConfig
 from ..io.hf import save_generation_files, save_pretrained
 from ..io.tokenizer import Tokenizer
 from ..models.lora import AdapterLayout, attach, init_adapter

@@ -9,7 +9,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError
+from ..models.config import ModelConfig
 from ..io.hf import save_pretrained
 from ..io.peft import save_adapter
 from ..models.fingerprint import base_fingerprint

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..config import ModelConfig
+from ..models.config import ModelConfig
 from ..models.transformer import forward, lm_head
 from .examples import Example
 

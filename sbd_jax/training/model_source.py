@@ -10,7 +10,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError
+from ..models.config import ModelConfig
 from ..io.hf import from_pretrained, load_hf_config, stored_quantization
 from ..models.fingerprint import base_fingerprint
 from ..models.transformer import init_params

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..config import ModelConfig
+from ..models.config import ModelConfig
 from ..models.lora import AdapterLayout, adapter_specs, attach
 from ..models.transformer import param_specs
 from ..sharding import batch_sharding, mesh_context, spec_shardings

@@ -9,7 +9,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from ....config import ModelConfig
+from ....models.config import ModelConfig
 from ...spec import DecodeError, DecodeSpec
 from ...state import make_env, new_state, prompt_seq
 from .. import ar

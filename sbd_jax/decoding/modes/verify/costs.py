@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ....config import ModelConfig
+from ....models.config import ModelConfig
 from ...spec import DecodeSpec
 
 
