@@ -12,7 +12,7 @@
      also the NTP fine-tune's AR (the demo's baseline).
   3. Continuous batching (16 and 100 slots) on the same problems: verify adaptive vs AR.
 Every decoder is timed `--rounds` times, interleaved; tokens/s from the median round. Tokens are checked equal to
-AR's on every row. Writes JSON and a markdown table (bench/results/adaptive_cpu.*).
+AR's on every row. Writes JSON and a markdown table (bench/results/adaptive_policy_cpu.*).
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def random_model(args, log) -> list[dict]:
     demo = Path(args.demo) / "ft_sbd" / "hf" if args.demo else None
     cfg = from_pretrained(demo)[0] if demo and demo.exists() else None
     if cfg is None:
-        from sbd_jax.config import ModelConfig
+        from sbd_jax.models.config import ModelConfig
         cfg = ModelConfig(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
                           mask_token_id=1023)
@@ -185,7 +185,7 @@ def main():
     ap.add_argument("--latency-n", type=int, default=30)
     ap.add_argument("--max-new", type=int, default=48)
     ap.add_argument("--demo-batches", default="1,100", type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "adaptive_cpu"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "adaptive_policy_cpu"))
     args = ap.parse_args()
     t0 = time.time()
     sections = set(args.sections.split(",")) - ({"demo", "continuous"} if args.skip_demo else set())

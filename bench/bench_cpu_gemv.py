@@ -1,5 +1,5 @@
 """Benchmark: one [1, 4096] x [4096, 4096] product per stored weight type on XLA:CPU, the step quantized decoding at
-batch 1 is made of (why int8 weights do not speed up decoding on this CPU: BENCHMARKS.md "Quantized weights").
+batch 1 is made of (why int8 weights do not speed up decoding on this CPU: BENCHMARKS.md "Quantization").
 
     .venv/bin/python bench/bench_cpu_gemv.py
     XLA_FLAGS=--xla_cpu_experimental_onednn_custom_call=true .venv/bin/python bench/bench_cpu_gemv.py

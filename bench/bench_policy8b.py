@@ -33,7 +33,7 @@ plus once per process init_params and unstack_layers' small slicing programs. (a
 agreeing model gives token 0 everywhere at AR's speed, shares AR's program.)
 
 Budget (an estimate, not measured: no GPU here): compiling an 8B program with per-layer weights takes ~23 s for
-`generate` AR and ~37 s for SBD on the H100 (BENCHMARKS.md, issue 21), about in proportion to the program's size.
+`generate` AR and ~37 s for SBD on the H100 (BENCHMARKS.md, "8B decoding on an H100"), about in proportion to the program's size.
 At 8 layers (XLA:CPU's optimized HLO, lines) AR is 12k, SBD 19k, verify 64k, the cost measurement 5k + 31k: per
 slot count ~11 AR-sized programs, ~250 s of compiling, of which verify + its measurement ~190 s. The full default
 run (3 slot counts) is therefore ~13-16 min (compile ~750 s, the cost measurement's runs ~60 s, decoding ~110 s):

@@ -5,7 +5,7 @@ serving loads the small model directly: `decode.py --model OUT_DIR`.
 
 With `--calibration` (JSON lines with a "text" or "prompt" field; representative text, not the evaluation set),
 int8 / fp8 values are chosen by GPTQ (sbd_jax/models/gptq.py): on SmolLM2-135M fp8 keeps 95% top-1 agreement with
-the float model instead of 93% (BENCHMARKS.md, "Quantized weights and KV cache"). Without it, round to nearest
+the float model instead of 93% (BENCHMARKS.md, "Quantization"). Without it, round to nearest
 (what `decode.py --quantize` does at load). The tokenizer files and generation_config.json are copied along."""
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ class Int4Groups:
     and, per group of consecutive inputs along `axis` (negative, from the end, so that a stacked weight's layers
     slice alike), a float `scale` and `low` end: w ~ q * scale + low, llama.cpp's Q4_1 form. Its low end is a
     float: qwix's int4 QArray rounds its zero point to an integer, a shift of up to half a step for a whole group
-    (+24% perplexity on SmolLM2-135M in groups of 32, BENCHMARKS.md "Quantized weights")."""
+    (+24% perplexity on SmolLM2-135M in groups of 32, BENCHMARKS.md "Quantization")."""
 
     q: Any
     scale: Any

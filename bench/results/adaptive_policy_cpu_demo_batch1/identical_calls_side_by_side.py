@@ -1,5 +1,6 @@
-"""Decoders making identical calls, side by side, 9 interleaved rounds: w8 and the policy twice each (log 10), or
-with `stated`: w8, the policy with the cost model, and the policy with the cost model's numbers stated (log 11)."""
+"""Decoders making identical calls, side by side, 9 interleaved rounds: w8 and the policy twice each
+(identical_calls_side_by_side.log), or with `stated`: w8, the policy with the cost model, and the policy with the
+cost model's numbers stated (its figures: BENCHMARKS.md, "Lossless SBD next to AR: drafting policy")."""
 import sys
 from pathlib import Path
 
