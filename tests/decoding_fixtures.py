@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import sbd_jax
-from sbd_jax.decoding.spec import register_draft_policy
 from sbd_jax.models import param_shapes
 
 CFG = sbd_jax.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -23,13 +22,11 @@ FIELDS = ("tokens", "lengths", "nfe", "stopped_by_eos", "accepted")  # a decodin
 
 
 def coin_policy(state, env):
-    """The tests' drafting policy "random": each verify call's kind by a fixed coin on the call count (any sequence
-    of choices must give AR's tokens; tests/brute.py draws the same coins)."""
+    """The tests' drafting policy (`DecodeSpec(draft_policy=coin_policy)`): each verify call's kind by a fixed coin
+    on the call count (any sequence of choices must give AR's tokens; tests/brute.py draws the same coins)."""
     return jax.random.randint(jax.random.fold_in(jax.random.key(0), state.iters), (), 0,
                               len(env.spec.draft_widths) + 1)
 
-
-register_draft_policy("random", coin_policy)
 
 
 def make_params():

@@ -15,7 +15,6 @@ from sbd_jax.decoding.continuous import ContinuousDecoder, decode_stream
 from sbd_jax.decoding.modes.verify import calibrate
 from sbd_jax.decoding.prompts import Prompt
 from sbd_jax.decoding.runner import DecodeOptions, slots_for
-from sbd_jax.decoding.spec import register_draft_policy
 
 OK = {"max_new_tokens": 4, "block_size": 4}
 
@@ -122,8 +121,6 @@ def test_error_types():
     assert issubclass(DecodeError, ValueError) and issubclass(PromptTooLongError, DecodeError)
     with pytest.raises(PromptTooLongError):
         CASES["prompt_too_long"][0]()
-    with pytest.raises(ValueError, match="built in"):  # the library's own policy names are not re-registered
-        register_draft_policy("adaptive", lambda state, env: 0)
 
 
 def test_a_stream_prompt_wider_than_the_engine_is_named(params):

@@ -5,12 +5,11 @@ import jax
 import numpy as np
 import pytest
 
-from decoding_fixtures import CFG, LENGTHS, MAX_NEW, make_params, make_prompts, pick_eos
-from sbd_jax.decoding import DecodeSpec, generate
+from decoding_fixtures import CFG, LENGTHS, MAX_NEW, coin_policy, make_params, make_prompts, pick_eos
+from sbd_jax.decoding import DecodeError, DecodeSpec, generate
 from sbd_jax.models.config import ModelConfig
 from sbd_jax.decoding.modes.verify import calibrate, costs, policy
 from sbd_jax.models.transformer import init_params
-from sbd_jax.decoding.spec import DRAFT_POLICIES, EXTRA_DRAFT_POLICIES
 
 CAPS = np.array([18, 7, 13, 1], np.int32)
 
@@ -36,8 +35,11 @@ def test_tokens_per_wide_call():
         np.testing.assert_allclose(tau, 1 + powers.sum(1), rtol=1e-5)
     near = np.array([[1.0] * 3 + [0.0] * 12], np.float32)  # offsets 1-3 always agree, 4 and on never
     assert float(policy.tokens_per_wide_call(near, 8)[0]) == float(policy.tokens_per_wide_call(near, 4)[0]) == 4.0
-    # the tests' coin policy is registered by tests/decoding_fixtures.py, not an option of the library or its CLI
-    assert "random" not in DRAFT_POLICIES and "random" in EXTRA_DRAFT_POLICIES
+    # a policy is a name or the caller's own function (the tests' coin: tests/decoding_fixtures.py); anything else
+    # is refused by name
+    assert DecodeSpec(verify=True, draft_policy=coin_policy).draft_policy is coin_policy
+    with pytest.raises(DecodeError, match=r"draft_policy must be one of \('adaptive', 'always', 'never'\) or a function"):
+        DecodeSpec(verify=True, draft_policy="random")
 
 
 def test_failing_drafts_cost_about_one_call_per_token(model):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from decoding_fixtures import CFG, LENGTHS, MAX_NEW, outputs
+from decoding_fixtures import CFG, LENGTHS, MAX_NEW, coin_policy, outputs
 
 import sbd_jax
 from sbd_jax.attention import clean_meta
@@ -112,14 +112,14 @@ def test_verify_equals_the_quantized_models_ar(quantized, prompts, scheme, how, 
     qp = quantized[scheme]
     kw = dict(key=jax.random.key(5), max_new_tokens=MAX_NEW, eos_ids=(), kv_cache_dtype=kv, **how)
     ar = generate(qp, CFG, prompts, LENGTHS, mode="ar", return_cache=kv == "int8", **kw)
-    v = generate(qp, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=4, draft_policy="random", **kw)
+    v = generate(qp, CFG, prompts, LENGTHS, mode="sbd", verify=True, block_size=4, draft_policy=coin_policy, **kw)
     np.testing.assert_array_equal(outputs(v)["tokens"], outputs(ar)["tokens"])
     assert int(v.wide_steps) > 0  # drafts were checked
     if kv == "int8":
         assert ar.cache.k.dtype == jnp.int8 and ar.cache.k_scale.shape == ar.cache.k.shape[:-1]
     if kv == "int8" and how["temperature"] == 0.0:  # continuous batching, 2 slots for 4 prompts
         spec = DecodeSpec(mode="sbd", verify=True, block_size=4, max_new_tokens=MAX_NEW, eos_ids=(),
-                          draft_policy="random", kv_cache_dtype=kv)
+                          draft_policy=coin_policy, kv_cache_dtype=kv)
         rows = [list(p[:n]) for p, n in zip(np.asarray(prompts), LENGTHS)]
         got = dict(decode_stream(qp, CFG, rows, spec, slots=2, prompt_width=8, temperature=0.0))
         for i in range(len(rows)):

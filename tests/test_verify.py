@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import brute
-from decoding_fixtures import CFG, LENGTHS, MAX_NEW, make_params, make_prompts, outputs
+from decoding_fixtures import CFG, LENGTHS, MAX_NEW, coin_policy, make_params, make_prompts, outputs
 from sbd_jax.decoding import DecodeSpec, DraftMemory, generate
 
 B = len(LENGTHS)
@@ -38,7 +38,7 @@ SAMPLING = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0), "topk"
 # the draft policy's decisions (policy.py): forced (every call drafting at the widest width, every call AR, a coin
 # per call switching mid-row between AR and each draft width) and the adaptive rule at a stated cost of the widest call
 POLICIES = {"always": dict(draft_policy="always"), "never": dict(draft_policy="never"),
-            "random": dict(draft_policy="random"), "adaptive": dict(wide_cost=1.2)}
+            "random": dict(draft_policy=coin_policy), "adaptive": dict(wide_cost=1.2)}
 # (sampled: every policy at k 4; a call of AR steps inside verify is also in "random"'s mix, so no sampled "never")
 GRID = [(s, p, k) for s in ("greedy", "t1") for p in POLICIES for k in (4, 16)
         if (k == 4 or p in ("random", "adaptive")) and (s == "greedy" or (k == 4 and p != "never"))] + [

@@ -4,6 +4,7 @@ change per call without recompiling (gamma, temperature, keys, prompts) are argu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -12,17 +13,6 @@ RULES = ("eb", "threshold")
 # verify mode's choice per call between a 1-wide AR call and a wide call that checks and drafts (policy.py)
 DRAFT_POLICIES = ("adaptive", "always", "never")
 KV_CACHE_DTYPES = ("int8",)  # the KV cache's storage besides the model's compute dtype (None, the default)
-# more drafting policies by name: name -> choose(state, env) -> the call's kind (policy.choose's contract);
-# `register_draft_policy` adds one (the tests add a policy that picks by a fixed coin)
-EXTRA_DRAFT_POLICIES: dict = {}
-
-
-def register_draft_policy(name: str, choose) -> None:
-    """Make `DecodeSpec(draft_policy=name)` decide each verify call by `choose(state, env)` (a traced int: 0 = a
-    1-wide AR call, i >= 1 = draft width `spec.draft_widths[i - 1]`). It changes calls only, never tokens."""
-    if name in DRAFT_POLICIES:
-        raise ValueError(f"draft policy {name!r} is built in")
-    EXTRA_DRAFT_POLICIES[name] = choose
 # the defaults of every entry point (generate, DecodeSpec, DecodeOptions, Sampler, decode.py, the demo)
 DEFAULT_GAMMA = 0.35  # acceptance threshold of the rule (the EB rule's middle setting)
 DEFAULT_BLOCK_SIZE = 16  # SBD block size k
@@ -58,9 +48,10 @@ class DecodeSpec:
     # clean queries; the output equals AR mode's for the same key, drafts only decide how many calls it takes
     verify: bool = False
     # verify mode: "adaptive" drafts where the rows' recent acceptance pays for the wider call on this device
-    # (policy.py); "always" / "never" force the widest / the 1-wide AR call; or a name given to
-    # `register_draft_policy`. Never changes a row's tokens, only its calls.
-    draft_policy: str = "adaptive"
+    # (policy.py); "always" / "never" force the widest / the 1-wide AR call; or a function choose(state, env) ->
+    # the call's kind (a traced int: 0 = a 1-wide AR call, i >= 1 = draft width `draft_widths[i - 1]`).
+    # Never changes a row's tokens, only its calls.
+    draft_policy: str | Callable = "adaptive"
     # verify mode: what the widest call (k clean + k * k copy queries) costs in 1-wide calls at this batch
     # (narrower ones in proportion to their queries), or one cost per draft width (`calibrate`'s result); None:
     # the cost model's estimate (modes/verify/costs.py). The adaptive policy drafts while the expected tokens per
@@ -96,8 +87,8 @@ class DecodeSpec:
             raise DecodeError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.rule not in RULES:
             raise DecodeError(f"rule must be one of {RULES}, got {self.rule!r}")
-        if self.draft_policy not in DRAFT_POLICIES and self.draft_policy not in EXTRA_DRAFT_POLICIES:
-            raise DecodeError(f"draft_policy must be one of {DRAFT_POLICIES + tuple(EXTRA_DRAFT_POLICIES)}, got "
+        if not (callable(self.draft_policy) or self.draft_policy in DRAFT_POLICIES):
+            raise DecodeError(f"draft_policy must be one of {DRAFT_POLICIES} or a function choose(state, env), got "
                               f"{self.draft_policy!r}")
         wc = self.wide_cost
         if isinstance(wc, (list, tuple)):

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ...spec import EXTRA_DRAFT_POLICIES
 from ...state import DecodeEnv, LoopState
 from . import costs
 from .state import DraftMemory, VerifyState
@@ -148,8 +147,8 @@ def choose(state: LoopState, env: DecodeEnv):
     policy = env.spec.draft_policy
     if policy in ("always", "never"):
         return jnp.int32(1 if policy == "always" else 0)
-    if policy in EXTRA_DRAFT_POLICIES:
-        return EXTRA_DRAFT_POLICIES[policy](state, env)
+    if callable(policy):  # the spec's own choose(state, env)
+        return policy(state, env)
     running, memory, cost = ~state.done, state.mode_state.memory, call_costs(state, env)
     n = jnp.maximum(jnp.sum(running), 1).astype(jnp.float32)
     p = agree_prob(state.mode_state) * (1.0 - stop_chance(state))
