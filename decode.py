@@ -36,9 +36,25 @@ def on_sigint(signum, frame):
     raise KeyboardInterrupt
 
 
+# the flags that are fields of DecodeSpec / DecodeOptions (same names, defaults read from the dataclasses: each
+# default is defined once); DecodeSpec's other fields come from --eos-id / --ignore-eos (eos_ids) or are API-only
+SPEC_FLAGS = ("mode", "verify", "block_size", "rule", "max_new_tokens", "commit_quorum", "draft_policy", "wide_cost",
+              "top_k", "top_p", "tempered_entropy", "kv_cache_dtype")
+OPTION_FLAGS = ("gamma", "temperature", "batch_size", "pad_multiple", "seed", "compare_ar")
+SPEC_NOT_FLAGS = ("eos_ids", "pad_id", "prefill_chunk", "finalize_cache", "return_cache")
+
+
+def _defaults() -> dict:
+    import dataclasses
+
+    from sbd_jax.decoding.runner import DecodeOptions
+    from sbd_jax.decoding.spec import DecodeSpec
+    fields = {f.name: f.default for cls in (DecodeSpec, DecodeOptions) for f in dataclasses.fields(cls)}
+    return {name: fields[name] for name in SPEC_FLAGS + OPTION_FLAGS}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from sbd_jax.decoding.spec import (DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE,
-                                       DRAFT_POLICIES, KV_CACHE_DTYPES)
+    from sbd_jax.decoding.spec import DRAFT_POLICIES, KV_CACHE_DTYPES, MODES, RULES
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="local HF-layout model directory")
     ap.add_argument("--adapter", default=None,
@@ -46,34 +62,34 @@ def build_parser() -> argparse.ArgumentParser:
                          "model's weights at load; refused unless it was trained on this base")
     ap.add_argument("--input", required=True, help="prompts, JSON lines")
     ap.add_argument("--output", required=True, help="results, JSON lines (appended as rows complete)")
-    ap.add_argument("--mode", choices=("sbd", "ar"), default="sbd")
-    ap.add_argument("--gamma", type=float, default=DEFAULT_GAMMA, help="acceptance threshold (SBD)")
-    ap.add_argument("--rule", choices=("eb", "threshold"), default="eb")
+    ap.add_argument("--mode", choices=MODES)
+    ap.add_argument("--gamma", type=float, help="acceptance threshold (SBD)")
+    ap.add_argument("--rule", choices=RULES)
     ap.add_argument("--verify", action="store_true",
                     help="lossless SBD: every draft checked against AR's tokens (output == --mode ar's, same --seed)")
-    ap.add_argument("--draft-policy", choices=DRAFT_POLICIES, default="adaptive",
+    ap.add_argument("--draft-policy", choices=DRAFT_POLICIES,
                     help="--verify: per call, a 1-wide AR call or a width-w check-and-draft call; 'adaptive' drafts "
                          "where the rows' acceptance pays for the wider call on this device ('always' / 'never' force "
                          "it). Speed only: the tokens are AR's whatever it chooses")
-    ap.add_argument("--wide-cost", type=float, default=None,
+    ap.add_argument("--wide-cost", type=float,
                     help="--verify: the widest call's cost in 1-wide calls (default: the cost model's estimate for this "
                          "model, batch and device; sbd_jax.decoding.modes.verify.calibrate measures it)")
-    ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="SBD block size k")
-    ap.add_argument("--batch-size", type=int, default=8, help="rows decoded at once (continuous slots)")
+    ap.add_argument("--block-size", type=int, help="SBD block size k")
+    ap.add_argument("--batch-size", type=int, help="rows decoded at once (continuous slots)")
     ap.add_argument("--static", action="store_true",
                     help="fixed batches that wait for their slowest row, instead of continuous batching (a finished "
                          "row's slot takes the next prompt at once; the default in one process)")
-    ap.add_argument("--commit-quorum", type=float, default=0.5,
+    ap.add_argument("--commit-quorum", type=float,
                     help="SBD: share of the running rows that must have a finished block before a call carries the "
                          "commits (the 2k window); the others wait. 0 = at once (small batches on a GPU). Speed only")
-    ap.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+    ap.add_argument("--max-new-tokens", type=int,
                     help="cap (and cache size); a line may ask for less")
-    ap.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE, help="0 = greedy")
-    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
-    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    ap.add_argument("--temperature", type=float, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, help="0 = off")
+    ap.add_argument("--top-p", type=float, help="1 = off")
     ap.add_argument("--tempered-entropy", action="store_true",
                     help="entropies on the tempered distribution (T > 0 only)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int)
     ap.add_argument("--eos-id", type=int, action="append", help="EOS id(s) (default: the model's)")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     ap.add_argument("--chat", action="store_true", help="apply the chat template to every text prompt")
@@ -84,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--resume: accept this changed setting (e.g. spec.max_new_tokens; model_files: the model's "
                          "files changed; prompts: a written row's id now names other content; settings: the "
                          "<output>.settings.json record is missing)")
-    ap.add_argument("--pad-multiple", type=int, default=16, help="prompt widths are rounded up to this")
+    ap.add_argument("--pad-multiple", type=int, help="prompt widths are rounded up to this")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                     help="weights and compute dtype (default float32, whatever the checkpoint stores)")
     ap.add_argument("--quantize", default=None, metavar="SCHEME",
@@ -92,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "inputs; int4-g<N> for N) - less memory and weight traffic per step, tokens near the "
                          "full-precision model's (BENCHMARKS.md: quality per scheme); --verify stays exactly the "
                          "quantized model's AR")
-    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                     help="the KV cache's storage (default: the compute dtype); int8: half of bf16's bytes per token, "
                          "a scale per position and head (--verify stays exactly AR's on the same cache)")
     ap.add_argument("--mesh-data", type=int, default=None, help="mesh data axis (-1 = the remaining devices)")
@@ -103,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bandwidth", action="store_true",
                     help="report the achieved weight bandwidth and peak memory (default on GPU/TPU, off on CPU)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.set_defaults(**_defaults())
     return ap
 
 
@@ -150,11 +167,7 @@ def run(args) -> int:
 
     if args.resume and args.overwrite:
         raise DecodeError("--resume and --overwrite exclude each other")
-    spec = DecodeSpec(mode=args.mode, verify=args.verify, block_size=args.block_size, rule=args.rule,
-                      max_new_tokens=args.max_new_tokens, commit_quorum=args.commit_quorum,
-                      draft_policy=args.draft_policy, wide_cost=args.wide_cost,
-                      top_k=args.top_k, top_p=args.top_p, tempered_entropy=args.tempered_entropy,
-                      kv_cache_dtype=args.kv_cache_dtype,
+    spec = DecodeSpec(**{f: getattr(args, f) for f in SPEC_FLAGS},
                       eos_ids=() if args.ignore_eos else (tuple(args.eos_id) if args.eos_id else None))
     quantization = Quantization.of(args.quantize)  # a bad scheme is refused before anything loads
     mesh_cfg = mesh_config(args)
@@ -179,8 +192,7 @@ def decode_all(args, spec, quantization, mesh_cfg, writer: bool) -> int:
     mesh = make_mesh(mesh_cfg)
     sampler = Sampler.load(args.model, dtype=args.dtype, mesh=mesh, adapter=args.adapter,  # each process: its shards
                            quantize=args.quantize)
-    opts = sampler.options(spec=spec, gamma=args.gamma, temperature=args.temperature, batch_size=args.batch_size,
-                           pad_multiple=args.pad_multiple, seed=args.seed, compare_ar=args.compare_ar,
+    opts = sampler.options(spec=spec, **{f: getattr(args, f) for f in OPTION_FLAGS},
                            continuous=not args.static and jax.process_count() == 1)  # checked before any prompt
     prompts = read_prompts(args.input, sampler.tokenizer, chat=args.chat, vocab_size=sampler.cfg.vocab_size)
     prompts = check_prompts(sampler.cfg, opts, prompts)  # once, before the output is opened

@@ -263,3 +263,21 @@ def test_decode_cli_mesh_options(model_dir, tmp_path, capsys):
     base = ["--model", str(model_dir), "--input", str(good), "--output", str(tmp_path / "o.jsonl"), "--no-progress"]
     assert "only mesh.data=" in _err(capsys, base + ["steps=3"])
     assert "needs 3 devices" in _err(capsys, base + ["mesh.data=3"])  # 1 CPU device here
+
+
+def test_flags_are_the_dataclasses_fields_with_their_defaults():
+    """decode.py's decoding flags are DecodeSpec / DecodeOptions fields by name, each default read from the
+    dataclass (defined once); every other field of theirs is named as set another way."""
+    import dataclasses
+
+    from sbd_jax.decoding.runner import DecodeOptions
+    spec_fields = {f.name: f.default for f in dataclasses.fields(DecodeSpec)}
+    option_fields = {f.name: f.default for f in dataclasses.fields(DecodeOptions)}
+    assert set(decode.SPEC_FLAGS) | set(decode.SPEC_NOT_FLAGS) == set(spec_fields)
+    assert set(decode.OPTION_FLAGS) | {"spec", "continuous"} == set(option_fields)  # (continuous: --static)
+    args = decode.build_parser().parse_args(["--model", "m", "--input", "i", "--output", "o"])
+    for name in decode.SPEC_FLAGS + decode.OPTION_FLAGS:
+        assert getattr(args, name) == {**spec_fields, **option_fields}[name], name
+    args = decode.build_parser().parse_args(["--model", "m", "--input", "i", "--output", "o", "--block-size", "4",
+                                             "--top-p", "0.5", "--seed", "3", "--verify"])
+    assert (args.block_size, args.top_p, args.seed, args.verify) == (4, 0.5, 3, True)
