@@ -55,8 +55,7 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     # runs 8 slots over the 32 problems (slots refilled, as in decode.py). One lossless row: "always" (half the
     # compile time of "adaptive", which tests/test_verify.py, test_draft_policy.py and test_user_path.py cover).
     cfg = DemoConfig.quick(out_dir=str(tmp_path / "demo"), pretrain_steps=100, finetune_steps=80, batch_size=8,
-                           pretrain_lr=4e-3, finetune_lr=4e-3, n_test=32, eval_batch=8, lossless_policies=("always",),
-                           latency_n=4)
+                           pretrain_lr=4e-3, finetune_lr=4e-3, n_test=32, eval_batch=8, lossless_policies=("always",))
     evaluate = pipeline.evaluate
 
     def evaluate_unoptimized(*a, **kw):

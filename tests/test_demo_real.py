@@ -115,6 +115,14 @@ def test_rerun_reuses_every_stage_and_refuses_other_data(demo, capsys):
     assert adapter.read_bytes() == before and any(line.startswith("[data] using") for line in logs)
     with pytest.raises(ConfigError, match="n_heldout"):  # the prepared data was made for the tiny size's 3, not 64
         recipe.run(work, "cpu", ("distill",), **kw)
+    saved = work / "data" / "settings.json"  # data cut by an older task format (made before the key existed)
+    settings = saved.read_text()
+    saved.write_text(json.dumps({k: v for k, v in json.loads(settings).items() if k != "task_format"}))
+    try:
+        with pytest.raises(ConfigError, match="task_format"):
+            recipe.run(work, "tiny", ("distill",), **kw)
+    finally:
+        saved.write_text(settings)
     held = work / "data" / "heldout.jsonl"  # a data file damaged after the stage (a held-out line lost)
     whole = held.read_bytes()
     held.write_bytes(whole[:whole.rindex(b"\n", 0, len(whole) - 1) + 1])

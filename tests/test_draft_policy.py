@@ -41,6 +41,14 @@ def test_tokens_per_wide_call():
     with pytest.raises(DecodeError, match=r"draft_policy must be one of \('adaptive', 'always', 'never'\) or a function"):
         DecodeSpec(verify=True, draft_policy="random")
 
+    class Unhashable:
+        __hash__ = None
+
+        def __call__(self, state, env):
+            return 0
+    with pytest.raises(DecodeError, match="is not hashable: pass a function"):
+        DecodeSpec(verify=True, draft_policy=Unhashable())
+
 
 def test_failing_drafts_cost_about_one_call_per_token(model):
     """The random test model's drafts rarely stand. At wide calls costing 3 one-wide calls (every width) the adaptive

@@ -73,10 +73,11 @@ def test_two_processes_train_resume_and_export_like_one(runs):
 def test_context_axis_spanning_both_processes_trains_like_one(runs):
     """mesh context 4 x tensor 2 over 2 processes of 4 devices (axes in the order data, fsdp, context, tensor):
     each row's sequence is split over devices of both processes, and every process reads the whole batch (the
-    rows its devices hold). Its losses equal the one-process data 2 x fsdp 4 run's, step for step (a kill and
-    resume over two processes: test_two_processes_train_resume_and_export_like_one)."""
+    rows its devices hold). Killed after a checkpoint and resumed, its losses equal the one-process data 2 x fsdp 4
+    run's, step for step."""
     out, mesh = runs / "context", ("mesh.data=1", "mesh.fsdp=1", "mesh.context=4", "mesh.tensor=2")
-    _train(runs / "cfg.yaml", out, 2, mesh=mesh)
+    _train(runs / "cfg.yaml", out, 2, kill_after=2, mesh=mesh)
+    assert "resumed from step" in _train(runs / "cfg.yaml", out, 2, mesh=mesh)[0]
     one, ctx = _metrics(runs / "one"), _metrics(out)
     assert [m["step"] for m in ctx] == list(range(1, STEPS + 1))
     assert json.loads((out / "train_config.json").read_text())["train"]["mesh"]["context"] == 4

@@ -39,9 +39,9 @@ SAMPLING = {"greedy": dict(temperature=0.0), "t1": dict(temperature=1.0), "topk"
 # per call switching mid-row between AR and each draft width) and the adaptive rule at a stated cost of the widest call
 POLICIES = {"always": dict(draft_policy="always"), "never": dict(draft_policy="never"),
             "random": dict(draft_policy=coin_policy), "adaptive": dict(wide_cost=1.2)}
-# (sampled: every policy at k 4; a call of AR steps inside verify is also in "random"'s mix, so no sampled "never")
+# (sampled: every policy at k 4; greedy also at k 16)
 GRID = [(s, p, k) for s in ("greedy", "t1") for p in POLICIES for k in (4, 16)
-        if (k == 4 or p in ("random", "adaptive")) and (s == "greedy" or (k == 4 and p != "never"))] + [
+        if (k == 4 or p in ("random", "adaptive")) and (s == "greedy" or k == 4)] + [
     ("greedy", "random", 1), ("topk", "random", 4), ("topp", "random", 4), ("topk", "always", 4)]
 
 

@@ -50,7 +50,7 @@ def score(item: Example | Mapping, generated: str) -> CompletionScore:
         indent, target, head, tail = item["indent"], item["target"], item["parse_head"], item["parse_tail"]
     completion = cut_completion(None, generated, indent=indent)
     return CompletionScore(completion, first_line_exact(completion, target), similarity(completion, target),
-                           parses(head, completion, tail))
+                           bool(completion.strip()) and parses(head, completion, tail))  # no body does not parse
 
 
 def heldout_scores(items: Sequence[Example | Mapping], generated: Sequence[str]) -> dict:

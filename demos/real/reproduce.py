@@ -55,6 +55,9 @@ def reproduce(adapter_dir: Path = ADAPTER, out_dir: str = "results/real_eval", l
     cfg = dataclasses.replace(cfg, eval_batch=batch or cfg.eval_batch, latency_n=cfg.latency_n if latency else 0,
                               max_new_tokens=max_new or cfg.max_new_tokens)
     mods = corpus.load(cfg.corpus_root)  # the record's corpus, or a refusal before anything is decoded
+    if rec.get("corpus") is None:
+        raise ConfigError(f"{adapter_dir}/{RECORD} names no corpus (recorded on a data stage's held-out file, "
+                          "--heldout): only a record made from the stdlib is decoded again here")
     if mods.fingerprint != rec["corpus"]["fingerprint"]:
         raise ConfigError(f"this interpreter's stdlib ({mods.python}, corpus {mods.fingerprint[:12]}) is not "
                           f"the corpus the adapter was evaluated on ({rec['corpus']['python']}, "

@@ -55,7 +55,7 @@ def stage_data(cfg: RealDemoConfig, tok: Tokenizer | None, log=print) -> dict[st
     directory as made earlier (its settings must be this run's; no tokenizer needed)."""
     from . import corpus, tasks
     spec = {k: getattr(cfg, k) for k in ("seed", "prompt_tokens", "max_body_lines", "per_module", "n_heldout",
-                                         "n_humaneval", "corpus_root")}
+                                         "n_humaneval", "corpus_root")} | {"task_format": tasks.TASK_FORMAT}
     if cfg.data_dir is not None:
         return prepared_data(Path(cfg.data_dir), spec, log)
     root = Path(cfg.out_dir) / "data"

@@ -7,9 +7,8 @@ and a body of `min_body_lines`..`max_body_lines` non-blank lines after it:
   ending in a bare newline token announces a line at column 0 and the model starts a new function;
 - target = the rest of the function, exactly as in the source (the docstring line's newline first) through the
   line where its last statement ends, ending with a newline. prompt + target is the module's text through it.
-Prompts are whole module prefixes, left-truncated to a token budget by the caller (`truncate_prompt`).
-`cut_completion` cuts generated text at the first code line at or left of the `def`'s indentation (blank and
-comment lines never cut: a comment may sit at any column inside a body).
+Prompts are whole module prefixes, left-truncated to a token budget by the caller (`truncate_prompt`). `cut_completion`
+cuts generated text at the first code line at or left of the `def`'s column (blank and comment lines never cut).
 
 Selection is deterministic: modules in path order, functions in source order, at most `per_module_cap` per module
 (a subset drawn with a generator seeded by (seed, module path), kept in source order). Functions whose target
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 from .corpus import Module
 
 Encode = Callable[[str], list[int]]
+TASK_FORMAT = 2  # how prompts and targets are cut (2: the docstring line's newline opens the target); in data records
 _DEF_LINE = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]+[A-Za-z_]", re.MULTILINE)
 
 

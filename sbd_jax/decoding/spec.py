@@ -90,6 +90,10 @@ class DecodeSpec:
         if not (callable(self.draft_policy) or self.draft_policy in DRAFT_POLICIES):
             raise DecodeError(f"draft_policy must be one of {DRAFT_POLICIES} or a function choose(state, env), got "
                               f"{self.draft_policy!r}")
+        try:  # a static argument of the compiled decoder: a program per distinct (hashable) policy
+            hash(self.draft_policy)
+        except TypeError:
+            raise DecodeError(f"draft_policy {self.draft_policy!r} is not hashable: pass a function") from None
         wc = self.wide_cost
         if isinstance(wc, (list, tuple)):
             object.__setattr__(self, "wide_cost", wc := tuple(wc))
