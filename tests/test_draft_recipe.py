@@ -120,7 +120,7 @@ def test_draft_quality_equals_a_per_block_brute_force(tmp_path):
     """The one-forward metric == a forward per block (prefix clean, the block's k masks as copy queries, nothing
     else): the same drafts, so the same agreement per offset, accepted prefix and histogram; for a copy-only
     adapter on the base that wrote the continuations, AR agreement is 1."""
-    from sbd_jax.training.draft_quality import draft_quality, load_draft_set, score
+    from sbd_jax.training.draft_quality import block_drafts, chain_calls, draft_quality, load_draft_set, score
     cfg, base, layout, ad = _model(std=0.1)
     params = attach(base, ad, layout)
     rng = np.random.default_rng(5)
@@ -153,6 +153,13 @@ def test_draft_quality_equals_a_per_block_brute_force(tmp_path):
                                                                       ref.accepted_hist.tolist())
     assert got.blocks == 3 + 3 + 2 and got.ar_agreement == 1.0
     assert 0 < got.agreement.mean() < 1  # neither trivially right nor wrong: the comparison means something
+    # the chain of blocks replayed from every alignment's drafts takes exactly the calls verify mode takes
+    chained = chain_calls(ds, [block_drafts(params, cfg, ds, k, r)[0] for r in range(k)], k)
+    ids = np.stack([np.pad(ds.tokens[r, :p], (0, P - p)) for r, p in enumerate(ds.prompt_lengths)])
+    ver = generate(params, cfg, ids, ds.prompt_lengths, mode="sbd", verify=True, draft_policy="always", block_size=k,
+                   max_new_tokens=13, row_max_new_tokens=ds.cont_lengths, eos_ids=())
+    np.testing.assert_array_equal(np.asarray(ver.nfe), chained)
+    assert chained.sum() < ds.cont_lengths.sum()  # some drafts stood
 
 
 def test_self_distillation_to_a_copy_only_adapter_end_to_end(tmp_path):
