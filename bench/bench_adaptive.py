@@ -4,7 +4,8 @@
     .venv/bin/python bench/bench_adaptive.py --demo results        # the demo's models (make demo's out_dir)
     .venv/bin/python bench/bench_adaptive.py --skip-demo           # the random model only
 
-  1. A random model (the demo's shape) whose drafts fail: AR vs verify (adaptive policy, the default) vs verify
+  1. A random model (the demo's shape) whose drafts fail: AR vs verify never drafting (`draft_policy="never"`: the
+     same forwards as AR, so what verify mode's own loop costs) vs verify (adaptive policy, the default) vs verify
      with every call 2k-wide (`draft_policy="always"`) at batch 1 and 64; 64 new tokens, EOS ignored.
   2. The demo's SBD fine-tune on its held-out problems: its own AR (what verify reproduces), verify adaptive and
      every call at one draft width (always = k, w8 = k/2, w4 = k/4 at k = 16: the fixed choices the policy picks
@@ -41,12 +42,13 @@ K = 16
 
 
 def spec_of(kind: str, max_new: int, eos_ids=None) -> DecodeSpec:
-    """"ar"; "verify" (adaptive, k = K); "always" (every call 2k-wide); "w<n>" (k = K, every call at draft width
-    n: the fixed choices the adaptive policy picks among, forced by stated costs)."""
+    """"ar"; "verify" (adaptive, k = K); "always" (every call 2k-wide); "never" (verify mode's 1-wide AR calls only:
+    the same forwards as AR mode); "w<n>" (k = K, every call at draft width n: the fixed choices the adaptive policy
+    picks among, forced by stated costs)."""
     if kind == "ar":
         return DecodeSpec(mode="ar", max_new_tokens=max_new, eos_ids=eos_ids)
     spec = DecodeSpec(mode="sbd", verify=True, block_size=K, max_new_tokens=max_new, eos_ids=eos_ids,
-                      draft_policy="always" if kind == "always" else "adaptive")
+                      draft_policy=kind if kind in ("always", "never") else "adaptive")
     if kind.startswith("w"):
         spec = DecodeSpec.make(spec, wide_cost=tuple(1e-3 if w == int(kind[1:]) else 1e9 for w in spec.draft_widths))
     return spec
@@ -107,8 +109,8 @@ def random_model(args, log) -> list[dict]:
         n = max(batch, 8)
         prompts = [Prompt(i, i + 1, tuple(int(t) for t in rng.integers(2, cfg.vocab_size - 2, 24))) for i in range(n)]
         log(f"random model, batch {batch}, {n} prompts x 64 new tokens")
-        res = timed(batch_decoders(params, cfg, ("ar", "verify", "always"), batch, 32, 64, eos_ids=()), prompts,
-                    args.rounds, log)
+        kinds = ("ar", "never", "verify", "always")
+        res = timed(batch_decoders(params, cfg, kinds, batch, 32, 64, eos_ids=()), prompts, args.rounds, log)
         out.append({"section": "random", "batch": batch, **{k: v for k, v in res.items()}})
     return out
 
