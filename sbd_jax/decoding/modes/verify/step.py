@@ -179,11 +179,9 @@ def wide_step(state: LoopState, env: DecodeEnv, w: int) -> LoopState:
     otok, ometa = outcome_window(state, env, w)
     h, cache = forward(env.params, env.cfg, jnp.concatenate([gather(state.seq, pos), otok], axis=1),
                        concat_meta(meta, ometa), state.cache, return_hidden=True)
-    one_head = w <= ONE_HEAD_MAX_WIDTH
-    x = lm_head(env.params, env.cfg, h) if one_head else h  # every query's logits, or its hidden state
-
-    def head(rows):
-        return rows if one_head else lm_head(env.params, env.cfg, rows)
+    one_head = w <= ONE_HEAD_MAX_WIDTH  # static: then x holds every query's logits, else its hidden state
+    x = lm_head(env.params, env.cfg, h) if one_head else h
+    head = (lambda rows: rows) if one_head else (lambda rows: lm_head(env.params, env.cfg, rows))  # noqa: E731
     state, stood, redo, m = check(state, env, ar_tokens(env, head(x[:, :w]), gen))
     B = x.shape[0]
     x_out = x[:, w:].reshape(B, w, w, x.shape[-1])[jnp.arange(B), jnp.clip(m, 0, w - 1)]  # outcome m's block
