@@ -35,6 +35,8 @@ RECIPES = {
     "copy-k8": ("blocks: k ~ U[2, 8] instead of U[2, 16]", "distilled", ["sbd.k_max=8"]),
     "copy-no-decay": ("position weights: every offset weighted 1", "distilled", ["sbd.position_decay=null"]),
     "copy-lr3e-3": ("lr 3e-3 instead of 1e-3", "distilled", ["optim.lr=3.0e-3"]),
+    "copy-soft": ("targets: half the data's token, half the base's next-token distribution (sbd.soft_targets=0.5)",
+                  "distilled", ["sbd.soft_targets=0.5"]),
 }
 SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 

@@ -150,12 +150,32 @@ def _flat(d: Mapping, prefix: str = "") -> dict:
     return out
 
 
+_NO_DEFAULT = object()
+
+
+def _field_default(obj: Any, dotted: str) -> Any:
+    """The declared default of dataclass field `dotted` under `obj` (JSON-shaped), or _NO_DEFAULT."""
+    *path, name = dotted.split(".")
+    for key in path:
+        obj = getattr(obj, key, None)
+    if not dataclasses.is_dataclass(obj):
+        return _NO_DEFAULT
+    f = {f.name: f for f in dataclasses.fields(obj)}.get(name)
+    if f is None or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING):
+        return _NO_DEFAULT
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return json.loads(json.dumps(to_dict(value) if dataclasses.is_dataclass(value) else value, default=str))
+
+
 def changed_settings(saved: Mapping, wanted: Any, neutral=()) -> list[str]:
     """Dotted keys whose values differ between `saved` (read back from JSON) and `wanted` (a dataclass or dict),
-    as "key: saved there, wanted now"; keys in `neutral`, or under a neutral "section.", are ignored."""
+    as "key: saved there, wanted now"; keys in `neutral`, or under a neutral "section.", are ignored, and so is a
+    setting `saved` predates (absent there) that `wanted` holds at its declared default (it changes nothing)."""
+    obj = wanted
     wanted = json.loads(json.dumps(to_dict(wanted) if dataclasses.is_dataclass(wanted) else wanted, default=str))
     old, new = _flat(saved), _flat(wanted)
     skip = lambda k: k in neutral or any(n.endswith(".") and k.startswith(n) for n in neutral)  # noqa: E731
+    added = lambda k: k not in old and _field_default(obj, k) == new[k]  # noqa: E731
     return [f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in sorted(old.keys() | new.keys())
-            if not skip(k) and old.get(k) != new.get(k)]
+            if not skip(k) and old.get(k) != new.get(k) and not added(k)]
 

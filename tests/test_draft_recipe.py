@@ -97,6 +97,46 @@ def test_frozen_clean_half_gives_the_gated_forwards_loss_and_gradient():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), g_copy, g_slow)
 
 
+def test_soft_targets_are_the_clean_streams_distribution_in_float64():
+    """sbd.soft_targets = s: each masked copy token's CE is against (1 - s) x its token + s x the clean stream's
+    softmax at the clean position before it (the base's next-token distribution there), each from the whole-row
+    forward in float64 numpy (tolerance 1e-5 relative); the adapter's gradient ignores the teacher (no gradient
+    flows into it) and s = 0 is the plain loss."""
+    cfg, base, layout, ad = _model()
+    batch = jax.tree.map(jnp.asarray, packed_batch())
+    L = batch.tokens.shape[1]
+    spec = ExampleSpec(mask_token_id=cfg.mask_token_id, position_decay=0.8, block_align="response", copy_len=L // 2)
+    ex = build_sbd_example(batch, sample_masked(jax.random.key(0), batch, (1.0, 1.0)), jnp.int32(4), spec)
+    ex = ex._replace(ntp_weight=jnp.zeros_like(ex.ntp_weight))
+
+    def loss(a, soft, chunk=0):
+        s = loss_sums(attach(base, a, layout), cfg, ex, chunk=chunk, clean_prefix=L, copy_only=True,
+                      soft_targets=soft)
+        return s.matp_sum / s.matp_count
+    logits = np.asarray(forward(attach(base, ad, layout), cfg, ex.tokens, ex.meta)[0], np.float64)
+    lse = lambda z: np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)  # noqa: E731
+    w, tgt, teach = (np.asarray(a)[:, L:] for a in (ex.matp_weight, ex.targets, ex.teacher))
+    student = logits[:, L:]
+    p = np.exp(logits[:, :L] - lse(logits[:, :L])[..., None])
+    p = np.take_along_axis(p, np.maximum(teach, 0)[..., None], axis=1)
+    # a copy token's teacher is the clean position just before its target's (the clean token after it is the
+    # target), none (-1) at a document's first token: there the target stays the token
+    has = (teach >= 0) & (w > 0)
+    assert has.sum() > 0 and np.all(np.take_along_axis(np.asarray(ex.tokens)[:, :L], teach + 1, 1)[has] == tgt[has])
+    c_pos = np.asarray(ex.meta.position)[:, L:]
+    assert np.array_equal(teach[w > 0] < 0, c_pos[w > 0] == 0) and np.any(teach[w > 0] < 0)
+    for soft in (0.0, 0.5, 1.0):
+        s_t = soft * has
+        mix = (1 - s_t) * np.take_along_axis(student, tgt[..., None], -1)[..., 0] + s_t * (p * student).sum(-1)
+        ref = ((lse(student) - mix) * w).sum() / w.sum()
+        np.testing.assert_allclose(float(loss(ad, soft)), ref, rtol=1e-5)
+    np.testing.assert_allclose(float(loss(ad, 0.5, chunk=4)), float(loss(ad, 0.5)), rtol=1e-6)  # in loss chunks
+    g0, g1 = (jax.grad(loss)(ad, soft) for soft in (0.0, 1.0))
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1))) > 1e-4
+    with pytest.raises(ValueError, match="copy-only"):
+        loss_sums(attach(base, ad, layout), cfg, ex, chunk=0, clean_prefix=L, soft_targets=0.5)
+
+
 def test_lossless_output_is_the_base_models_ar(tmp_path):
     """Saved and loaded again (sbd_adapter.json says copy_only; attached, not merged), the adapter decodes in verify
     mode exactly the base model's AR tokens."""
@@ -166,7 +206,7 @@ def test_self_distillation_to_a_copy_only_adapter_end_to_end(tmp_path):
     """decode.py --mode ar writes a base's greedy continuations; distill.join pairs them with their prompts (the ids
     are the decoder's AR output, token for token); train.py trains a copy-only adapter on them (ids read as they are,
     no NTP term, the draft metric logged with AR agreement 1); decode.py --adapter --verify then returns exactly the
-    base's AR tokens."""
+    base's AR tokens (trained with soft targets: the jitted step's path for them)."""
     import decode
     from sbd_jax.io.hf import from_pretrained
     from sbd_jax.training.distill import join
@@ -192,7 +232,7 @@ def test_self_distillation_to_a_copy_only_adapter_end_to_end(tmp_path):
     run = tmp_path / "run"
     over = ["model.config=null", f"model.init_from={base}", "model.add_mask_token=true", "lora.rank=4",
             "lora.copy_only=true", "sbd.eta=[1.0, 1.0]", "sbd.position_decay=0.8", "sbd.block_align=response",
-            f"data.path={tmp_path / 'distilled.jsonl'}", "data.prompt_field=prompt_ids",
+            "sbd.soft_targets=0.5", f"data.path={tmp_path / 'distilled.jsonl'}", "data.prompt_field=prompt_ids",
             "data.response_field=response_ids", "data.seq_len=24", f"draft_eval.path={tmp_path / 'distilled.jsonl'}",
             "draft_eval.every=2", "draft_eval.block_size=4", "draft_eval.prompt_len=9", "draft_eval.cont_len=12",
             "steps=4", "checkpoint.every=2", f"out_dir={run}"]
@@ -231,5 +271,10 @@ def test_recipe_options_are_checked_by_name():
         LoRAConfig(copy_only=True, export_merged=True)
     with pytest.raises(ConfigError, match="ntp_only"):
         TrainConfig(model=ModelSource(config=CFG), lora=LoRAConfig(copy_only=True), sbd=SBDConfig(ntp_only=True))
+    with pytest.raises(ConfigError, match="sbd.soft_targets"):
+        SBDConfig(soft_targets=1.5)
+    for lora in (None, LoRAConfig()):  # the clean stream is the teacher only when it is the frozen base's
+        with pytest.raises(ConfigError, match="soft_targets.*copy_only"):
+            TrainConfig(model=ModelSource(config=CFG), lora=lora, sbd=SBDConfig(soft_targets=0.5))
     with pytest.raises(ConfigError, match="draft_eval.block_size"):
         DraftEvalConfig(block_size=40, cont_len=32)

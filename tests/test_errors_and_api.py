@@ -211,3 +211,19 @@ def test_copy_len_config_errors_name_the_problem():
         load_config(TrainConfig, yaml, ["data.copy_len=8", "sbd.block_align=response"])
     # the NTP baseline ignores the copy stream: the budget only shapes its rows
     assert load_config(TrainConfig, yaml, ["data.copy_len=8", "sbd.ntp_only=true"]).data.copy_len == 8
+
+
+def test_a_setting_added_since_a_run_was_saved_is_a_change_only_off_its_default():
+    """A run saved before a setting existed (absent from its record) resumes when that setting is at its declared
+    default, and is refused, naming the key, when it is not; a key the record holds is compared as always."""
+    from sbd_jax.config import changed_settings, to_dict
+    from sbd_jax.training.config import TrainConfig
+    yaml = Path(__file__).resolve().parents[1] / "configs" / "tiny_sbd.yaml"
+    cfg = load_config(TrainConfig, yaml)
+    saved = json.loads(json.dumps(to_dict(cfg), default=str))
+    del saved["sbd"]["soft_targets"], saved["sbd"]["position_decay"]
+    assert changed_settings(saved, cfg) == []
+    decayed = load_config(TrainConfig, yaml, ["sbd.position_decay=0.9"])
+    assert changed_settings(saved, decayed) == ["sbd.position_decay: None there, 0.9 now"]
+    saved["sbd"]["k_max"] = 8
+    assert changed_settings(saved, cfg) == ["sbd.k_max: 8 there, 16 now"]

@@ -209,6 +209,9 @@ class TrainConfig:
         spec = self.step_options()  # validates the example options
         require(not (self.lora is not None and self.lora.copy_only and spec.ntp_only),
                 "lora.copy_only trains the copy stream only: it has nothing to train with sbd.ntp_only")
+        require(not spec.soft_targets or (self.lora is not None and self.lora.copy_only and self.mesh.context == 1),
+                f"sbd.soft_targets ({spec.soft_targets}) takes the clean stream as the copy tokens' teacher: it needs "
+                "lora.copy_only=true (the clean stream is then the base model) and mesh.context=1")
         block, largest = ("sbd.k_max", spec.k_max) if spec.block_size is None else ("sbd.block_size", spec.block_size)
         for key, n in (("data.seq_len", self.data.seq_len), ("data.copy_len", self.data.copy_len)):
             require(spec.ntp_only or n is None or n >= largest, f"{key} ({n}) is shorter than {block} ({largest}): "

@@ -35,6 +35,10 @@ class Example(NamedTuple):
     targets: jnp.ndarray  # [B, T] int32
     ntp_weight: jnp.ndarray  # [B, T] float32: the next token is in the same document and counted
     matp_weight: jnp.ndarray  # [B, T] float32: the copy token is masked
+    # [B, T] int32: for a copy token, the clean token whose next-token prediction is its target (the one before it
+    # in the clean half; -1: none, at a document's first token, on clean tokens and padding): the teacher of
+    # `sbd.soft_targets`; None for NTP examples
+    teacher: jnp.ndarray | None = None
 
 
 def response_start(batch: PackedBatch):
@@ -82,24 +86,25 @@ def build_sbd_example(batch: PackedBatch, masked_BL, k, spec: ExampleSpec) -> Ex
     starts = block_starts(pos, k, offset)
     if spec.position_decay is not None:
         matp_w = matp_w * jnp.float32(spec.position_decay) ** (pos - starts).astype(jnp.float32)
-    copy = (copy_seg, jnp.where(masked_BL, M, tok), pos, starts, tok, matp_w)
+    teacher = jnp.where(pos > 0, jnp.arange(tok.shape[1], dtype=jnp.int32)[None] - 1, -1)  # none at a document's start
+    copy = (copy_seg, jnp.where(masked_BL, M, tok), pos, starts, tok, matp_w, teacher)
     if spec.copy_len is not None:
         copy = _compact_copy_stream(copy, spec.copy_len, M)
-    copy_seg, x_hat, c_pos, c_start, c_tgt, matp_w = copy
+    copy_seg, x_hat, c_pos, c_start, c_tgt, matp_w, c_teacher = copy
     cat = lambda a, b: jnp.concatenate([a, b], axis=1)
     return Example(cat(tok, x_hat), concat_meta(clean.meta, copy_meta(copy_seg, c_pos, c_start)),
                    cat(clean.targets, c_tgt), cat(clean.ntp_weight, jnp.zeros_like(matp_w)),
-                   cat(clean.matp_weight, matp_w))
+                   cat(clean.matp_weight, matp_w), cat(jnp.full_like(tok, -1), c_teacher))
 
 
 def _compact_copy_stream(copy, C: int, mask_token_id):
     """The copy tokens of each row (copy segment > 0) gathered in row order into C slots, what does not fit
     cut off; the slots after them are padding (segment 0, `<m>`, weight 0). `copy`: (segment, x_hat,
-    position, block start, target, matp weight), each [B, L] -> the same [B, C]."""
+    position, block start, target, matp weight, teacher index), each [B, L] -> the same [B, C]."""
     keep = copy[0] > 0
     src = jax.vmap(lambda r: jnp.nonzero(r, size=C, fill_value=0)[0])(keep)
     valid = jnp.arange(C) < jnp.sum(keep, axis=1, keepdims=True)
-    pads = (0, mask_token_id, 0, 0, 0, 0.0)
+    pads = (0, mask_token_id, 0, 0, 0, 0.0, -1)
     return tuple(jnp.where(valid, jnp.take_along_axis(a, src, axis=1), pad) for a, pad in zip(copy, pads))
 
 

@@ -22,10 +22,15 @@ class LossSums(NamedTuple):
     matp_count: jnp.ndarray
 
 
-def _weighted_ce(params, cfg: ModelConfig, h_BTD, targets_BT, w_ntp_BT, w_matp_BT):
+def _weighted_ce(params, cfg: ModelConfig, h_BTD, targets_BT, w_ntp_BT, w_matp_BT, teacher_BTD=None, soft_BT=None):
+    """The two weighted CE sums; with `teacher_BTD` (hidden states, no gradient) each target is (1 - s) x the
+    token + s x the teacher's softmax, s = soft_BT: CE = lse - (1 - s) * logit[target] - s * sum_v p_v logit_v."""
     logits = lm_head(params, cfg, h_BTD).astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     tgt = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+    if teacher_BTD is not None:
+        p = jax.lax.stop_gradient(jax.nn.softmax(lm_head(params, cfg, teacher_BTD).astype(jnp.float32), axis=-1))
+        tgt = (1.0 - soft_BT) * tgt + soft_BT * jnp.einsum("btv,btv->bt", p, logits)
     return jnp.sum((lse - tgt) * w_ntp_BT), jnp.sum((lse - tgt) * w_matp_BT)
 
 
@@ -36,29 +41,41 @@ def auto_chunk(vocab_size: int, T: int) -> int:
 
 
 def loss_sums(params, cfg: ModelConfig, ex: Example, *, chunk: int | None = None,
-              clean_prefix: int | None = None, shards: int = 1, copy_only: bool = False) -> LossSums:
+              clean_prefix: int | None = None, shards: int = 1, copy_only: bool = False,
+              soft_targets: float = 0.0) -> LossSums:
     """Run the model on `ex.tokens` under `ex.meta` and sum the two CE terms (float32). `chunk`: tokens per
     lm_head + CE piece (0: one piece; None: `auto_chunk`). `clean_prefix=L`: the example is the SBD layout
     `[x ; x_hat]` with an L-token clean half that attends only itself (see `forward(clean_prefix)`).
     `shards`: the sequence is split into this many contiguous shards (the context axis); each loss piece then
     takes `chunk` tokens of every shard, so no piece needs another shard's hidden states. `copy_only` (with
     `clean_prefix`; the NTP weights all zero, as for a copy-only adapter): the lm_head and CE run on the copy half
-    only."""
+    only. `soft_targets` > 0 (copy_only, one shard): each copy token's target mixes in the clean stream's
+    next-token distribution at its position (`ex.teacher`; sbd.soft_targets)."""
     h, _ = forward(params, cfg, ex.tokens, ex.meta, return_hidden=True, clean_prefix=clean_prefix)
+    teacher = None
+    if soft_targets:
+        if not (copy_only and clean_prefix is not None and shards == 1 and ex.teacher is not None):
+            raise ValueError("soft targets need a copy-only SBD example (clean_prefix, one shard, ex.teacher)")
+        index = ex.teacher[:, clean_prefix:]
+        h_t = jnp.take_along_axis(h[:, :clean_prefix], jnp.maximum(index, 0)[..., None], axis=1)
+        teacher = (jax.lax.stop_gradient(h_t), jnp.where(index >= 0, jnp.float32(soft_targets), 0.0))
     if copy_only and clean_prefix is not None:  # the clean half's CE has weight 0: no lm_head for its L tokens
         h = h[:, clean_prefix:]  # (every MATP weight lies in the copy half, every NTP weight is 0: the same sums)
         ex = ex._replace(**{f: getattr(ex, f)[:, clean_prefix:] for f in ("targets", "ntp_weight", "matp_weight")})
-    return _sums_of_hidden(params, cfg, h, ex, chunk, shards)
+    return _sums_of_hidden(params, cfg, h, ex, chunk, shards, teacher)
 
 
-def _sums_of_hidden(params, cfg: ModelConfig, h, ex: Example, chunk: int | None, shards: int) -> LossSums:
-    """The two CE sums of hidden states `h` [B, T, D] against `ex`'s targets and weights (loss_sums' second half)."""
+def _sums_of_hidden(params, cfg: ModelConfig, h, ex: Example, chunk: int | None, shards: int,
+                    teacher=None) -> LossSums:
+    """The two CE sums of hidden states `h` [B, T, D] against `ex`'s targets and weights (loss_sums' second half);
+    `teacher`: (hidden states [B, T, D], soft weights [B, T]) of the soft targets, aligned with `h`."""
+
     B, T = h.shape[:2]
     if T % shards:
         raise ValueError(f"a row of {T} tokens does not split into {shards} context shards")
     chunk = auto_chunk(cfg.vocab_size, T // shards) if chunk is None else chunk
     if chunk <= 0 or chunk >= T // shards:
-        ntp, matp = _weighted_ce(params, cfg, h, ex.targets, ex.ntp_weight, ex.matp_weight)
+        ntp, matp = _weighted_ce(params, cfg, h, ex.targets, ex.ntp_weight, ex.matp_weight, *(teacher or ()))
     else:
         n = -(-(T // shards) // chunk)
         pad = n * chunk - T // shards
@@ -74,8 +91,8 @@ def _sums_of_hidden(params, cfg: ModelConfig, h, ex: Example, chunk: int | None,
             return (carry[0] + a, carry[1] + b), None
 
         zero = jnp.zeros((), jnp.float32)
-        (ntp, matp), _ = jax.lax.scan(body, (zero, zero),
-                                      (split(h), split(ex.targets), split(ex.ntp_weight), split(ex.matp_weight)))
+        xs = (split(h), split(ex.targets), split(ex.ntp_weight), split(ex.matp_weight))
+        (ntp, matp), _ = jax.lax.scan(body, (zero, zero), xs + tuple(map(split, teacher or ())))
     return LossSums(ntp, matp, jnp.sum(ex.ntp_weight), jnp.sum(ex.matp_weight))
 
 

@@ -105,7 +105,7 @@ def make_train_step(model_cfg: ModelConfig, opts: StepOptions, tx: optax.Gradien
         # sequence across the context axis (the Pallas kernel skips the masked clean x copy tiles anyway)
         prefix = None if opts.ntp_only or n > 1 else L
         s = loss_sums(tree, model_cfg, ex, chunk=opts.loss_chunk, clean_prefix=prefix, shards=n,
-                      copy_only=layout is not None and layout.copy_only)
+                      copy_only=layout is not None and layout.copy_only, soft_targets=opts.soft_targets)
         return combine(s, *totals), s
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)  # L (the clean half's length) is static
