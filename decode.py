@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "it). Speed only: the tokens are AR's whatever it chooses")
     ap.add_argument("--wide-cost", type=float,
                     help="--verify: the widest call's cost in 1-wide calls (default: the cost model's estimate for this "
-                         "model, batch and device; sbd_jax.decoding.modes.verify.calibrate measures it)")
+                         "model, batch and device; bench/calibrate.py measures it)")
     ap.add_argument("--block-size", type=int, help="SBD block size k")
     ap.add_argument("--batch-size", type=int, help="rows decoded at once (continuous slots)")
     ap.add_argument("--static", action="store_true",

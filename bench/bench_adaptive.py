@@ -31,7 +31,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from sbd_jax.decoding import DecodeSpec  # noqa: E402
-from sbd_jax.decoding.modes.verify import calibrate, costs  # noqa: E402
+from bench.calibrate import calibrate  # noqa: E402
+from sbd_jax.decoding.modes.verify import costs  # noqa: E402
 from sbd_jax.decoding.prompts import Prompt  # noqa: E402
 from sbd_jax.decoding.runner import BatchDecoder, DecodeOptions, decode_prompts  # noqa: E402
 from sbd_jax.io.hf import from_pretrained  # noqa: E402

@@ -24,7 +24,8 @@ import numpy as np  # noqa: E402
 
 from sbd_jax.models.config import ModelConfig  # noqa: E402
 from sbd_jax.decoding import DecodeSpec  # noqa: E402
-from sbd_jax.decoding.modes.verify import calibration, costs  # noqa: E402
+from bench import calibrate as calibration  # noqa: E402
+from sbd_jax.decoding.modes.verify import costs  # noqa: E402
 from sbd_jax.models.transformer import init_params  # noqa: E402
 
 # (name, hidden, layers, intermediate, vocab, batches)

@@ -67,7 +67,8 @@ import numpy as np  # noqa: E402
 from shapes import SHAPES, describe  # noqa: E402
 
 from sbd_jax.decoding import DecodeSpec  # noqa: E402
-from sbd_jax.decoding.modes.verify import calibrate, costs  # noqa: E402
+from bench.calibrate import calibrate  # noqa: E402
+from sbd_jax.decoding.modes.verify import costs  # noqa: E402
 from sbd_jax.decoding.checks import check_model  # noqa: E402
 from sbd_jax.decoding.prompts import Prompt  # noqa: E402
 from sbd_jax.decoding.runner import BatchDecoder, DecodeOptions, check_prompts  # noqa: E402

@@ -12,7 +12,7 @@ from decoding_fixtures import CFG, LENGTHS, make_prompts
 
 from sbd_jax.decoding import DecodeError, DecodeSpec, DraftMemory, PromptTooLongError, generate
 from sbd_jax.decoding.continuous import ContinuousDecoder, decode_stream
-from sbd_jax.decoding.modes.verify import calibrate
+from bench.calibrate import calibrate
 from sbd_jax.decoding.prompts import Prompt
 from sbd_jax.decoding.runner import DecodeOptions, slots_for
 

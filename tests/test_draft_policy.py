@@ -8,7 +8,8 @@ import pytest
 from decoding_fixtures import CFG, LENGTHS, MAX_NEW, coin_policy, make_params, make_prompts, pick_eos
 from sbd_jax.decoding import DecodeError, DecodeSpec, generate
 from sbd_jax.models.config import ModelConfig
-from sbd_jax.decoding.modes.verify import calibrate, costs, policy
+from bench.calibrate import calibrate
+from sbd_jax.decoding.modes.verify import costs, policy
 from sbd_jax.models.transformer import init_params
 
 CAPS = np.array([18, 7, 13, 1], np.int32)

@@ -53,7 +53,7 @@ class DecodeSpec:
     # Never changes a row's tokens, only its calls.
     draft_policy: str | Callable = "adaptive"
     # verify mode: what the widest call (k clean + k * k copy queries) costs in 1-wide calls at this batch
-    # (narrower ones in proportion to their queries), or one cost per draft width (`calibrate`'s result); None:
+    # (narrower ones in proportion to their queries), or one cost per draft width (bench/calibrate.py's result); None:
     # the cost model's estimate (modes/verify/costs.py). The adaptive policy drafts while the expected tokens per
     # unit of cost beat AR's.
     wide_cost: float | tuple[float, ...] | None = None
@@ -101,7 +101,7 @@ class DecodeSpec:
         if wc is not None and not (_is_positive(wc) or (isinstance(wc, tuple) and len(wc) == n
                                                            and all(map(_is_positive, wc)))):
             raise DecodeError(f"wide_cost must be a positive number (the widest call's cost in 1-wide calls), {n} of "
-                              f"them (one per draft width {self.draft_widths}, as `calibrate` returns) or None (the "
+                              f"them (one per draft width {self.draft_widths}, as bench/calibrate.py measures) or None (the "
                               f"cost model), got {self.wide_cost!r}")
         if self.verify and self.mode != "sbd":
             raise DecodeError("verify=True is a mode of SBD decoding (mode='sbd'); AR mode is what it reproduces")

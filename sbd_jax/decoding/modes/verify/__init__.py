@@ -4,8 +4,7 @@ SBD and AR runs carry none of it."""
 from __future__ import annotations
 
 from ..base import Mode
-from . import calibrate as calibration, costs, policy
-from .calibrate import calibrate
+from . import costs, policy
 from .state import DraftMemory, VerifyState, VerifyStats
 from .step import admit, finalize, first, init_state, report, start_from, step
 
@@ -13,4 +12,4 @@ VERIFY = Mode("verify", first=first, step=step, finalize=finalize, admit=admit, 
               init_state=init_state, report=report, memory=policy.memory, retire=policy.retire,
               start_from=start_from)
 
-__all__ = ["VERIFY", "DraftMemory", "VerifyState", "VerifyStats", "calibrate", "calibration", "costs", "policy"]
+__all__ = ["VERIFY", "DraftMemory", "VerifyState", "VerifyStats", "costs", "policy"]

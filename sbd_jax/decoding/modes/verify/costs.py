@@ -4,12 +4,12 @@ rows and cache.
 
 Three sources, in this order:
   * stated: the spec's `wide_cost` (a number: the widest call's cost, narrower ones in proportion to their queries;
-    or one cost per draft width, e.g. what `calibrate` measured);
+    or one cost per draft width, e.g. what bench/calibrate.py measured);
   * estimated (the default): a cost model from the call's arithmetic - weights and KV cache read once per call,
     FLOPs per token, a fixed cost per call and layer - and a `Machine` per backend (`MACHINES`). Pure Python
     on shapes: no device work, also while a user's `jax.jit` traces `generate`;
-  * `calibrate` (calibrate.py): the loop steps timed on this device (it compiles and runs programs: an explicit
-    step whose result the caller keeps and states as `wide_cost`; `generate` never runs it).
+  * measured: bench/calibrate.py times the loop steps on a device (it compiles and runs programs: a measurement
+    whose result the caller keeps and states as `wide_cost`; the library never times anything).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class Machine:
     wide_row_s: float = 0.0
 
 
-# cpu: fitted to `calibrate`'s timings of the current loop steps (w + w * w queries per row) on a 2-core x86 CPU, 5
+# cpu: fitted to bench/calibrate.py's timings of the current loop steps (w + w * w queries per row) on a 2-core x86 CPU, 5
 # model shapes up to SmolLM2-135M's x 2-3 batch sizes (bench/bench_costs.py --fit, BENCHMARKS "Verify mode's call
 # costs": a fit, not a datasheet - the fixed and per-row terms stand in for XLA:CPU's per-op overhead); gpu:
 # bench_decode's bare forwards on one H100 (8B bf16: weights at 2.5 TB/s, 410 TFLOP/s at 512 tokens per call); tpu:

@@ -1,20 +1,29 @@
-"""`calibrate`: verify mode's call costs (costs.py) timed on this device. It compiles and runs programs, so it is
-an explicit step whose result the caller keeps and states as `DecodeSpec(wide_cost=...)`; `generate` never runs
-it."""
+"""Verify mode's call costs timed on this device: what the cost model (sbd_jax/decoding/modes/verify/costs.py)
+estimates, measured. It compiles and runs programs, so it is a measurement the caller keeps and states as
+`DecodeSpec(wide_cost=...)` (one cost per draft width); the library reads what is stated and never times anything.
+
+    python bench/calibrate.py --model MODEL_DIR --batch 1 --block-size 16 --cache-len 512
+"""
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from ....models.config import ModelConfig
-from ...spec import DecodeError, DecodeSpec
-from ...state import make_env, new_state, prompt_seq
-from .. import ar
-from . import step as verify
-from .state import DraftMemory, VerifyState
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sbd_jax.decoding.modes import ar  # noqa: E402
+from sbd_jax.decoding.modes.verify.step import admit, step as verify_step  # noqa: E402
+from sbd_jax.decoding.modes.verify.state import DraftMemory, VerifyState  # noqa: E402
+from sbd_jax.decoding.spec import DecodeError, DecodeSpec  # noqa: E402
+from sbd_jax.decoding.state import make_env, new_state, prompt_seq  # noqa: E402
+from sbd_jax.models.config import ModelConfig  # noqa: E402
 
 ROUNDS, CALLS = 5, 32
 
@@ -40,7 +49,7 @@ def step_seconds(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_l
                    jnp.zeros((batch,)), jnp.zeros((batch,)), jax.random.split(jax.random.key(0), batch), None)
     env = dataclasses.replace(env, eos=jnp.full((1,), -1, jnp.int32))  # no cap, no stop id (a finished row
     # would make the policy fall back to AR calls inside the timed loop)
-    state = verify.admit(new_state(env, prompt_seq(jnp.zeros((batch, P), jnp.int32), lengths, spec, env), P,
+    state = admit(new_state(env, prompt_seq(jnp.zeros((batch, P), jnp.int32), lengths, spec, env), P,
                                    VerifyState.new(batch, DraftMemory.empty(spec.block_size - 1))), env)
     n = len(spec.draft_widths)
 
@@ -49,7 +58,7 @@ def step_seconds(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_l
 
     def wide(i):  # the loop's step, its policy made to choose width i by stated costs
         forced = dataclasses.replace(spec, wide_cost=tuple(1e-3 if j == i else 1e9 for j in range(n)))
-        return lambda s, w: verify.step(s, dataclasses.replace(env, params=w, spec=forced))
+        return lambda s, w: verify_step(s, dataclasses.replace(env, params=w, spec=forced))
 
     return loop_seconds([step_ar] + [wide(i) for i in range(n)], state, params)
 
@@ -68,3 +77,23 @@ def loop_seconds(runs, state, weights) -> list[float]:
             jax.block_until_ready(prog(state, weights))
             best[n] = min(best[n], (time.perf_counter() - t) / CALLS)
     return best
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="an HF-layout model directory with the mask token")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--cache-len", type=int, default=512, help="cache slots per row (prompt + new tokens)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    args = ap.parse_args(argv)
+    from sbd_jax.io.hf import from_pretrained
+    cfg, params = from_pretrained(args.model)
+    spec = DecodeSpec(mode="sbd", verify=True, block_size=args.block_size, max_new_tokens=args.max_new_tokens)
+    costs = calibrate(params, cfg, spec, args.batch, args.cache_len)
+    print(json.dumps({"backend": jax.default_backend(), "batch": args.batch, "cache_len": args.cache_len,
+                      "draft_widths": list(spec.draft_widths), "wide_cost": list(costs)}))
+
+
+if __name__ == "__main__":
+    main()
