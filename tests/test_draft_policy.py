@@ -1,4 +1,4 @@
-"""Verify mode's drafting policy (sbd_jax/decoding/policy.py): its expected tokens per call, the
+"""Verify mode's drafting policy (sbd_jax/decoding/modes/verify/policy.py): its expected tokens per call, the
 options' checks, and drafts that fail costing about one call per token, like AR. (Every decision giving AR's
 tokens and the no-cache oracle's calls: tests/test_verify.py.)"""
 import jax
