@@ -41,7 +41,7 @@ demo-toy: $(VENV)/.installed  ## the paper's Table 1 in miniature (a 0.8M-parame
 demo-toy-quick: $(VENV)/.installed
 	$(PY) -m demos.toy --quick $(DEMO_ARGS)
 
-demo-real: $(VENV)/.installed  ## the draft recipe on SmolLM2-135M from scratch on this CPU: distill, train the copy-only adapter, table (~1 h 30 min)
+demo-real: $(VENV)/.installed  ## the draft recipe on SmolLM2-135M from scratch on this CPU: distill, train the copy-only adapter, table (~1 h 50 min)
 	$(PY) -m demos.real --size cpu --work results/real $(DEMO_ARGS)
 
 demo-real-eval: $(VENV)/.installed  ## the table's SBD rows on any CPU: the installed SmolLM2 + the committed adapter (DEMO_ARGS=--limit 8)

@@ -59,13 +59,13 @@ class RecipeSize:
         return RealDemoConfig(out_dir=str(work), **{**self.data, **kw})
 
 
-# cpu: what the committed adapter was trained with (~672 prompts, 300 steps of 4 rows), evaluated on 64 functions
+# cpu: what the committed adapter was trained with (1344 prompts, 500 steps of 4 rows), evaluated on 64 functions
 # (the "always" policy's widest call, 272 queries per row, is left to the GPU: hours at batch 16 on 2 cores);
 # gpu: the campaign's (an H100 or H200, 15 minutes of device time in all: ~30k windows, ~4M tokens, 1500 x 32 rows);
 # tiny: every stage and code path in a CPU minute (tests/test_demo_real.py; the numbers mean nothing)
 SIZES = {
     "cpu": RecipeSize(data=dict(prompt_tokens=192, n_heldout=64, n_humaneval=0), prompt_len=192, stride=None,
-                      max_prompts=672, max_new=128, decode_batch=16, steps=300, batch=4, dtype=None, eval_limit=64,
+                      max_prompts=1344, max_new=128, decode_batch=32, steps=500, batch=4, dtype=None, eval_limit=64,
                       eval_batch=16, latency_n=8),
     "gpu": RecipeSize(data=dict(prompt_tokens=256, n_heldout=128, n_humaneval=0), prompt_len=192, stride=48,
                       max_prompts=None, max_new=128, decode_batch=512, steps=1500, batch=32, dtype="bfloat16",
