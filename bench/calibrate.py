@@ -50,7 +50,7 @@ def step_seconds(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_l
     env = dataclasses.replace(env, eos=jnp.full((1,), -1, jnp.int32))  # no cap, no stop id (a finished row
     # would make the policy fall back to AR calls inside the timed loop)
     state = admit(new_state(env, prompt_seq(jnp.zeros((batch, P), jnp.int32), lengths, spec, env), P,
-                                   VerifyState.new(batch, DraftMemory.empty(spec.block_size - 1))), env)
+                            VerifyState.new(batch, DraftMemory.empty(spec.block_size - 1))), env)
     n = len(spec.draft_widths)
 
     def step_ar(s, w):
