@@ -97,6 +97,23 @@ def test_frozen_clean_half_gives_the_gated_forwards_loss_and_gradient():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), g_copy, g_slow)
 
 
+def test_position_weights_decay_by_block_offset_and_scale_offset_0():
+    """MATP weights of an all-masked copy stream: decay^j at block offset j (offset 0: 1), times offset0_weight
+    at offset 0 only; the blocks of 4 start at each document's response."""
+    cfg, *_ = _model()
+    batch = jax.tree.map(jnp.asarray, packed_batch())
+    L = batch.tokens.shape[1]
+    masked = sample_masked(jax.random.key(0), batch, (1.0, 1.0))
+    w = {w0: np.asarray(build_sbd_example(batch, masked, jnp.int32(4), ExampleSpec(
+        mask_token_id=cfg.mask_token_id, position_decay=0.8, block_align="response", offset0_weight=w0)).matp_weight)[:, L:]
+        for w0 in (1.0, 0.25, 0.0)}
+    first = w[1.0] == 1.0  # offset 0: decay^0
+    assert first.sum() > 1
+    np.testing.assert_allclose(np.unique(w[1.0][w[1.0] > 0]), [0.512, 0.64, 0.8, 1.0], rtol=1e-6)
+    np.testing.assert_array_equal(w[0.25], np.where(first, 0.25, w[1.0]))
+    np.testing.assert_array_equal(w[0.0], np.where(first, 0.0, w[1.0]))
+
+
 def test_soft_targets_are_the_clean_streams_distribution_in_float64():
     """sbd.soft_targets = s: each masked copy token's CE is against (1 - s) x its token + s x the clean stream's
     softmax at the clean position before it (the base's next-token distribution there), each from the whole-row
@@ -264,7 +281,8 @@ def test_recipe_options_are_checked_by_name():
     from sbd_jax.training.spec import SBDConfig
     from sbd_jax.training.config import DraftEvalConfig, ModelSource
     for bad, key in (({"eta": (0.5, 0.2)}, "sbd.eta"), ({"eta": (0.0, 1.5)}, "sbd.eta"),
-                     ({"position_decay": 0.0}, "sbd.position_decay"), ({"position_decay": 1.5}, "sbd.position_decay")):
+                     ({"position_decay": 0.0}, "sbd.position_decay"), ({"position_decay": 1.5}, "sbd.position_decay"),
+                     ({"offset0_weight": -0.5}, "sbd.offset0_weight")):
         with pytest.raises(ConfigError, match=key):
             SBDConfig(**bad)
     with pytest.raises(ConfigError, match="export_merged"):

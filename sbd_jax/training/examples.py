@@ -86,6 +86,8 @@ def build_sbd_example(batch: PackedBatch, masked_BL, k, spec: ExampleSpec) -> Ex
     starts = block_starts(pos, k, offset)
     if spec.position_decay is not None:
         matp_w = matp_w * jnp.float32(spec.position_decay) ** (pos - starts).astype(jnp.float32)
+    if spec.offset0_weight != 1.0:
+        matp_w = jnp.where(pos == starts, matp_w * jnp.float32(spec.offset0_weight), matp_w)
     teacher = jnp.where(pos > 0, jnp.arange(tok.shape[1], dtype=jnp.int32)[None] - 1, -1)  # none at a document's start
     copy = (copy_seg, jnp.where(masked_BL, M, tok), pos, starts, tok, matp_w, teacher)
     if spec.copy_len is not None:

@@ -30,6 +30,9 @@ class SBDConfig:
     # MATP weight of a masked token at offset j in its block: position_decay ** j (null: 1). Verify mode keeps a
     # draft only when every draft before it in its block stood, so near offsets are worth more
     position_decay: float | None = None
+    # times this at offset 0: lossless decoding never uses a block's first draft (that position is the clean
+    # stream's own token in the same forward), lossy SBD does
+    offset0_weight: float = 1.0
     # a copy token's target mixes the data's token (weight 1 - soft_targets) with the clean stream's next-token
     # distribution at its position (soft_targets): with a copy-only adapter the clean stream is the base model, so
     # the drafts learn the base's whole distribution, not only its greedy token (lora.copy_only; 0 = off)
@@ -41,6 +44,7 @@ class SBDConfig:
                 f"sbd.eta must be [lo, hi] with 0 <= lo <= hi <= 1, got {list(self.eta)}")
         require(self.position_decay is None or 0.0 < self.position_decay <= 1.0,
                 f"sbd.position_decay must be in (0, 1] (or null), got {self.position_decay}")
+        require(self.offset0_weight >= 0.0, f"sbd.offset0_weight must be >= 0, got {self.offset0_weight}")
         require(0.0 <= self.soft_targets <= 1.0, f"sbd.soft_targets must be in [0, 1], got {self.soft_targets}")
         require(self.k_max >= 2, f"sbd.k_max must be >= 2 (blocks of 2..k_max), got {self.k_max}")
         require(self.block_size is None or self.block_size >= 1, f"sbd.block_size must be >= 1, got {self.block_size}")
