@@ -57,7 +57,7 @@ def test_failing_drafts_cost_about_one_call_per_token(model):
     needs more calls than AR. (Measured costs: tests/test_verify.py::test_inside_a_user_jit.)"""
     params, prompts, _ = model
     ar = generate(params, CFG, prompts, LENGTHS, mode="ar", max_new_tokens=MAX_NEW, eos_ids=())
-    spec = DecodeSpec(mode="sbd", verify=True, block_size=16, max_new_tokens=MAX_NEW, eos_ids=(), wide_cost=(3.0,) * 3)
+    spec = DecodeSpec(mode="sbd", verify=True, block_size=16, max_new_tokens=MAX_NEW, eos_ids=(), wide_cost=(3.0,) * 4)
     v = generate(params, CFG, prompts, LENGTHS, spec)
     np.testing.assert_array_equal(np.asarray(v.tokens), np.asarray(ar.tokens))
     assert (np.asarray(v.nfe) <= np.asarray(ar.nfe)).all()

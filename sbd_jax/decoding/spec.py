@@ -140,9 +140,10 @@ class DecodeSpec:
 
     @property
     def draft_widths(self) -> tuple[int, ...]:
-        """Verify mode: the draft widths (block sizes) its calls may use, widest first: k, k/2, k/4 (at least 2)."""
+        """Verify mode: the draft widths (block sizes) its calls may use, widest first: k, k/2, k/4, k/8 (at least
+        2). Width 2 (6 queries per row) is the one a compute-bound device at batch 1 can afford."""
         k = self.block_size
-        return tuple(sorted({k} | {w for w in (k // 2, k // 4) if w >= 2}, reverse=True))
+        return tuple(sorted({k} | {w for w in (k // 2, k // 4, k // 8) if w >= 2}, reverse=True))
 
     def stated_call_costs(self) -> tuple[float, ...]:
         """Per draft width, a width-w call's cost in 1-wide calls from `wide_cost`: as given per width, or from the

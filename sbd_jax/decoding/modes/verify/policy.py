@@ -1,6 +1,6 @@
 """Verify mode's drafting policy (docs/sbd.md, "Lossless mode", step 2): before each call, the batch chooses between a
 1-wide AR call (one token per row; the next waiting draft checked for free) and a wide call [commit CLEAN ; one
-COPY block per outcome of the check] for a draft width w of `spec.draft_widths` (k, k/2, k/4), which checks the
+COPY block per outcome of the check] for a draft width w of `spec.draft_widths` (k, k/2, k/4, k/8), which checks the
 waiting drafts and drafts the next w - 1 positions. Whatever it chooses, every row's tokens are AR's (step.py); the choice
 only sets how many calls, and of which width, a row takes.
 
