@@ -31,6 +31,9 @@ class RealDemoConfig:
     # lossless (verify) rows, one per drafting policy (DecodeSpec.draft_policy): the default "adaptive", and
     # "always" (every call drafting at the widest width: the drafts' quality, the tokens-per-forward ceiling of drafting)
     lossless_policies: tuple[str, ...] = ("adaptive", "always")
+    # the "always" row's block size (None: block_size): on a CPU the widest call at block 16 (16 + 256 queries per
+    # row) takes hours at batch 32, where block 4 (20 queries) shows the drafts a compute-bound device can afford
+    always_block: int | None = None
     wide_cost: float | None = None  # lossless rows: the widest call's cost in AR calls (None: the cost model's)
     gammas: tuple[float, ...] = (0.1, 0.35, 1.0)  # the paper's EB rule (lossy)
     threshold_gammas: tuple[float, ...] = (0.1, 0.35)  # the threshold rule (lossy)
@@ -48,4 +51,6 @@ class RealDemoConfig:
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         check_policies(self.lossless_policies)
+        if self.always_block is not None and self.always_block < 2:
+            raise ConfigError(f"always_block must be >= 2 (or None: block_size), got {self.always_block}")
 

@@ -28,6 +28,7 @@ class Decoder:
     rule: str | None = None  # SBD acceptance rule (docs/sbd.md, Inference step 4); None for AR
     verify: bool = False  # lossless: drafts checked against AR's tokens (docs/sbd.md, "Lossless mode")
     policy: str | None = None  # lossless rows: the drafting policy (DecodeSpec.draft_policy); None otherwise
+    block_size: int | None = None  # this row's block size (verify mode: its widest draft); None: the config's
 
 
 # the lossless rows' labels by drafting policy (every policy gives the same tokens: AR's)
@@ -76,7 +77,8 @@ def batch_decoder(params, mcfg, *, mode: str, block_size: int, gamma, rule, max_
 
 def decoder_maker(d: Decoder, params, mcfg, cfg, prompt_width: int):
     """`batch_decoder` for decoder `d` under a demo config (either demo's); call it with `batch_size=`."""
-    return functools.partial(batch_decoder, params, mcfg, mode=d.mode, block_size=cfg.block_size, gamma=d.gamma,
+    return functools.partial(batch_decoder, params, mcfg, mode=d.mode, block_size=d.block_size or cfg.block_size,
+                             gamma=d.gamma,
                              rule=d.rule, max_new_tokens=cfg.max_new_tokens, verify=d.verify, draft_policy=d.policy,
                              wide_cost=cfg.wide_cost, prompt_width=prompt_width)
 
