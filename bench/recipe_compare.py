@@ -25,15 +25,16 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# name -> (what it tests, data source, overrides of configs/smollm2_copy_lora.yaml)
+# name -> (what it tests, data source, overrides of configs/smollm2_copy_lora.yaml as it is now; a saved run's
+# train_config.json has the settings it ran with)
 RECIPES = {
-    "copy-distilled": ("the recipe: copy-only LoRA r32, self-distilled data, all-masked blocks, decay 0.85",
+    "copy-distilled": ("the recipe: copy-only LoRA r32, self-distilled data, all-masked blocks of 2..4, decay 0.85",
                        "distilled", []),
     "copy-human": ("data: the functions' own bodies instead of the model's continuations", "human", []),
     "lora-every-row": ("what trains: LoRA on clean and copy rows, NTP kept, the paper's eta ~ U[0, 1]", "distilled",
                        ["lora.copy_only=false", "sbd.eta=[0.0,1.0]", "model.remat=full"]),
-    "copy-k8": ("blocks: k ~ U[2, 8] instead of U[2, 16]", "distilled", ["sbd.k_max=8"]),
-    "copy-k4": ("blocks: k ~ U[2, 4], the offsets verify mode's drafts mostly reach", "distilled", ["sbd.k_max=4"]),
+    "copy-k16": ("blocks: the paper's k ~ U[2, 16] instead of U[2, 4]", "distilled", ["sbd.k_max=16"]),
+    "copy-k8": ("blocks: k ~ U[2, 8] instead of U[2, 4]", "distilled", ["sbd.k_max=8"]),
     "copy-no-decay": ("position weights: every offset weighted 1", "distilled", ["sbd.position_decay=null"]),
     "copy-skip0": ("position weights: offset 0 weighted 0 (verify mode never uses a block's first draft)",
                    "distilled", ["sbd.offset0_weight=0.0"]),
