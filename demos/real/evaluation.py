@@ -20,14 +20,8 @@ def decoders(cfg: RealDemoConfig) -> list[Decoder]:
     """The base model's AR (the reference: lossless output equals it), then the adapter's lossless rows (one per
     drafting policy; "always" at `cfg.always_block` when set) and its lossy EB and threshold rows (as in the toy
     demo)."""
-    out = [Decoder("base model, AR", "base", "ar")]
-    for d in sbd_decoders(cfg):
-        d = dataclasses.replace(d, label=d.label.replace("SBD fine-tune", "adapter"), model="lora")
-        if d.policy == "always" and cfg.always_block is not None:
-            d = dataclasses.replace(d, block_size=cfg.always_block,
-                                    label=d.label.replace("widest)", f"block {cfg.always_block})"))
-        out.append(d)
-    return out
+    return [Decoder("base model, AR", "base", "ar"),
+            *sbd_decoders(cfg, name="adapter", model="lora", always_block=cfg.always_block)]
 
 
 def _prompts(records: list[dict], start: int = 0) -> list[Prompt]:
