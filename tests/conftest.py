@@ -45,7 +45,7 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # test_user_path.py: its tiny model's answers are argmaxes of a model trained in the file; unoptimized programs
 # round differently and flipped one ("Hi bye." for "Goodbye."), as a model trained on another CPU would. Inside an
 # optimized file, a part that only compiles (a few dozen tokens of decoding) runs `with xla_optimized(False)`.
-XLA_OPTIMIZED_FILES = {"test_demo.py", "test_gguf.py", "test_user_path.py"}
+XLA_OPTIMIZED_FILES = {"test_demo.py", "test_gguf.py", "test_user_path.py", "test_demo_real_eval.py"}
 
 
 @contextlib.contextmanager

@@ -71,7 +71,8 @@ SIZES = {
     "gpu": RecipeSize(data=dict(prompt_tokens=256, n_heldout=128, n_humaneval=0), prompt_len=192, stride=48,
                       max_prompts=None, max_new=128, decode_batch=512, steps=1500, batch=32, dtype="bfloat16",
                       eval_limit=128, eval_batch=32, latency_n=8, policies=("adaptive", "always")),
-    "tiny": RecipeSize(data=dict(prompt_tokens=96, n_heldout=3, n_humaneval=2, max_body_lines=8, per_module=4),
+    "tiny": RecipeSize(data=dict(prompt_tokens=96, n_heldout=3, n_humaneval=2, max_body_lines=8, per_module=4,
+                                 gammas=(1.0,), threshold_gammas=(1.0,)),  # one row per lossy rule
                        prompt_len=48, stride=64, max_prompts=6, max_new=12, decode_batch=8, steps=2, batch=2,
                        dtype=None, eval_limit=2, eval_batch=4, latency_n=1, policies=("adaptive", "always"),
                        train_overrides=("draft_eval.prompt_len=48", "draft_eval.cont_len=12",
