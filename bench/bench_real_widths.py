@@ -6,6 +6,7 @@ cache, timed), which is what turns tokens per forward into tokens/s.
     .venv/bin/python bench/bench_real_widths.py --n 8 --out bench/results/real_widths/cpu.md
 
 A width-w verify call runs w + w * w queries per row (w clean, one copy block of w per outcome of its check).
+ms / call: seconds per forward (at batch 1 each call is one forward of the row).
 """
 from __future__ import annotations
 
@@ -34,6 +35,17 @@ from sbd_jax.models.transformer import forward, init_cache  # noqa: E402
 CONFIGS = ("ar", "2:always", "4:always", "8:always", "4:adaptive", "16:adaptive")
 
 
+def real_setup(n: int):
+    """-> ({"base": the base model, "lora": the base with the committed adapter merged}, the first `n` held-out
+    functions of the adapter's record as prompts)."""
+    rec = load_record(ADAPTER)
+    cfg = from_dict(RealDemoConfig, {**rec["settings"], "out_dir": "/tmp/bench_real_widths"})
+    base = stage_base(cfg)
+    by_id = {r["id"]: r for r in heldout_records(cfg, Tokenizer.load(base), corpus.load(cfg.corpus_root))}
+    prompts = _prompts([by_id[i] for i in rec["functions"][:n]])
+    return load_models({"base": base, "lora": (base, ADAPTER)}), prompts
+
+
 def decode_rows(models, prompts, width: int, conf: str, max_new: int) -> dict:
     if conf == "ar":
         mcfg, params = models["base"]
@@ -46,6 +58,7 @@ def decode_rows(models, prompts, width: int, conf: str, max_new: int) -> dict:
                         prompt_width=width, **kw)
     rows, s = decode_all(dec, prompts)
     return {"conf": conf, "tokens_per_forward": s.tokens_per_forward, "tokens_per_s": s.tokens_per_s,
+            "ms_per_call": 1e3 * s.tokens_per_forward / s.tokens_per_s,
             "outputs": [r.tokens for r in rows]}
 
 
@@ -77,12 +90,7 @@ def main(argv=None):
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), help="ar, or BLOCK:POLICY")
     ap.add_argument("--out", default="bench/results/real_widths/cpu.md")
     args = ap.parse_args(argv)
-    rec = load_record(ADAPTER)
-    cfg = from_dict(RealDemoConfig, {**rec["settings"], "out_dir": "/tmp/bench_real_widths"})
-    base = stage_base(cfg)
-    by_id = {r["id"]: r for r in heldout_records(cfg, Tokenizer.load(base), corpus.load(cfg.corpus_root))}
-    prompts = _prompts([by_id[i] for i in rec["functions"][:args.n]])
-    models = load_models({"base": base, "lora": (base, ADAPTER)})
+    models, prompts = real_setup(args.n)
     width = suite_width(prompts)
     rows = [decode_rows(models, prompts, width, c, args.max_new) for c in args.configs]
     ar = next((r for r in rows if r["conf"] == "ar"), None)
@@ -92,13 +100,14 @@ def main(argv=None):
     costs = {q: s / one for q, s in seconds.items() if q > 1}
     lines = [f"{args.n} held-out functions one at a time, {args.max_new} new tokens, greedy; "
              f"{jax.devices()[0].device_kind}\n",
-             "| decoding | tokens / forward | tokens/s | ratio to AR | rows = AR |", "|---|---:|---:|---:|---:|"]
+             "| decoding | tokens / forward | tokens/s | ms / call | ratio to AR | rows = AR |",
+             "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         same = sum(a == b for a, b in zip(r["outputs"], ar["outputs"])) / len(r["outputs"]) if ar else float("nan")
         ratio = r["tokens_per_s"] / ar["tokens_per_s"] if ar else float("nan")
         label = "base, AR" if r["conf"] == "ar" else f"adapter, lossless, block {r['conf'].replace(':', ', ')}"
-        lines.append(f"| {label} | {r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.1f} | {ratio:.2f}x | "
-                     f"{100 * same:.0f}% |")
+        lines.append(f"| {label} | {r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.1f} | {r['ms_per_call']:.1f} | "
+                     f"{ratio:.2f}x | {100 * same:.0f}% |")
     lines += ["", f"A forward by queries per row (batch 1, cache {cache_len}, logits included; 1 query = "
               f"{1e3 * one:.1f} ms; medians of 7 interleaved rounds):", "",
               "| queries | " + " | ".join(str(q) for q in costs) + " |", "|---|" + "---:|" * len(costs),
