@@ -57,6 +57,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="timed runs per prompt (the fastest kept)")
     ap.add_argument("--out", default="bench/results/real_widths/chosen_width_cpu.md")
     args = ap.parse_args(argv)
+    if min(args.n, args.max_new, args.reps) < 1:
+        ap.error(f"--n, --max-new and --reps must be >= 1, got {args.n}, {args.max_new}, {args.reps}")
     models, prompts = real_setup(args.n)
     P = max(len(p.ids) for p in prompts)
     lines = [f"{args.n} held-out functions one at a time, {args.max_new} new tokens, greedy, fastest of {args.reps} "
