@@ -296,3 +296,25 @@ def test_recipe_options_are_checked_by_name():
             TrainConfig(model=ModelSource(config=CFG), lora=lora, sbd=SBDConfig(soft_targets=0.5))
     with pytest.raises(ConfigError, match="draft_eval.block_size"):
         DraftEvalConfig(block_size=40, cont_len=32)
+    with pytest.raises(ConfigError, match="model.mask_init.*'ones'"):
+        ModelSource(config=CFG, add_mask_token=True, mask_init="ones")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_mask_row_inits(tied):
+    """The `<m>` row (embedding row and untied lm_head column) as model.mask_init builds it; the rows before it kept."""
+    cfg0 = dataclasses.replace(CFG, tie_word_embeddings=tied, mask_token_id=None)
+    base = np_params(dataclasses.replace(CFG, tie_word_embeddings=tied), std=0.3)
+    rows = {init: add_mask_row(cfg0, base, init, seed=3)[1] for init in ("mean", "zero", "random")}
+    for name, axis in (("embed", 0), ("lm_head", 1)) if not tied else (("embed", 0),):
+        w = np.asarray(base[name], np.float64)
+        new = {k: np.take(np.asarray(p[name], np.float64), [-1], axis=axis) for k, p in rows.items()}
+        for p in rows.values():
+            np.testing.assert_array_equal(np.take(np.asarray(p[name]), np.arange(w.shape[axis]), axis=axis), w)
+        np.testing.assert_allclose(new["mean"], w.mean(axis=axis, keepdims=True), atol=1e-6)
+        assert not new["zero"].any()
+        assert 0.7 < new["random"].std() / w.std() < 1.3 and abs(new["random"].mean()) < 0.5 * w.std()
+        again = add_mask_row(cfg0, base, "random", seed=3)[1][name]
+        np.testing.assert_array_equal(np.asarray(again), np.asarray(rows["random"][name]))  # seeded
+        other = np.take(np.asarray(add_mask_row(cfg0, base, "random", seed=4)[1][name]), [-1], axis=axis)
+        assert np.abs(other - new["random"]).max() > 0.01

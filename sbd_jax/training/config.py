@@ -25,12 +25,14 @@ class ModelSource:
     scan_unroll: int | None = None  # layers per scan iteration in the training forward (ModelConfig.scan_unroll)
     mask_token_id: int | None = None  # the `<m>` id; overrides the checkpoint's config
     add_mask_token: bool = False  # no free id: grow embed/lm_head by one row and use id = old vocab size
+    mask_init: str = "mean"  # the added row: "mean" of the rows, "zero" or "random" (model_source.add_mask_row)
 
     def __post_init__(self):
         require((self.init_from is None) != (self.config is None), "model: set exactly one of model.init_from "
                 "(a local HF directory) and model.config (an architecture for a random init)")
         require(self.mask_token_id is None or not self.add_mask_token,
                 "model: set only one of model.mask_token_id and model.add_mask_token")
+        require_choice("model.mask_init", self.mask_init, ("mean", "zero", "random"))
 
 
 @dataclasses.dataclass(frozen=True)

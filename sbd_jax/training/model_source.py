@@ -19,20 +19,31 @@ from ..sharding import param_shardings, shard_params
 from .config import ModelSource
 
 
-def add_mask_row(cfg: ModelConfig, params: dict | None) -> tuple[ModelConfig, dict | None]:
-    """Grow the vocabulary by one row for the `<m>` token (id = old vocab size). The new embedding
-    row and lm_head column are the mean of the existing ones."""
+def add_mask_row(cfg: ModelConfig, params: dict | None, init: str = "mean", seed: int = 0
+                 ) -> tuple[ModelConfig, dict | None]:
+    """Grow the vocabulary by one row for the `<m>` token (id = old vocab size). The new embedding row and lm_head
+    column (ModelSource.mask_init): "mean" of the existing ones, "zero", or "random" (normal, the existing entries'
+    standard deviation: what a fresh token's row looks like)."""
     V = cfg.vocab_size
     cfg = dataclasses.replace(cfg, vocab_size=V + 1, mask_token_id=V)
     if params is None:
         return cfg, None
     params = dict(params)
-    emb = params["embed"]
-    params["embed"] = jnp.concatenate([emb, jnp.mean(emb, axis=0, keepdims=True)], axis=0)
-    if "lm_head" in params:
-        head = params["lm_head"]
-        params["lm_head"] = jnp.concatenate([head, jnp.mean(head, axis=1, keepdims=True)], axis=1)
+    key = jax.random.PRNGKey(seed)
+    for name, axis in (("embed", 0), ("lm_head", 1)):
+        if name in params:
+            w = params[name]
+            params[name] = jnp.concatenate([w, _new_row(w, axis, init, jax.random.fold_in(key, axis))], axis=axis)
     return cfg, params
+
+
+def _new_row(w, axis: int, init: str, key):
+    if init == "mean":
+        return jnp.mean(w, axis=axis, keepdims=True)
+    shape = w.shape[:axis] + (1,) + w.shape[axis + 1:]
+    if init == "zero":
+        return jnp.zeros(shape, w.dtype)
+    return (jax.random.normal(key, shape, jnp.float32) * jnp.std(w.astype(jnp.float32))).astype(w.dtype)
 
 
 def prepare_model(src: ModelSource, seed: int, mesh, *, load_weights: bool = True):
@@ -59,7 +70,7 @@ def prepare_model(src: ModelSource, seed: int, mesh, *, load_weights: bool = Tru
         elif load_weights:
             params = init_params(cfg, jax.random.PRNGKey(seed), std=src.init_std)
     if src.add_mask_token:
-        cfg, params = add_mask_row(cfg, params)
+        cfg, params = add_mask_row(cfg, params, src.mask_init, seed)
     if src.add_mask_token and params is not None:
         params = shard_params(params, cfg, mesh)
     return cfg, params
@@ -78,7 +89,7 @@ def prepare_base(src: ModelSource, seed: int, mesh, base_dtype: str | None) -> t
     cfg, params = prepare_model(held, seed, mesh)
     fingerprint = base_fingerprint(params)
     if src.add_mask_token:
-        cfg, params = add_mask_row(cfg, params)
+        cfg, params = add_mask_row(cfg, params, src.mask_init, seed)
         params = shard_params(params, cfg, mesh)
     master = src.param_dtype or ("float32" if src.init_from else src.config.param_dtype)
     return dataclasses.replace(cfg, param_dtype=master), params, fingerprint
