@@ -53,8 +53,9 @@ def step_seconds(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_l
                             VerifyState.new(batch, DraftMemory.empty(spec.block_size - 1))), env)
     n = len(spec.draft_widths)
 
-    def step_ar(s, w):
-        return ar.step(s, dataclasses.replace(env, params=w))
+    def step_ar(s, w):  # AR mode's step on the same rows: its state is their next block's start
+        a = ar.step(s._replace(mode_state=ar.ARState(s.mode_state.block_offset)), dataclasses.replace(env, params=w))
+        return a._replace(mode_state=s.mode_state._replace(block_offset=a.mode_state.generated))
 
     def wide(i):  # the loop's step, its policy made to choose width i by stated costs
         forced = dataclasses.replace(spec, wide_cost=tuple(1e-3 if j == i else 1e9 for j in range(n)))

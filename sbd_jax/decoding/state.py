@@ -28,25 +28,19 @@ Row = Annotated[jax.Array, PER_ROW]  # a [B, ...] field of the loop state, one e
 
 
 class LoopState(NamedTuple):
-    """The while-loop carry. B = rows, W = token buffer width, K = block_size (SBD)."""
+    """The while-loop carry: what every mode uses. B = rows, W = token buffer width. A mode's own fields (where its
+    block stands, what it drafted) are its `mode_state` (modes/: ARState, SBDState, VerifyState)."""
 
     seq: Row                  # [B, W] tokens by position
     cache: KVCache            # per row along its batch axis (reset by writing a prompt's K/V, not by put_rows)
-    block_offset: Row         # [B] generated tokens before the current block (AR: generated tokens)
-    masked: Row               # [B, K] still-masked positions of the current block (SBD)
-    # the tokens at generated indices [commit_start, commit_start + commit_len) still need their clean causal
-    # re-run (the previous block; in verify mode also the tokens to verify, or a 1-token correction)
-    commit_start: Row         # [B]
-    commit_len: Row           # [B] 0 = nothing to commit
     done: Row                 # [B]
     eos: Row                  # [B] stopped by EOS
     n_generated: Row          # [B] final number of generated tokens (valid once done)
     nfe: Row                  # [B]
     iters: jax.Array          # scalar: model calls
-    wide: jax.Array           # scalar: calls with the 2k commit window
+    wide: jax.Array           # scalar: calls wider than one token per row (a commit window, or drafts to check)
     accepted: Row             # [B, window + 1] per row: calls that decoded 0, 1, ... tokens (of the output)
-    decoded_at: Row           # [B, K] SBD: the call (counted within the block) that decoded each position; K = not yet
-    mode_state: Any           # the mode's own pytree (`Mode.init_state`; verify mode's counts and policy memory), or ()
+    mode_state: Any           # the mode's own NamedTuple (`Mode.init_state`), its per-row fields annotated `Row`
 
 
 def row_fields(cls=LoopState) -> tuple[str, ...]:
@@ -99,7 +93,7 @@ def prompt_seq(prompt_ids, lengths, spec: DecodeSpec, env: DecodeEnv):
     return seq.at[:, :P].set(jnp.where(jnp.arange(P)[None] < lengths[:, None], prompt_ids, pad))
 
 
-def new_state(env: DecodeEnv, seq, P: int, mode_state=(), done=None) -> LoopState:
+def new_state(env: DecodeEnv, seq, P: int, mode_state, done=None) -> LoopState:
     """The loop carry before the first call: an empty cache of P + max_new_tokens slots per row; `mode_state`: the
     mode's own (`Mode.init_state`)."""
     B, spec = seq.shape[0], env.spec
@@ -107,10 +101,6 @@ def new_state(env: DecodeEnv, seq, P: int, mode_state=(), done=None) -> LoopStat
     return LoopState(
         seq=env.constrain(seq),
         cache=env.constrain(init_cache(env.cfg, B, P + spec.max_new_tokens, spec.kv_cache_dtype)),
-        block_offset=zeros_B,
-        masked=(jnp.arange(spec.window)[None] < env.max_new[:, None]) & (spec.mode == "sbd"),  # the first block
-        commit_start=zeros_B,
-        commit_len=zeros_B,
         done=false_B if done is None else done,
         eos=false_B,
         n_generated=zeros_B,
@@ -118,7 +108,6 @@ def new_state(env: DecodeEnv, seq, P: int, mode_state=(), done=None) -> LoopStat
         iters=jnp.int32(0),
         wide=jnp.int32(0),
         accepted=jnp.zeros((B, spec.window + 1), jnp.int32),
-        decoded_at=jnp.full((B, spec.window), spec.window, jnp.int32),
         mode_state=mode_state)
 
 
@@ -143,7 +132,6 @@ def gather(seq, pos):
     return jnp.take_along_axis(seq, jnp.clip(pos, 0, seq.shape[1] - 1), axis=1)
 
 
-def block_positions(state: LoopState, env: DecodeEnv, offset=0):
-    """Positions [B, K] of the current block (shifted by `offset` blocks)."""
-    K = env.spec.block_size
-    return (env.lengths + state.block_offset + offset * K)[:, None] + jnp.arange(K, dtype=jnp.int32)[None]
+def block_positions(offset_B, env: DecodeEnv):
+    """Positions [B, K] of the block starting at generated index `offset_B`."""
+    return (env.lengths + offset_B)[:, None] + jnp.arange(env.spec.block_size, dtype=jnp.int32)[None]

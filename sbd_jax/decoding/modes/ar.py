@@ -3,29 +3,41 @@ call per token. The token at generated index j is drawn from fold_in(key, j): wh
 against."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 
 from ...attention import clean_meta
 from ...models.transformer import forward, lm_head
 from .. import sampling
 from ..prefill import last_prompt_hidden, prefill, prompt_meta
-from ..state import DecodeEnv, LoopState, gather, tally
+from ..state import DecodeEnv, LoopState, Row, gather, tally
 from .base import Mode, finalize_at, last_token_positions
+
+
+class ARState(NamedTuple):
+    """AR mode's part of the loop state."""
+
+    generated: Row  # [B] tokens generated so far (the next one's generated index)
+
+
+def init_state(env: DecodeEnv, B: int, memory) -> ARState:
+    return ARState(jnp.zeros((B,), jnp.int32))
 
 
 def update(state: LoopState, env: DecodeEnv, logits_B1V, cache) -> LoopState:
     """Draw each running row's next token, write it, stop rows at an EOS or their cap."""
     active = ~state.done
     spec = env.spec
-    tok = sampling.sample(logits_B1V, env.keys, state.block_offset[:, None], env.temp, top_k=spec.top_k,
-                          top_p=spec.top_p, suppress=env.cfg.mask_token_id)[:, 0]
-    pos = env.lengths + state.block_offset
+    g = state.mode_state.generated
+    tok = sampling.sample(logits_B1V, env.keys, g[:, None], env.temp, top_k=spec.top_k, top_p=spec.top_p,
+                          suppress=env.cfg.mask_token_id)[:, 0]
     rows = jnp.arange(state.seq.shape[0])
-    seq = state.seq.at[rows, jnp.where(active, pos, state.seq.shape[1])].set(tok, mode="drop")
-    n = state.block_offset + active.astype(jnp.int32)
+    seq = state.seq.at[rows, jnp.where(active, env.lengths + g, state.seq.shape[1])].set(tok, mode="drop")
+    n = g + active.astype(jnp.int32)
     eos_hit = active & jnp.isin(tok, env.eos)
     stop = eos_hit | (active & (n >= env.max_new))
-    return state._replace(seq=env.constrain(seq), cache=cache, block_offset=n, done=state.done | stop,
+    return state._replace(seq=env.constrain(seq), cache=cache, mode_state=ARState(n), done=state.done | stop,
                           eos=state.eos | eos_hit, n_generated=jnp.where(stop, n, state.n_generated),
                           nfe=state.nfe + active.astype(jnp.int32), iters=state.iters + 1,
                           accepted=tally(state.accepted, active.astype(jnp.int32), active))
@@ -43,7 +55,7 @@ def first(state: LoopState, env: DecodeEnv, prompt_ids) -> LoopState:
 
 def step(state: LoopState, env: DecodeEnv) -> LoopState:
     """One clean 1-token call on each row's last token -> its next token."""
-    pos = (env.lengths + state.block_offset - 1)[:, None]
+    pos = (env.lengths + state.mode_state.generated - 1)[:, None]
     meta = clean_meta((~state.done)[:, None].astype(jnp.int32), pos)
     logits, cache = forward(env.params, env.cfg, gather(state.seq, pos), meta, state.cache)
     return update(state, env, logits, env.constrain(cache))
@@ -54,4 +66,4 @@ def finalize(state: LoopState, env: DecodeEnv):
     return env.constrain(finalize_at(state, env, last_token_positions(state, env)))
 
 
-AR = Mode("ar", first=first, step=step, finalize=finalize, prefills_last_token=False)
+AR = Mode("ar", init_state=init_state, first=first, step=step, finalize=finalize, prefills_last_token=False)

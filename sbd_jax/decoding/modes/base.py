@@ -14,8 +14,12 @@ from ..state import DecodeEnv, LoopState, gather
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """A decoding mode: its first call (prompt -> first tokens), its loop step and its cache finalize.
+    """A decoding mode: its own state, its first call (prompt -> first tokens), its loop step and its cache finalize.
 
+    init_state(env, B, memory) -> NamedTuple   the mode's part of the loop state (`LoopState.mode_state`) before
+                                               the first call, its per-row fields annotated `Row` (continuous
+                                               batching resets those); `memory`: what an earlier run learned
+                                               (`memory(state)` of that run; None: nothing)
     first(state, env, prompt_ids) -> state     NFE 1: the prompt's last piece with the first decoding window
     step(state, env) -> state                  one iteration of the decode loop (one model call)
     finalize(state, env) -> KVCache            one uncounted call writing the K/V the loop left uncommitted
@@ -23,11 +27,8 @@ class Mode:
                                                ready for `step` to make its first call
     prefills_last_token                        continuous batching prefills the whole prompt (SBD) or all but its
                                                last token, which the first step runs (AR, verify)
-    A mode with state of its own (carried in `LoopState.mode_state`, its per-row fields annotated `Row` so that
-    continuous batching resets them) also gives:
-    init_state(env, B, memory) -> pytree       that state before the first call; `memory`: what an earlier run
-                                               learned (`memory(state)` of that run; None: nothing)
-    report(state) -> pytree                    what a run reports of it (`GenerateOutput.mode_stats`)
+    A mode that learns across runs (verify's drafting policy) also gives:
+    report(state) -> pytree                    what a run reports of its state (`GenerateOutput.mode_stats`)
     memory(state) -> pytree                    what a later run may start from
     start_from(memory, spec) -> pytree         a caller's `memory` checked and made the pytree `init_state` takes
                                                (None: from nothing; the same structure either way, one program)
@@ -35,12 +36,12 @@ class Mode:
     """
 
     name: str
+    init_state: Callable
     first: Callable
     step: Callable
     finalize: Callable
     admit: Callable = lambda state, env: state
     prefills_last_token: bool = False
-    init_state: Callable = lambda env, B, memory: ()
     report: Callable = lambda state: None
     memory: Callable = lambda state: None
     retire: Callable = lambda state, slots: state

@@ -23,16 +23,38 @@ from ...attention import clean_meta, concat_meta, copy_meta
 from ...models.transformer import forward, lm_head
 from .. import sampling
 from ..prefill import prefill, prompt_meta
-from ..state import DecodeEnv, LoopState, block_positions, gather
+from ..state import DecodeEnv, LoopState, Row, block_positions, gather
 from .base import Mode, finalize_at
 
 
-def copy_window(state: LoopState, env: DecodeEnv):
-    """The current block as COPY tokens: (tokens [B, K], meta); masked positions carry `<m>`."""
-    pos = block_positions(state, env)
+class SBDState(NamedTuple):
+    """SBD mode's part of the loop state (K = block_size)."""
+
+    block_offset: Row  # [B] generated tokens before the current block
+    masked: Row        # [B, K] still-masked positions of the current block
+    # the finished block at generated indices [commit_start, commit_start + commit_len) still needs its clean causal
+    # K/V, which the next wide call writes
+    commit_start: Row  # [B]
+    commit_len: Row    # [B] 0 = nothing to commit
+    decoded_at: Row    # [B, K] the call (counted within the block) that decoded each position; K = not yet
+
+
+def init_state(env: DecodeEnv, B: int, memory) -> SBDState:
+    K, zeros = env.spec.block_size, jnp.zeros((B,), jnp.int32)
+    return SBDState(zeros, block_mask(zeros, env), zeros, zeros, jnp.full((B, K), K, jnp.int32))
+
+
+def block_mask(offset_B, env: DecodeEnv):
+    """[B, K] the positions of a block starting at generated index `offset_B` that lie within each row's cap."""
     j = jnp.arange(env.spec.block_size, dtype=jnp.int32)[None]
-    valid = (state.block_offset[:, None] + j) < env.max_new[:, None]
-    tok = jnp.where(state.masked, env.cfg.mask_token_id, gather(state.seq, pos))
+    return (offset_B[:, None] + j) < env.max_new[:, None]
+
+
+def copy_window(state: LoopState, env: DecodeEnv, offset_B, masked_BK):
+    """The block at generated index `offset_B` as COPY tokens: (tokens [B, K], meta); masked positions carry `<m>`."""
+    pos = block_positions(offset_B, env)
+    valid = block_mask(offset_B, env)
+    tok = jnp.where(masked_BK, env.cfg.mask_token_id, gather(state.seq, pos))
     seg = (valid & ~state.done[:, None]).astype(jnp.int32)
     return tok, copy_meta(seg, pos, jnp.broadcast_to(pos[:, :1], pos.shape))
 
@@ -54,7 +76,8 @@ def first_forward(state: LoopState, env: DecodeEnv, prompt_ids, start: int, widt
     P = prompt_ids.shape[1]
     tokens, meta = prompt_ids[:, start:], prompt_meta(env.lengths, start, P - start)
     if width:
-        ctok, cmeta = copy_window(state, env)
+        zeros = jnp.zeros_like(env.lengths)  # the first block, all masked
+        ctok, cmeta = copy_window(state, env, zeros, block_mask(zeros, env))
         cmeta = jax.tree.map(lambda x: x[:, :width], cmeta)
         if used is not None:
             cmeta = cmeta._replace(segment=jnp.where(jnp.arange(width)[None] < used, cmeta.segment, 0))
@@ -67,7 +90,7 @@ def first_forward(state: LoopState, env: DecodeEnv, prompt_ids, start: int, widt
 def quorum(state: LoopState, env: DecodeEnv):
     """-> (rows with a commit, whether this call runs the 2k commit window, rows held out of this k-wide call):
     the 2k window once a quorum of the running rows has a commit; else those rows sit this call out."""
-    need = (state.commit_len > 0) & ~state.done
+    need = (state.mode_state.commit_len > 0) & ~state.done
     n_need, n_run = (jnp.sum(x).astype(jnp.float32) for x in (need, ~state.done))
     wide = (n_need > 0) & (n_need >= jnp.float32(env.spec.commit_quorum) * n_run)
     return need, wide, need & ~wide
@@ -76,13 +99,13 @@ def quorum(state: LoopState, env: DecodeEnv):
 def window_call(state: LoopState, env: DecodeEnv, need, wide):
     """The model call of a step: [commit CLEAN ; block COPY] when `wide`, else [block COPY]. -> (the copy block's
     logits, cache)."""
-    K = env.spec.block_size
-    ctok, cmeta = copy_window(state, env)
+    K, ms = env.spec.block_size, state.mode_state
+    ctok, cmeta = copy_window(state, env, ms.block_offset, ms.masked)
     j = jnp.arange(K, dtype=jnp.int32)[None]
 
     def with_commit(cache):
-        pos = env.lengths[:, None] + state.commit_start[:, None] + j
-        meta = clean_meta((need[:, None] & (j < state.commit_len[:, None])).astype(jnp.int32), pos)
+        pos = env.lengths[:, None] + ms.commit_start[:, None] + j
+        meta = clean_meta((need[:, None] & (j < ms.commit_len[:, None])).astype(jnp.int32), pos)
         tokens = jnp.concatenate([gather(state.seq, pos), ctok], axis=1)
         h, cache = forward(env.params, env.cfg, tokens, concat_meta(meta, cmeta), cache, return_hidden=True)
         return lm_head(env.params, env.cfg, h[:, K:]), cache
@@ -100,7 +123,7 @@ def draw(state: LoopState, env: DecodeEnv, logits_BKV, index):
     spec = env.spec
     with jax.named_scope("accept"):
         h = sampling.entropy(logits_BKV, env.temp, tempered=spec.tempered_entropy)
-        masked = state.masked & (~state.done)[:, None]
+        masked = state.mode_state.masked & (~state.done)[:, None]
         acc = sampling.accept(spec.rule, h, masked, env.gamma)
         drawn = sampling.sample(logits_BKV, env.keys, index, env.temp, top_k=spec.top_k, top_p=spec.top_p,
                                 suppress=env.cfg.mask_token_id)
@@ -119,14 +142,14 @@ class Placed(NamedTuple):
 
 def place(state: LoopState, env: DecodeEnv, masked, acc, drawn) -> Placed:
     """Write the accepted tokens into the block and note which call decoded them."""
-    K = env.spec.block_size
+    K, ms = env.spec.block_size, state.mode_state
     rows = jnp.arange(state.seq.shape[0])[:, None]
-    pos = block_positions(state, env)
-    call = jnp.max(jnp.where(state.decoded_at < K, state.decoded_at + 1, 0), axis=1)  # this call's number in the block
+    pos = block_positions(ms.block_offset, env)
+    call = jnp.max(jnp.where(ms.decoded_at < K, ms.decoded_at + 1, 0), axis=1)  # this call's number in the block
     block = jnp.where(acc, drawn, gather(state.seq, pos))
     still = masked & ~acc
     return Placed(seq=state.seq.at[rows, pos].set(block, mode="drop"), block=block,
-                  decoded_at=jnp.where(acc, call[:, None], state.decoded_at), still=still,
+                  decoded_at=jnp.where(acc, call[:, None], ms.decoded_at), still=still,
                   complete=~state.done & ~jnp.any(still, axis=1))
 
 
@@ -163,47 +186,47 @@ def count_calls(accepted, decoded_at, keep, ends, K: int):
 def close_block(state: LoopState, env: DecodeEnv, placed: Placed) -> Outcome:
     """SBD's outcome: a decoded EOS or the cap ends the row, a complete block advances and is committed by the
     next wide call, the calls of an ended block are counted."""
-    K, max_new = env.spec.block_size, env.max_new
+    K, max_new, ms = env.spec.block_size, env.max_new, state.mode_state
     j = jnp.arange(K, dtype=jnp.int32)[None]
     active = ~state.done
-    valid = (state.block_offset[:, None] + j) < max_new[:, None]
+    valid = block_mask(ms.block_offset, env)
     decoded = valid & ~placed.still
     eos_hit, first = find_eos(env, placed.block, decoded, active)
     complete = placed.complete & ~eos_hit
-    cap_hit = complete & (state.block_offset + K >= max_new)
+    cap_hit = complete & (ms.block_offset + K >= max_new)
     advance = complete & ~cap_hit
     keep = valid & (placed.decoded_at < K) & (~eos_hit[:, None] | (j <= first[:, None]))
     # rows that sat this call out (done or held, see `step`) keep a commit they are waiting for
     return Outcome(
         advance=advance, done=state.done | eos_hit | cap_hit, eos_hit=eos_hit,
-        n_generated=jnp.where(eos_hit, state.block_offset + first + 1, jnp.where(cap_hit, max_new, state.n_generated)),
+        n_generated=jnp.where(eos_hit, ms.block_offset + first + 1, jnp.where(cap_hit, max_new, state.n_generated)),
         accepted=count_calls(state.accepted, placed.decoded_at, keep, active & (eos_hit | cap_hit | advance), K),
-        commit_start=jnp.where(active, state.block_offset, state.commit_start),
-        commit_len=jnp.where(advance, K, jnp.where(active, 0, state.commit_len)))
+        commit_start=jnp.where(active, ms.block_offset, ms.commit_start),
+        commit_len=jnp.where(advance, K, jnp.where(active, 0, ms.commit_len)))
 
 
 def next_state(state: LoopState, env: DecodeEnv, placed: Placed, out: Outcome, cache, ran) -> LoopState:
     """The state after a call: `placed` tokens, `out`'s row updates, the next block's mask where it advanced;
     `ran`: the rows the call carried a token of (their NFE counts it)."""
-    K, max_new = env.spec.block_size, env.max_new
-    j = jnp.arange(K, dtype=jnp.int32)[None]
+    K, ms = env.spec.block_size, state.mode_state
     active = ~state.done
-    nxt = state.block_offset + K
+    nxt = ms.block_offset + K
     return state._replace(
         seq=env.constrain(placed.seq),
         cache=cache,
-        block_offset=jnp.where(out.advance, nxt, state.block_offset),
-        masked=jnp.where(out.advance[:, None], (nxt[:, None] + j) < max_new[:, None],
-                         jnp.where(active[:, None], placed.still, state.masked)),
-        commit_start=out.commit_start,
-        commit_len=out.commit_len,
         done=out.done,
         eos=state.eos | out.eos_hit,
         n_generated=out.n_generated,
         nfe=state.nfe + ran.astype(jnp.int32),
         iters=state.iters + 1,
         accepted=out.accepted,
-        decoded_at=jnp.where(out.advance[:, None], K, placed.decoded_at))
+        mode_state=SBDState(
+            block_offset=jnp.where(out.advance, nxt, ms.block_offset),
+            masked=jnp.where(out.advance[:, None], block_mask(nxt, env),
+                             jnp.where(active[:, None], placed.still, ms.masked)),
+            commit_start=out.commit_start,
+            commit_len=out.commit_len,
+            decoded_at=jnp.where(out.advance[:, None], K, placed.decoded_at)))
 
 
 def update(state: LoopState, env: DecodeEnv, logits_BKV, cache) -> LoopState:
@@ -230,7 +253,7 @@ def step(state: LoopState, env: DecodeEnv) -> LoopState:
 
 def finalize(state: LoopState, env: DecodeEnv):
     """The last block's K/V (committed by no later call)."""
-    return env.constrain(finalize_at(state, env, block_positions(state, env)))
+    return env.constrain(finalize_at(state, env, block_positions(state.mode_state.block_offset, env)))
 
 
-SBD = Mode("sbd", first=first, step=step, finalize=finalize, prefills_last_token=True)
+SBD = Mode("sbd", init_state=init_state, first=first, step=step, finalize=finalize, prefills_last_token=True)

@@ -8,8 +8,8 @@ from . import costs, policy
 from .state import DraftMemory, VerifyState, VerifyStats
 from .step import admit, finalize, first, init_state, report, start_from, step
 
-VERIFY = Mode("verify", first=first, step=step, finalize=finalize, admit=admit, prefills_last_token=False,
-              init_state=init_state, report=report, memory=policy.memory, retire=policy.retire,
+VERIFY = Mode("verify", init_state=init_state, first=first, step=step, finalize=finalize, admit=admit,
+              prefills_last_token=False, report=report, memory=policy.memory, retire=policy.retire,
               start_from=start_from)
 
 __all__ = ["VERIFY", "DraftMemory", "VerifyState", "VerifyStats", "costs", "policy"]

@@ -69,7 +69,7 @@ def agree_prob(vs: VerifyState):
 
 def verified(state: LoopState):
     """[B] tokens each row has verified (its output so far)."""
-    return jnp.where(state.done, state.n_generated, state.commit_start + 1)
+    return jnp.where(state.done, state.n_generated, state.mode_state.commit_start + 1)
 
 
 def ends(state: LoopState):

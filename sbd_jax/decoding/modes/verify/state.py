@@ -60,8 +60,13 @@ class DraftMemory(NamedTuple):
 
 
 class VerifyState(NamedTuple):
-    """Verify mode's part of the loop state (B rows)."""
+    """Verify mode's part of the loop state (B rows; step.py: what the commit window holds)."""
 
+    # generated indices [commit_start, commit_start + commit_len): AR's verified token, then the drafts the next call
+    # checks; the next block (its positions not drafted yet) starts at block_offset
+    commit_start: Row      # [B]
+    commit_len: Row        # [B]
+    block_offset: Row      # [B]
     proposed: Row          # [B] drafts placed
     agreed: Row            # [B] drafts that stood
     trials: Row            # [B, J] float32: per draft offset, the row's decayed count of checked drafts
@@ -72,7 +77,7 @@ class VerifyState(NamedTuple):
     @classmethod
     def new(cls, B: int, memory: DraftMemory) -> VerifyState:
         zeros, counts = jnp.zeros((B,), jnp.int32), jnp.zeros((B, memory.hits.shape[0]), jnp.float32)
-        return cls(zeros, zeros, counts, counts, zeros, memory)
+        return cls(zeros, zeros, zeros, zeros, zeros, counts, counts, zeros, memory)
 
 
 class VerifyStats(NamedTuple):

@@ -46,18 +46,16 @@ def ar_tokens(env: DecodeEnv, logits_clean, gen):
                            suppress=env.cfg.mask_token_id)
 
 
-def block_mask(offset, env: DecodeEnv):
-    """[B, K] the positions of a block starting at generated index `offset` that lie within each row's cap."""
-    j = jnp.arange(env.spec.block_size, dtype=jnp.int32)[None]
-    return (offset[:, None] + j) < env.max_new[:, None]
+def with_mode(state: LoopState, **fields) -> LoopState:
+    """`state` with these VerifyState fields replaced."""
+    return state._replace(mode_state=state.mode_state._replace(**fields))
 
 
-def restart(state: LoopState, rows, at, env: DecodeEnv) -> LoopState:
+def restart(state: LoopState, rows, at) -> LoopState:
     """Rows `rows` hold only their verified token at `at`; the next block starts after it, nothing drafted."""
-    return state._replace(commit_start=jnp.where(rows, at, state.commit_start),
-                          commit_len=jnp.where(rows, 1, state.commit_len),
-                          block_offset=jnp.where(rows, at + 1, state.block_offset),
-                          masked=jnp.where(rows[:, None], block_mask(at + 1, env), state.masked))
+    vs = state.mode_state
+    return with_mode(state, commit_start=jnp.where(rows, at, vs.commit_start),
+                     commit_len=jnp.where(rows, 1, vs.commit_len), block_offset=jnp.where(rows, at + 1, vs.block_offset))
 
 
 def check(state: LoopState, env: DecodeEnv, ar_BC):
@@ -69,7 +67,8 @@ def check(state: LoopState, env: DecodeEnv, ar_BC):
     whose AR token corrected a draft: they restart after it with nothing drafted; m [B])."""
     C = ar_BC.shape[1]
     jc = jnp.arange(C, dtype=jnp.int32)[None]
-    running, cs, cl, max_new = ~state.done, state.commit_start, state.commit_len, env.max_new
+    vs = state.mode_state
+    running, cs, cl, max_new = ~state.done, vs.commit_start, vs.commit_len, env.max_new
     n_chk = jnp.minimum(C, cl - 1)
     drafts = gather(state.seq, (env.lengths + cs + 1)[:, None] + jc)
     m = jnp.sum(jnp.cumprod(((drafts == ar_BC) & (jc < n_chk[:, None])).astype(jnp.int32), axis=1), axis=1)
@@ -87,22 +86,23 @@ def check(state: LoopState, env: DecodeEnv, ar_BC):
     seq = state.seq.at[rows, jnp.where(put & (g < max_new), env.lengths + g, state.seq.shape[1])].set(tok, mode="drop")
     moved = running & ~put & ~finished  # every checked draft stood, C < cl: the window moves on by C
     stood = jnp.where(in_drafts, jnp.argmax(eos_draft, axis=1).astype(jnp.int32) + 1, m)  # none past an EOS
-    vs = state.mode_state._replace(agreed=state.mode_state.agreed + jnp.where(running, m, 0))
+    vs = vs._replace(agreed=vs.agreed + jnp.where(running, m, 0), commit_start=jnp.where(moved, cs + m, cs),
+                     commit_len=jnp.where(moved, cl - m, cl))
     state = state._replace(
         seq=env.constrain(seq), done=state.done | finished, eos=state.eos | eos_hit,
         n_generated=jnp.where(finished, verified, state.n_generated),
-        commit_start=jnp.where(moved, cs + m, cs), commit_len=jnp.where(moved, cl - m, cl),
         accepted=tally(state.accepted, jnp.minimum(verified - cs - 1, state.accepted.shape[1] - 1), running),
         mode_state=policy.update_counts(vs, running & (n_chk > 0), cs + 1 - vs.opened, stood,
                                         (rejected & ~in_drafts).astype(jnp.int32)))
-    return restart(state, rejected & ~finished, g, env), put & ~rejected & ~finished, rejected & ~finished, m
+    return restart(state, rejected & ~finished, g), put & ~rejected & ~finished, rejected & ~finished, m
 
 
 def open_block(state: LoopState, env: DecodeEnv, logits_BwV, opened, w=None) -> LoopState:
     """Rows `opened` (their block's first token is AR's, just placed) draft the block's other w - 1 positions from
     the copy queries' logits at once (w: all of them, or the first w, traced); the block becomes the commit window
     the next call checks."""
-    b = state.block_offset
+    vs = state.mode_state
+    b = vs.block_offset
     j = jnp.arange(logits_BwV.shape[1], dtype=jnp.int32)[None]
     w = logits_BwV.shape[1] if w is None else w
     drawn = sampling.sample(logits_BwV, env.keys, b[:, None] + j, env.temp, top_k=env.spec.top_k,
@@ -111,12 +111,10 @@ def open_block(state: LoopState, env: DecodeEnv, logits_BwV, opened, w=None) -> 
     pos = jnp.where(put, (env.lengths + b)[:, None] + j, state.seq.shape[1])
     seq = state.seq.at[jnp.arange(state.seq.shape[0])[:, None], pos].set(drawn, mode="drop")
     n = jnp.minimum(w, env.max_new - b)
-    return state._replace(seq=env.constrain(seq), commit_start=jnp.where(opened, b, state.commit_start),
-                          commit_len=jnp.where(opened, n, state.commit_len),
-                          block_offset=jnp.where(opened, b + w, b),
-                          masked=jnp.where(opened[:, None], block_mask(b + w, env), state.masked),
-                          mode_state=drafted(state.mode_state, jnp.where(opened, n - 1, 0))._replace(
-                              opened=jnp.where(opened, b, state.mode_state.opened)))
+    vs = drafted(vs, jnp.where(opened, n - 1, 0))
+    return state._replace(seq=env.constrain(seq), mode_state=vs._replace(
+        commit_start=jnp.where(opened, b, vs.commit_start), commit_len=jnp.where(opened, n, vs.commit_len),
+        block_offset=jnp.where(opened, b + w, b), opened=jnp.where(opened, b, vs.opened)))
 
 
 def drafted(vs: VerifyState, n_B) -> VerifyState:
@@ -126,8 +124,7 @@ def drafted(vs: VerifyState, n_B) -> VerifyState:
 
 def since_wide(state: LoopState, n) -> LoopState:
     """The policy's count of calls since the last drafting call, set to `n`."""
-    vs = state.mode_state
-    return state._replace(mode_state=vs._replace(memory=vs.memory._replace(since_wide=jnp.asarray(n, jnp.int32))))
+    return with_mode(state, memory=state.mode_state.memory._replace(since_wide=jnp.asarray(n, jnp.int32)))
 
 
 def counted(state: LoopState, ran, cache, wide: bool) -> LoopState:
@@ -140,12 +137,11 @@ def counted(state: LoopState, ran, cache, wide: bool) -> LoopState:
 def shorten(state: LoopState, env: DecodeEnv, w: int) -> LoopState:
     """Rows holding more than w - 1 drafts keep the first w - 1: a w-wide call then checks all it holds and, if
     they stand, drafts the next block (checking one more draft instead would leave the copy queries unused)."""
-    cut = ~state.done & (state.commit_len > w)
-    end = state.commit_start + w
-    return state._replace(commit_len=jnp.where(cut, w, state.commit_len),
-                          block_offset=jnp.where(cut, end, state.block_offset),
-                          masked=jnp.where(cut[:, None], block_mask(end, env), state.masked),
-                          mode_state=drafted(state.mode_state, -jnp.where(cut, state.commit_len - w, 0)))
+    vs = state.mode_state
+    cut = ~state.done & (vs.commit_len > w)
+    vs = drafted(vs, -jnp.where(cut, vs.commit_len - w, 0))
+    return state._replace(mode_state=vs._replace(commit_len=jnp.where(cut, w, vs.commit_len),
+                                                 block_offset=jnp.where(cut, vs.commit_start + w, vs.block_offset)))
 
 
 def outcome_window(state: LoopState, env: DecodeEnv, w: int):
@@ -154,11 +150,11 @@ def outcome_window(state: LoopState, env: DecodeEnv, w: int):
     from the verified text up to cs + m alone (the copy queries attend clean keys before their block's start, this
     call's included). Padding where the row holds fewer than m drafts, past its cap, or is done.
     -> (tokens [B, w * w], meta), block m at columns m * w .. m * w + w - 1."""
-    B = state.seq.shape[0]
+    B, vs = state.seq.shape[0], state.mode_state
     m = jnp.arange(w, dtype=jnp.int32)[None, :, None]
-    start = state.commit_start[:, None, None] + 1 + m
+    start = vs.commit_start[:, None, None] + 1 + m
     gen = start + jnp.arange(w, dtype=jnp.int32)[None, None, :]
-    valid = (~state.done)[:, None, None] & (m < state.commit_len[:, None, None]) & (gen < env.max_new[:, None, None])
+    valid = (~state.done)[:, None, None] & (m < vs.commit_len[:, None, None]) & (gen < env.max_new[:, None, None])
     flat = lambda x: jnp.broadcast_to(x, (B, w, w)).reshape(B, w * w)  # noqa: E731
     meta = copy_meta(flat(valid.astype(jnp.int32)), flat(env.lengths[:, None, None] + gen),
                      flat(env.lengths[:, None, None] + start))
@@ -172,10 +168,10 @@ def wide_step(state: LoopState, env: DecodeEnv, w: int) -> LoopState:
     same call. So every such call checks drafts and drafts the next ones: a rejection costs no extra call."""
     state = shorten(state, env, w)
     j = jnp.arange(w, dtype=jnp.int32)[None]
-    ran = ~state.done
-    gen = state.commit_start[:, None] + j
+    ran, vs = ~state.done, state.mode_state
+    gen = vs.commit_start[:, None] + j
     pos = env.lengths[:, None] + gen
-    meta = clean_meta((ran[:, None] & (j < state.commit_len[:, None])).astype(jnp.int32), pos)
+    meta = clean_meta((ran[:, None] & (j < vs.commit_len[:, None])).astype(jnp.int32), pos)
     otok, ometa = outcome_window(state, env, w)
     h, cache = forward(env.params, env.cfg, jnp.concatenate([gather(state.seq, pos), otok], axis=1),
                        concat_meta(meta, ometa), state.cache, return_hidden=True)
@@ -185,21 +181,22 @@ def wide_step(state: LoopState, env: DecodeEnv, w: int) -> LoopState:
     state, stood, redo, m = check(state, env, ar_tokens(env, head(x[:, :w]), gen))
     B = x.shape[0]
     x_out = x[:, w:].reshape(B, w, w, x.shape[-1])[jnp.arange(B), jnp.clip(m, 0, w - 1)]  # outcome m's block
-    state = state._replace(block_offset=jnp.where(redo, state.commit_start, state.block_offset))
+    vs = state.mode_state
+    state = with_mode(state, block_offset=jnp.where(redo, vs.commit_start, vs.block_offset))
     state = open_block(state, env, head(x_out), stood | redo)
     return counted(state, ran, env.constrain(cache), wide=True)
 
 
 def ar_step(state: LoopState, env: DecodeEnv) -> LoopState:
     """One clean query at each row's verified token: AR's next token checks the next draft or is taken."""
-    ran = ~state.done
-    pos = (env.lengths + state.commit_start)[:, None]
+    ran, cs = ~state.done, state.mode_state.commit_start
+    pos = (env.lengths + cs)[:, None]
     logits, cache = forward(env.params, env.cfg, gather(state.seq, pos), clean_meta(ran[:, None].astype(jnp.int32),
                                                                                      pos), state.cache)
-    ar = sampling.sample(logits, env.keys, state.commit_start[:, None] + 1, env.temp, top_k=env.spec.top_k,
+    ar = sampling.sample(logits, env.keys, cs[:, None] + 1, env.temp, top_k=env.spec.top_k,
                          top_p=env.spec.top_p, suppress=env.cfg.mask_token_id)
     state, opened, _, _ = check(state, env, ar)
-    state = restart(state, opened, state.block_offset, env)  # no copy queries ran: nothing drafted
+    state = restart(state, opened, state.mode_state.block_offset)  # no copy queries ran: nothing drafted
     return counted(state, ran, env.constrain(cache), wide=False)
 
 
@@ -207,15 +204,18 @@ def ar_segment(state: LoopState, env: DecodeEnv) -> LoopState:
     """No running row holds a draft: AR mode's own step (one clean query, the token drawn by generated index, as
     here) until the policy's next exploration or until a row finishes (its choice cannot change before either)."""
     budget = policy.ar_budget(state, env)
-    running = ~state.done
+    running, vs = ~state.done, state.mode_state
 
     def more(carry):
         s, n = carry
         return (n < budget) & ~jnp.all(s.done) & ~jnp.any(s.done & running)
 
-    state, n = jax.lax.while_loop(more, lambda c: (ar.step(c[0], env), c[1] + 1), (state, jnp.int32(0)))
-    b = state.block_offset
-    return since_wide(restart(state, running & ~state.done, b - 1, env), state.mode_state.memory.since_wide + n)
+    # AR's own state: its next generated index is where verify's next block starts
+    as_ar = state._replace(mode_state=ar.ARState(vs.block_offset))
+    as_ar, n = jax.lax.while_loop(more, lambda c: (ar.step(c[0], env), c[1] + 1), (as_ar, jnp.int32(0)))
+    state = as_ar._replace(mode_state=vs)
+    state = restart(state, running & ~state.done, as_ar.mode_state.generated - 1)
+    return since_wide(state, vs.memory.since_wide + n)
 
 
 def step(state: LoopState, env: DecodeEnv) -> LoopState:
@@ -225,7 +225,7 @@ def step(state: LoopState, env: DecodeEnv) -> LoopState:
         kind = policy.choose(state, env)
     branches = [lambda s: ar_step(s, env)] + [lambda s, w=w: wide_step(s, env, w) for w in env.spec.draft_widths]
     if env.spec.draft_policy in ("adaptive", "never"):
-        plain = (kind == 0) & jnp.all(state.done | (state.commit_len == 1))
+        plain = (kind == 0) & jnp.all(state.done | (state.mode_state.commit_len == 1))
         kind = jnp.where(plain, len(branches), kind)
         branches.append(lambda s: ar_segment(s, env))
     return jax.lax.switch(kind, branches, state)
@@ -233,8 +233,8 @@ def step(state: LoopState, env: DecodeEnv) -> LoopState:
 
 def admit(state: LoopState, env: DecodeEnv) -> LoopState:
     """The last prompt token rides as a 1-token commit window: its query gives AR's first token."""
-    return state._replace(commit_start=jnp.full_like(env.lengths, -1), commit_len=jnp.ones_like(env.lengths),
-                          block_offset=jnp.zeros_like(env.lengths))
+    return with_mode(state, commit_start=jnp.full_like(env.lengths, -1), commit_len=jnp.ones_like(env.lengths),
+                     block_offset=jnp.zeros_like(env.lengths))
 
 
 def first(state: LoopState, env: DecodeEnv, prompt_ids) -> LoopState:
@@ -256,7 +256,7 @@ def first(state: LoopState, env: DecodeEnv, prompt_ids) -> LoopState:
                           env.temp, top_k=env.spec.top_k, top_p=env.spec.top_p, suppress=env.cfg.mask_token_id)
     state, opened, _, _ = check(state, env, tok)
     state = jax.lax.cond(w > 0, lambda s: open_block(s, env, logits, opened, w),
-                         lambda s: restart(s, opened, s.block_offset, env), state)._replace(cache=cache)
+                         lambda s: restart(s, opened, s.mode_state.block_offset), state)._replace(cache=cache)
     state = since_wide(state, jnp.where(kind > 0, 0, state.mode_state.memory.since_wide + 1))
     return state._replace(nfe=state.nfe + ran.astype(jnp.int32), iters=state.iters + 1)
 
