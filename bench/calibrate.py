@@ -19,7 +19,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sbd_jax.decoding.modes import ar  # noqa: E402
-from sbd_jax.decoding.modes.verify.step import admit, step as verify_step  # noqa: E402
+from sbd_jax.decoding.modes.verify.step import admit, as_ar, from_ar, step as verify_step  # noqa: E402
 from sbd_jax.decoding.modes.verify.state import DraftMemory, VerifyState  # noqa: E402
 from sbd_jax.decoding.spec import DecodeError, DecodeSpec  # noqa: E402
 from sbd_jax.decoding.state import make_env, new_state, prompt_seq  # noqa: E402
@@ -53,9 +53,8 @@ def step_seconds(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_l
                             VerifyState.new(batch, DraftMemory.empty(spec.block_size - 1))), env)
     n = len(spec.draft_widths)
 
-    def step_ar(s, w):  # AR mode's step on the same rows: its state is their next block's start
-        a = ar.step(s._replace(mode_state=ar.ARState(s.mode_state.block_offset)), dataclasses.replace(env, params=w))
-        return a._replace(mode_state=s.mode_state._replace(block_offset=a.mode_state.generated))
+    def step_ar(s, w):  # AR mode's step on the same rows, as verify's runs of AR calls take it
+        return from_ar(ar.step(as_ar(s), dataclasses.replace(env, params=w)), s.mode_state)
 
     def wide(i):  # the loop's step, its policy made to choose width i by stated costs
         forced = dataclasses.replace(spec, wide_cost=tuple(1e-3 if j == i else 1e9 for j in range(n)))

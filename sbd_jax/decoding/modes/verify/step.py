@@ -200,6 +200,16 @@ def ar_step(state: LoopState, env: DecodeEnv) -> LoopState:
     return counted(state, ran, env.constrain(cache), wide=False)
 
 
+def as_ar(state: LoopState) -> LoopState:
+    """Verify's rows as AR mode's step sees them: AR's next generated index is where verify's next block starts."""
+    return state._replace(mode_state=ar.ARState(state.mode_state.block_offset))
+
+
+def from_ar(ar_state: LoopState, vs: VerifyState) -> LoopState:
+    """Back from AR mode's steps (`as_ar`): each row's next block starts after the tokens AR placed."""
+    return ar_state._replace(mode_state=vs._replace(block_offset=ar_state.mode_state.generated))
+
+
 def ar_segment(state: LoopState, env: DecodeEnv) -> LoopState:
     """No running row holds a draft: AR mode's own step (one clean query, the token drawn by generated index, as
     here) until the policy's next exploration or until a row finishes (its choice cannot change before either)."""
@@ -210,11 +220,10 @@ def ar_segment(state: LoopState, env: DecodeEnv) -> LoopState:
         s, n = carry
         return (n < budget) & ~jnp.all(s.done) & ~jnp.any(s.done & running)
 
-    # AR's own state: its next generated index is where verify's next block starts
-    as_ar = state._replace(mode_state=ar.ARState(vs.block_offset))
-    as_ar, n = jax.lax.while_loop(more, lambda c: (ar.step(c[0], env), c[1] + 1), (as_ar, jnp.int32(0)))
-    state = as_ar._replace(mode_state=vs)
-    state = restart(state, running & ~state.done, as_ar.mode_state.generated - 1)
+    # the inner loop carries AR's state only
+    stepped, n = jax.lax.while_loop(more, lambda c: (ar.step(c[0], env), c[1] + 1), (as_ar(state), jnp.int32(0)))
+    state = from_ar(stepped, vs)
+    state = restart(state, running & ~state.done, state.mode_state.block_offset - 1)
     return since_wide(state, vs.memory.since_wide + n)
 
 
