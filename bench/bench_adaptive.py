@@ -37,7 +37,7 @@ from sbd_jax.decoding.prompts import Prompt  # noqa: E402
 from sbd_jax.decoding.runner import BatchDecoder, DecodeOptions, decode_prompts  # noqa: E402
 from sbd_jax.io.hf import from_pretrained  # noqa: E402
 from sbd_jax.io.tokenizer import Tokenizer  # noqa: E402
-from sbd_jax.models.transformer import init_params  # noqa: E402
+from sbd_jax.models.params import init_params  # noqa: E402
 
 K = 16
 

@@ -26,7 +26,7 @@ from sbd_jax.models.config import ModelConfig  # noqa: E402
 from sbd_jax.decoding import DecodeSpec  # noqa: E402
 from bench import calibrate as calibration  # noqa: E402
 from sbd_jax.decoding.modes.verify import costs  # noqa: E402
-from sbd_jax.models.transformer import init_params  # noqa: E402
+from sbd_jax.models.params import init_params  # noqa: E402
 
 # (name, hidden, layers, intermediate, vocab, batches)
 SHAPES = [("demo", 128, 4, 384, 192, (1, 16, 64)), ("tiny-1k", 128, 4, 384, 1024, (1, 16, 64)),

@@ -39,7 +39,7 @@ from sbd_jax.decoding import continuous  # noqa: E402
 from sbd_jax.decoding.decoder import decode_batch  # noqa: E402
 from sbd_jax.models.lora import LORA_TARGETS, AdapterLayout  # noqa: E402
 from sbd_jax.models.quant import quantize_params  # noqa: E402
-from sbd_jax.models.transformer import param_specs  # noqa: E402
+from sbd_jax.models.params import param_specs  # noqa: E402
 from sbd_jax.sharding import MeshConfig, make_mesh, param_shardings  # noqa: E402
 from sbd_jax.training.config import ModelSource, OptimConfig  # noqa: E402
 from sbd_jax.training.examples import PackedBatch  # noqa: E402

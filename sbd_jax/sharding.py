@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import ConfigError
 from .models.config import ModelConfig
-from .models.transformer import param_specs
+from .models.params import param_specs
 from .sharding_rules import (CONTEXT_AXIS, DEFAULT_RULES, MESH_AXES, context_size,  # noqa: F401 (re-exported)
                              logical_to_spec)
 
@@ -99,7 +99,7 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, rules=None) -> dict:
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, rules=None) -> dict:
     """`params` laid out by the rules; an attached (copy-only) LoRA weight's base as its weight, its small A and B
     replicated."""
-    from .models.adapted import LoRAWeight
+    from .models.lora import LoRAWeight
 
     def put(x, sh):
         if isinstance(x, LoRAWeight):

@@ -10,7 +10,7 @@ from sbd_jax.decoding import DecodeError, DecodeSpec, generate
 from sbd_jax.models.config import ModelConfig
 from bench.calibrate import calibrate
 from sbd_jax.decoding.modes.verify import costs, policy
-from sbd_jax.models.transformer import init_params
+from sbd_jax.models.params import init_params
 
 CAPS = np.array([18, 7, 13, 1], np.int32)
 

@@ -21,8 +21,7 @@ from sbd_jax.decoding import DecodeError, DecodeSpec, generate
 from sbd_jax.decoding.continuous import decode_stream
 from sbd_jax.models import forward
 from sbd_jax.models.lora import AdapterLayout, attach, init_adapter
-from sbd_jax.models.adapted import Int4Groups
-from sbd_jax.models.quant import (QUANTIZED, QUANTIZED_TYPES, QArray, Quantization, quantization_of,
+from sbd_jax.models.quant import (QUANTIZED, QUANTIZED_TYPES, Int4Groups, QArray, Quantization, quantization_of,
                                   quantize_params, weight_axes)
 
 SCHEMES = ("int8", "fp8", "int4-g8")  # the test model's head_dim is 8: int4 in groups of 8
@@ -269,7 +268,7 @@ def test_gptq_equals_its_reference_and_beats_rounding_on_the_calibration(params,
     """gptq_params: the same scales and layout as round-to-nearest, values equal to a float64 reference of GPTQ's
     updates (exact grid values), and a smaller output error on the calibration activations."""
     from sbd_jax.models.gptq import calibration_hessians, gptq_params
-    from sbd_jax.models.transformer import unstack_layers
+    from sbd_jax.models.params import unstack_layers
     ids = np.random.default_rng(0).integers(0, CFG.vocab_size, (4, 24))
     got = gptq_params(params, CFG, scheme, ids)
     rtn = quantized[scheme]

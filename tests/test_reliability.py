@@ -162,7 +162,7 @@ def test_nan_loss_is_named_and_nothing_is_saved(inputs):
     """NaN weights from the start: the loss of step 1 is named; no checkpoint is written."""
     cfg = cfg_of(inputs)
     mcfg = cfg.model.config
-    from sbd_jax.models.transformer import init_params
+    from sbd_jax.models.params import init_params
     params = jax.tree.map(lambda x: x * np.nan, init_params(mcfg, jax.random.PRNGKey(0)))
     with pytest.raises(NonFiniteStepError, match=r"step 1: the loss is not finite.*starts over"):
         train(cfg, model=(mcfg, params))

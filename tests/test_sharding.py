@@ -9,7 +9,7 @@ import sbd_jax.sharding as sh
 from sbd_jax.config import ConfigError
 from sbd_jax.models.config import ModelConfig
 from sbd_jax.models import init_params, param_shapes
-from sbd_jax.models.transformer import param_specs
+from sbd_jax.models.params import param_specs
 from sbd_jax.training.optim import decay_mask
 
 

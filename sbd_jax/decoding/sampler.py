@@ -37,7 +37,7 @@ def generation_eos(cfg: ModelConfig, model_dir) -> tuple[int, ...]:
 def quantized_base(params: dict, cfg: ModelConfig, quantization) -> dict:
     """`params` with the projections quantized; an attached (copy-only) adapter's LoRA weights keep their adapter and
     quantize the base weight under it."""
-    from ..models.adapted import LoRAWeight, base_of
+    from ..models.lora import LoRAWeight, base_of
     q = quantize_params(base_of(params), cfg, quantization, delete=True)
     return jax.tree.map(lambda p, qw: dataclasses.replace(p, w=qw) if isinstance(p, LoRAWeight) else qw, params, q,
                         is_leaf=lambda x: isinstance(x, LoRAWeight))

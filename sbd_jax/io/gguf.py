@@ -39,7 +39,7 @@ import numpy as np
 
 from ..config import ConfigError
 from ..models.config import ModelConfig, RopeScaling
-from ..models.transformer import param_specs
+from ..models.params import param_specs
 from .gguf_header import scan_header
 from .gguf_meta import GGUFError, meta_value
 from .gguf_output import (MARKER, Terminated, check_replaceable, entries, publish, remove_leftovers, sigterm_unwinds,

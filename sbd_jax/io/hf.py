@@ -19,7 +19,7 @@ from ..models.config import ModelConfig
 from ..jsonlines import read_object
 from ..models.hf_config import KNOWN_KEYS, config_from_hf
 from ..models.quant import QUANTIZED, Quantization, quantize_jit
-from ..models.transformer import ParamSpec, param_specs
+from ..models.params import ParamSpec, param_specs
 from .hf_layout import CheckpointError, hf_names, hf_shape
 from .hf_quant import QUANT_KEY, quantization_in, read_layer
 from .hf_save import atomic_write, host_value, save_generation_files, save_pretrained

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..models.config import ModelConfig
-from ..models.transformer import ParamSpec, axis_sizes
+from ..models.params import ParamSpec, axis_sizes
 
 
 class CheckpointError(ValueError):

@@ -24,9 +24,8 @@ import numpy as np
 
 from ..config import ConfigError
 from ..models.config import ModelConfig
-from ..models.adapted import Int4Groups
-from ..models.quant import QArray, Quantization, weight_axes
-from ..models.transformer import ParamSpec
+from ..models.quant import Int4Groups, QArray, Quantization, weight_axes
+from ..models.params import ParamSpec
 from .hf_layout import CheckpointError, hf_shape
 
 QUANT_KEY = "quantization_config"

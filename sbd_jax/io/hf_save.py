@@ -16,7 +16,7 @@ from ..config import ConfigError
 from ..models.config import ModelConfig
 from ..models.hf_config import config_to_hf
 from ..models.quant import QUANTIZED, quantization_of
-from ..models.transformer import param_specs
+from ..models.params import param_specs
 from .hf_layout import hf_names, hf_shape
 from .hf_quant import Tensor, config_entry, tensors
 

@@ -15,6 +15,8 @@ SmolLM2-135M; this takes ~30 s. GPTQ needs the float model and calibration text 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,12 +26,30 @@ from qwix import QArray
 
 from ..config import ConfigError
 from .config import ModelConfig
-from .adapted import Observed
+from .layers import project
 from .quant import QUANTIZED, Quantization, quantize_weight, weight_axes
-from .transformer import forward, unstack_layers
+from .transformer import forward
+from .params import Weight, unstack_layers
 
 BLOCK = 128  # columns updated together (the paper's lazy batch)
 DAMP = 0.01  # of the mean diagonal, added to H's diagonal (the paper's dampening)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("w",), meta_fields=("on_input",))
+@dataclasses.dataclass(frozen=True)
+class Observed(Weight):
+    """A weight whose input activations are handed to `on_input` (on the host, `jax.debug.callback`) whenever it is
+    multiplied: how GPTQ calibration (sbd_jax/models/gptq.py) sees a layer's inputs, in a jitted forward."""
+
+    w: Any
+    on_input: Any
+
+    def astype(self, dtype) -> Observed:
+        return dataclasses.replace(self, w=self.w.astype(dtype))
+
+    def product(self, spec: str, x):
+        jax.debug.callback(self.on_input, x)
+        return project(spec, x, self.w)
 
 
 def calibration_hessians(params: dict, cfg: ModelConfig, ids, *, batch: int = 4) -> dict:

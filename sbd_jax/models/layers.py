@@ -1,4 +1,6 @@
-"""Shared layers of Llama-3.x and Qwen3 as pure functions: RMSNorm, RoPE (with llama3 scaling), SwiGLU."""
+"""Shared layers of Llama-3.x and Qwen3 as pure functions: the three ops that read weights (`project`, `embed_rows`,
+`head_logits`: a plain array, qwix's QArray or a `Weight` that reads itself), RMSNorm, RoPE (with llama3 scaling),
+SwiGLU."""
 from __future__ import annotations
 
 import math
@@ -8,7 +10,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .adapted import project
+from .params import Weight
+from .quant import QArray, quantized_product
+
+
+def project(spec: str, x, w):
+    """`jnp.einsum(spec, x, w)` (spec: activations first, weight second); a `Weight` multiplies itself (int4 groups,
+    LoRA, GPTQ's watched weight) and an int8 / fp8 QArray goes through qwix in its quantized form (quant.py)."""
+    if isinstance(w, Weight):
+        return w.product(spec, x)
+    if isinstance(w, QArray):
+        return quantized_product(spec, x, w)
+    return jnp.einsum(spec, x, w)
+
+
+def embed_rows(w, tokens_BT):
+    """Embedding lookup [B, T, D]; a `Weight` (the mask token's patched row: lora.py) reads its own."""
+    return w.embed(tokens_BT) if isinstance(w, Weight) else w[tokens_BT]
+
+
+def head_logits(spec: str, h_BTD, w, dtype):
+    """Logits [B, T, V] in `dtype` (spec "btd,vd->btv" for a tied head, "btd,dv->btv" for lm_head)."""
+    if isinstance(w, Weight):
+        return w.logits(spec, h_BTD, dtype)
+    return jnp.einsum(spec, h_BTD, w, preferred_element_type=dtype)
 
 
 def rms_norm(x, weight, eps):
@@ -46,6 +71,6 @@ def apply_rope(x_BTHD, positions_BT, inv_freq):
 
 
 def swiglu(x_BTD, w_gate_DF, w_up_DF, w_down_FD):
-    """The MLP; each weight may carry a LoRA adapter (`adapted.project`)."""
+    """The MLP; each weight may carry a LoRA adapter (`project`)."""
     gate, up = (project("btd,df->btf", x_BTD, w) for w in (w_gate_DF, w_up_DF))
     return project("btf,fd->btd", jax.nn.silu(gate) * up, w_down_FD)

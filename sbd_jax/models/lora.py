@@ -17,14 +17,101 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from ..config import ConfigError
 from .config import ModelConfig
-from .adapted import LoRAWeight, RowPatch
-from .transformer import PARAM_SPECS, ParamSpec, axis_sizes
+from .layers import project
+from .params import PARAM_SPECS, ParamSpec, Weight, axis_sizes
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("w", "a", "b", "gate"),
+                   meta_fields=("scale", "copy_only"))
+@dataclasses.dataclass(frozen=True)
+class LoRAWeight(Weight):
+    """A frozen weight `w` (its einsum's in dims, then out dims) plus A [in dims..., r] and B [r, out dims...]:
+    x @ W_eff = x @ w + scale * (x @ A) @ B, with W_eff = w + scale * A @ B never formed.
+
+    `copy_only`: the low-rank path applies to copy-stream (mask) tokens only, so clean tokens run the base model
+    exactly; the forward sets `gate` (bool [B, T], True on copy tokens) per call (`gated`)."""
+
+    w: Any
+    a: Any
+    b: Any
+    scale: float
+    copy_only: bool = False
+    gate: Any = None
+
+    def product(self, spec: str, x):
+        """The base's product plus the low-rank path (for a copy-only weight on the gated tokens only)."""
+        spec_a, spec_b = _lora_specs(spec)
+        base = project(spec, x, self.w)
+        delta = jnp.einsum(spec_b, jnp.einsum(spec_a, x, self.a), self.b) * self.scale
+        if not self.copy_only:
+            return base + delta
+        if self.gate is None:
+            raise ValueError("a copy-only LoRA weight multiplied outside a forward that sets its gate (`gated`)")
+        gate = self.gate.reshape(self.gate.shape + (1,) * (base.ndim - self.gate.ndim))
+        return jnp.where(gate, base + delta, base)  # clean tokens: the base's product, bit for bit
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("w", "value"),
+                   meta_fields=("index", "axis", "input_only"))
+@dataclasses.dataclass(frozen=True)
+class RowPatch(Weight):
+    """A frozen vocabulary matrix `w` (embedding [V, D]: axis 0; untied lm_head [D, V]: axis 1) whose entry `index`
+    along `axis` reads `value` [D] instead: the added mask token's trainable row. `input_only`: only the embedding
+    lookup reads it; a tied head keeps the base's row (a copy-only adapter leaves every logit of the base)."""
+
+    w: Any
+    value: Any
+    index: int
+    axis: int
+    input_only: bool = False
+
+    def embed(self, tokens_BT):
+        return jnp.where((tokens_BT == self.index)[..., None], self.value, self.w[tokens_BT])
+
+    def logits(self, spec: str, h_BTD, dtype):
+        """The base's logits; the patched entry's is its own row's (not an `input_only` patch's)."""
+        logits = jnp.einsum(spec, h_BTD, self.w, preferred_element_type=dtype)
+        if self.input_only:
+            return logits
+        own = jnp.einsum("btd,d->bt", h_BTD, self.value, preferred_element_type=dtype)
+        return logits.at[..., self.index].set(own)
+
+
+@functools.lru_cache(maxsize=64)
+def _lora_specs(spec: str) -> tuple[str, str]:
+    """"btd,dhk->bthk" -> ("btd,dr->btr", "btr,rhk->bthk"): the weight's letters shared with x go through A."""
+    lhs, rest = spec.split(",")
+    rhs, out = rest.split("->")
+    r = next(c for c in "rzyxwuv" if c not in spec)
+    ins = "".join(c for c in rhs if c in lhs)
+    outs = "".join(c for c in rhs if c not in lhs)
+    keep = "".join(c for c in lhs if c not in ins)
+    return f"{lhs},{ins}{r}->{keep}{r}", f"{keep}{r},{r}{outs}->{out}"
+
+
+def has_copy_only(tree) -> bool:
+    """Whether `tree` holds a copy-only LoRA weight (the forward then gates it per token)."""
+    return any(isinstance(x, LoRAWeight) and x.copy_only
+               for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, LoRAWeight)))
+
+
+def gated(tree, copy_BT):
+    """`tree` with every copy-only LoRA weight's gate set to `copy_BT` (bool [B, T]: the call's copy tokens)."""
+    return jax.tree.map(lambda x: dataclasses.replace(x, gate=copy_BT) if isinstance(x, LoRAWeight) and x.copy_only
+                        else x, tree, is_leaf=lambda x: isinstance(x, LoRAWeight))
+
+
+def base_of(tree):
+    """`tree` without its LoRA paths: each LoRAWeight's frozen weight."""
+    return jax.tree.map(lambda x: x.w if isinstance(x, LoRAWeight) else x, tree,
+                        is_leaf=lambda x: isinstance(x, LoRAWeight))
+
 
 # short target name -> the weight it adapts (PARAM_SPECS names, without "layers/")
 LORA_TARGETS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}

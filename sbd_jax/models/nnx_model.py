@@ -7,7 +7,8 @@ import jax
 from flax import nnx
 
 from .config import ModelConfig
-from .transformer import forward, init_params
+from .transformer import forward
+from .params import init_params
 
 
 class SBDTransformer(nnx.Module):

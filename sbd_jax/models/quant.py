@@ -1,19 +1,21 @@
 """Weight-only quantization of the projections for decoding, with google's qwix (`qwix.quantize` -> `qwix.QArray`,
-read by `qwix.einsum` in `adapted.project`).
+read by `qwix.einsum`: `quantized_product`, which layers.project calls).
 
 Schemes (`Quantization.scheme`):
   * "int8": symmetric int8, one scale per output channel (and layer);
   * "fp8": float8_e4m3fn values (what Hopper multiplies natively), one scale per output channel;
   * "int4": 4-bit values with a float scale and low end per group of `group_size` consecutive inputs of each output
-    channel (`adapted.Int4Groups`, llama.cpp's Q4_1 form; by hand, not qwix: its int4 zero point is an integer,
+    channel (`Int4Groups`, llama.cpp's Q4_1 form; by hand, not qwix: its int4 zero point is an integer,
     and symmetric int4 loses far more on small models: BENCHMARKS.md "Quantization").
 The seven projections (q, k, v, o, gate, up, down) are quantized; embeddings, the LM head and norms stay as they
 are. Both forms are pytrees (values, scales [, low ends]), so the layer scan, `unstack_layers` and sharding treat
-their arrays like any weight; `adapted.cast_floats` casts only their scales.
+their arrays like any weight; `cast_floats` casts only their scales.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +23,57 @@ import qwix
 
 from ..config import ConfigError
 from .config import ModelConfig
-from .adapted import Int4Groups
-from .transformer import PARAM_SPECS
+from .params import PARAM_SPECS, Weight
 
 QArray = qwix.QArray
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("q", "scale", "low"), meta_fields=("axis",))
+@dataclasses.dataclass(frozen=True)
+class Int4Groups(Weight):
+    """A weight in 4 bits (the "int4" scheme): unsigned values `q` (uint4, 0..15; the weight's shape)
+    and, per group of consecutive inputs along `axis` (negative, from the end, so that a stacked weight's layers
+    slice alike), a float `scale` and `low` end: w ~ q * scale + low, llama.cpp's Q4_1 form. Its low end is a
+    float: qwix's int4 QArray rounds its zero point to an integer, a shift of up to half a step for a whole group
+    (+24% perplexity on SmolLM2-135M in groups of 32, BENCHMARKS.md "Quantization")."""
+
+    q: Any
+    scale: Any
+    low: Any
+    axis: int
+
+    def astype(self, dtype) -> Int4Groups:
+        return dataclasses.replace(self, scale=self.scale.astype(dtype), low=self.low.astype(dtype))
+
+    def dequantize(self, dtype) -> jax.Array:
+        """The weight in `dtype`: each group's values scaled and shifted."""
+        a = self.q.ndim + self.axis
+        G, shape = self.scale.shape[a], self.q.shape
+        split = shape[:a] + (G, shape[a] // G) + shape[a + 1:]
+        q = self.q.reshape(split).astype(dtype)
+        w = q * jnp.expand_dims(self.scale, a + 1).astype(dtype) + jnp.expand_dims(self.low, a + 1).astype(dtype)
+        return w.reshape(shape)
+
+    def product(self, spec: str, x):
+        return quantized_product(spec, x, self)
+
+
+def quantized_product(spec: str, x, w):
+    """`einsum(spec, x, w)` of a quantized weight: a QArray multiplied by qwix in its quantized form, `Int4Groups`
+    dequantized into the product."""
+    # tied to the activations, a weight's dequantization runs when its layer does: without, XLA may schedule
+    # every layer's (or hoist it out of the decode loop), a full-precision copy of the model beside it
+    x, w = jax.lax.optimization_barrier((x, w))
+    if isinstance(w, QArray):
+        return qwix.einsum(spec, x, w, preferred_element_type=x.dtype)
+    return jnp.einsum(spec, x, w.dequantize(x.dtype))
+
+
+def cast_floats(tree, dtype):
+    """Every weight in `tree` in `dtype`; a quantized one (QArray, Int4Groups) keeps its values and casts its scales,
+    so its product comes out in `dtype`."""
+    return jax.tree.map(lambda a: a.astype(dtype), tree, is_leaf=lambda x: isinstance(x, QArray | Int4Groups))
+
 QUANTIZED_TYPES = (QArray, Int4Groups)
 SCHEMES = ("int8", "fp8", "int4")
 QUANTIZED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the per-layer weights that are quantized

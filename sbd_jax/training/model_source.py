@@ -14,7 +14,7 @@ from ..config import ConfigError
 from ..models.config import ModelConfig
 from ..io.hf import from_pretrained, load_hf_config, stored_quantization
 from ..models.fingerprint import base_fingerprint
-from ..models.transformer import init_params
+from ..models.params import init_params
 from ..sharding import param_shardings, shard_params
 from .config import ModelSource
 

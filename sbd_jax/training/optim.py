@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from ..models.transformer import PARAM_SPECS
+from ..models.params import PARAM_SPECS
 from .config import OptimConfig
 
 _NO_DECAY = frozenset(s.name.split("/")[-1] for s in PARAM_SPECS if s.init != "normal")

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..models.config import ModelConfig
 from ..models.lora import AdapterLayout, adapter_specs, attach
-from ..models.transformer import param_specs
+from ..models.params import param_specs
 from ..sharding import batch_sharding, mesh_context, spec_shardings
 from .context import check_layout, context_shards, example_spec, place_example, whole_table
 from .examples import Example, PackedBatch, make_example
