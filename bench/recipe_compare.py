@@ -5,7 +5,9 @@ runs share this 2-core CPU without slowing each other's clock) until its CPU sec
 draft metric excluded: `cpu_seconds` in draft_quality.jsonl) reach --budget; the learning rate is constant after
 warmup, so a run cut at the budget is not penalized against one that planned its decay. A rerun resumes each
 unfinished run from its checkpoint. Then the table (results.json, printed as markdown) and the plot of the draft
-metric against CPU seconds.
+metric against CPU seconds. `--lossy N` then exports each run's adapter at its last checkpoint and decodes N
+held-out functions with the lossy EB rule (lossy.json): whole-block drafts, which the draft metric judges, are
+not what EB refinement sees (partly decoded blocks), so a mask-rate option is judged on the lossy rows' quality.
 
     python bench/recipe_compare.py --model MODEL_DIR --distilled train_distilled.jsonl \
         --heldout heldout_distilled.jsonl --human train.jsonl --out bench/results/recipes --budget 2400
@@ -47,6 +49,9 @@ RECIPES = {
     "copy-lr3e-3": ("lr 3e-3 instead of 1e-3", "distilled", ["optim.lr=3.0e-3"]),
     "copy-soft": ("targets: half the data's token, half the base's next-token distribution (sbd.soft_targets=0.5)",
                   "distilled", ["sbd.soft_targets=0.5"]),
+    "copy-eta": ("mask rate: the paper's eta ~ U[0, 1] per document instead of all-masked blocks", "distilled",
+                 ["sbd.eta=[0.0,1.0]"]),
+    "copy-eta-half": ("mask rate: eta ~ U[0.5, 1] per document", "distilled", ["sbd.eta=[0.5,1.0]"]),
 }
 SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
@@ -110,6 +115,61 @@ def run_all(args, names: list[str], data: dict[str, Path]) -> None:
                       f" ({e[-1]['step'] if e else 0} steps)", flush=True)
 
 
+def export(args, name: str, data: Path) -> Path:
+    """The run's adapter at its last checkpoint (<run>/adapter): train.py resumed with `steps` set to that step
+    exports it and stops."""
+    run = args.out / name
+    if not (run / "adapter").is_dir():
+        step = max(int(d.name) for d in (run / "checkpoints").iterdir() if d.name.isdigit())
+        cmd = [c for c in command(args, name, data) if not c.startswith("steps=")]
+        subprocess.run([*cmd, f"steps={step}", "allow_changes=[steps]"], check=True, cwd=ROOT,
+                       stdout=subprocess.DEVNULL)
+    return run / "adapter"
+
+
+def _lossy_row(r: dict, ar: list) -> dict:
+    """A lossy row's scores; `ar_prefix`: the share of the base AR's tokens each output repeats before its first
+    difference, averaged over the functions (how far the rule follows AR)."""
+    def prefix(out, ref):
+        n = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+        return n / max(len(ref), 1)
+    return {"label": r["label"], "first_line_exact": r["first_line_exact"], "similarity": round(r["similarity"], 4),
+            "tokens_per_forward": round(r["tokens_per_forward"], 3),
+            "ar_prefix": round(float(np.mean([prefix(o, a) for o, a in zip(r["outputs"], ar)])), 4)}
+
+
+def lossy(args, names: list[str], data: dict[str, Path]) -> dict:
+    """The base model's AR and each run's lossy EB rows (gammas 0.35 and 1, block 16, batch 16) on the first
+    `args.lossy` functions of `args.functions`; kept in lossy.json, a rerun adds only what is missing."""
+    from demos.real.adapter_eval import settings
+    from demos.real.evaluation import evaluate, read_records
+    records = read_records(args.functions)[:args.lossy]
+    cfg = settings(out_dir=str(args.out), n_heldout=len(records), lossless_policies=(), threshold_gammas=(),
+                   latency_n=0)
+    path = args.out / "lossy.json"
+    done = json.loads(path.read_text()) if path.exists() else {}
+    if "base" not in done:
+        [r] = evaluate(cfg, {"base": Path(args.model)}, records, [], select=lambda d: d.mode == "ar")
+        done["base"] = {"outputs": r["outputs"], "rows": [_lossy_row(r, r["outputs"])]}
+    for n in names:
+        if n not in done:
+            adapter = export(args, n, data[RECIPES[n][1]])
+            rows = evaluate(cfg, {"base": Path(args.model), "lora": (Path(args.model), adapter)}, records, [],
+                            select=lambda d: d.model == "lora")
+            done[n] = {"rows": [_lossy_row(r, done["base"]["outputs"]) for r in rows]}
+        path.write_text(json.dumps(done) + "\n")
+    return done
+
+
+def print_lossy(table: dict, names: list[str]) -> None:
+    print("\n| recipe | row | first-line exact | similarity | AR's tokens kept before a difference | tokens / forward |"
+          "\n|---|---|---:|---:|---:|---:|")
+    for n in ["base", *names]:
+        for r in table[n]["rows"]:
+            print(f"| {n} | {r['label']} | {100 * r['first_line_exact']:.1f}% | {r['similarity']:.3f} | "
+                  f"{100 * r['ar_prefix']:.0f}% | {r['tokens_per_forward']:.2f} |")
+
+
 def at(evals: list[dict], key, t: float) -> float:
     """The metric `key` (a field, or a function of a record) at `t` CPU seconds: each evaluation averaged with its
     neighbours (the metric's noise: +-0.07 on 128 blocks), then interpolated linearly; NaN past the last one."""
@@ -170,7 +230,11 @@ def main(argv=None):
     ap.add_argument("--every", type=int, default=10, help="steps between draft metric evaluations")
     ap.add_argument("--rows", type=int, default=16, help="held-out records of the draft metric (8 blocks each)")
     ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "recipe_compare.png")
+    ap.add_argument("--lossy", type=int, default=0, help="held-out functions decoded by the lossy rows (0: none)")
+    ap.add_argument("--functions", type=Path, help="the data stage's heldout.jsonl (for --lossy)")
     args = ap.parse_args(argv)
+    if args.lossy and not args.functions:
+        ap.error("--lossy needs --functions (the data stage's heldout.jsonl)")
     args.out = args.out.absolute()
     data = {"distilled": args.distilled.absolute(),
             "human": human_records(args.distilled, args.human, args.model, args.out / "data" / "human.jsonl")}
@@ -185,7 +249,8 @@ def main(argv=None):
     for r in rows:
         print(f"| {r['recipe']} | {r['tests']} | {r['steps']} | {r['half']:.2f} | {r['tokens_per_forward']:.2f} | "
               f"{', '.join(f'{a:.2f}' for a in r['agreement_1_3'])} |")
-
+    if args.lossy:
+        print_lossy(lossy(args, args.recipes, data), args.recipes)
 
 if __name__ == "__main__":
     main()
