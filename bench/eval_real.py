@@ -43,7 +43,8 @@ def main(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=192)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--policies", nargs="+", default=["adaptive", "always"])
-    ap.add_argument("--always-block", type=int, default=4, help="the 'always' row's block size (0: the table's, 16)")
+    ap.add_argument("--always-blocks", type=int, nargs="*", default=[2, 4],
+                    help="the 'always' rows' block sizes, one row each (none given: one row at the table's, 16)")
     ap.add_argument("--gammas", type=float, nargs="*", default=[0.35, 1.0])
     ap.add_argument("--threshold-gammas", type=float, nargs="*", default=[0.35, 1.0])
     ap.add_argument("--lossy-latency", action="store_true", help="time the lossy rows at batch 1 too")
@@ -54,7 +55,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     cfg = settings(out_dir=str(out), prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
                    n_heldout=args.limit, lossless_policies=tuple(args.policies),
-                   always_block=args.always_block or None, gammas=tuple(args.gammas),
+                   always_blocks=tuple(args.always_blocks), gammas=tuple(args.gammas),
                    threshold_gammas=tuple(args.threshold_gammas), eval_batch=args.batch, latency_n=args.latency_n,
                    latency_lossy=args.lossy_latency)
     base = Path(args.model) if args.model else stage_base(cfg)

@@ -164,11 +164,12 @@ def test_config_checks():
         RealDemoConfig(lossless_policies=("sometimes",))
     with pytest.raises(ConfigError, match="latency_n"):
         RealDemoConfig(latency_n=-1)
-    with pytest.raises(ConfigError, match="always_block"):
-        RealDemoConfig(always_block=1)
-    rows = decoders(RealDemoConfig(always_block=4))  # the "always" row at its own block, the others at the table's
-    assert [(d.policy, d.block_size) for d in rows if d.verify] == [("adaptive", None), ("always", 4)]
-    assert "block 4" in rows[2].label and "block" not in rows[1].label
+    for bad in ((1,), 4):
+        with pytest.raises(ConfigError, match="always_blocks"):
+            RealDemoConfig(always_blocks=bad)
+    rows = decoders(RealDemoConfig(always_blocks=(2, 4)))  # an "always" row per block, the others at the table's
+    assert [(d.policy, d.block_size) for d in rows if d.verify] == [("adaptive", None), ("always", 2), ("always", 4)]
+    assert "block 2" in rows[2].label and "block 4" in rows[3].label and "block" not in rows[1].label
     with pytest.raises(ConfigError, match="size"):
         recipe.run(Path("/nonexistent"), "huge")
     with pytest.raises(ConfigError, match="unknown stage"):

@@ -15,9 +15,9 @@ from .metrics import identical_share
 
 def settings(**kw) -> RealDemoConfig:
     """The evaluation's settings: greedy, block 16, 192-token prompts, 128 new tokens, the lossless policies adaptive
-    and always (at block 4: a CPU's affordable width), EB and the threshold rule at gammas 0.35 and 1, batch 16, 8
+    and always (at blocks 2 and 4: a CPU's affordable widths), EB and the threshold rule at gammas 0.35 and 1, batch 16, 8
     prompts timed one at a time; `kw` overrides."""
-    base = dict(prompt_tokens=192, max_new_tokens=128, lossless_policies=("adaptive", "always"), always_block=4,
+    base = dict(prompt_tokens=192, max_new_tokens=128, lossless_policies=("adaptive", "always"), always_blocks=(2, 4),
                 gammas=(0.35, 1.0), threshold_gammas=(0.35, 1.0), eval_batch=16, latency_n=8, latency_lossy=False)
     return RealDemoConfig(**{**base, **kw})
 

@@ -31,9 +31,10 @@ class RealDemoConfig:
     # lossless (verify) rows, one per drafting policy (DecodeSpec.draft_policy): the default "adaptive", and
     # "always" (every call drafting at the widest width: the drafts' quality, the tokens-per-forward ceiling of drafting)
     lossless_policies: tuple[str, ...] = ("adaptive", "always")
-    # the "always" row's block size (None: block_size): on a CPU the widest call at block 16 (16 + 256 queries per
-    # row) takes hours at batch 32, where block 4 (20 queries) shows the drafts a compute-bound device can afford
-    always_block: int | None = None
+    # the "always" rows' block sizes, one row each (empty: one row at block_size): on a CPU the widest call at block
+    # 16 (16 + 256 queries per row) takes hours at batch 32, where block 4 (20 queries) shows the drafts a
+    # compute-bound device can afford and block 2 (6 queries) the cheapest call that drafts
+    always_blocks: tuple[int, ...] = ()
     wide_cost: float | None = None  # lossless rows: the widest call's cost in AR calls (None: the cost model's)
     gammas: tuple[float, ...] = (0.1, 0.35, 1.0)  # the paper's EB rule (lossy)
     threshold_gammas: tuple[float, ...] = (0.1, 0.35)  # the threshold rule (lossy)
@@ -51,6 +52,7 @@ class RealDemoConfig:
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
         check_policies(self.lossless_policies)
-        if self.always_block is not None and self.always_block < 2:
-            raise ConfigError(f"always_block must be >= 2 (or None: block_size), got {self.always_block}")
+        if isinstance(self.always_blocks, (str, int)) or any(not isinstance(b, int) or b < 2 for b in self.always_blocks):
+            raise ConfigError(f"always_blocks must be a tuple of block sizes >= 2 (empty: block_size), got "
+                              f"{self.always_blocks!r}")
 

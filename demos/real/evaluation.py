@@ -18,10 +18,10 @@ from .config import RealDemoConfig
 
 def decoders(cfg: RealDemoConfig) -> list[Decoder]:
     """The base model's AR (the reference: lossless output equals it), then the adapter's lossless rows (one per
-    drafting policy; "always" at `cfg.always_block` when set) and its lossy EB and threshold rows (as in the toy
+    drafting policy; "always" once per `cfg.always_blocks` when set) and its lossy EB and threshold rows (as in the toy
     demo)."""
     return [Decoder("base model, AR", "base", "ar"),
-            *sbd_decoders(cfg, name="adapter", model="lora", always_block=cfg.always_block)]
+            *sbd_decoders(cfg, name="adapter", model="lora", always_blocks=cfg.always_blocks)]
 
 
 def _prompts(records: list[dict], start: int = 0) -> list[Prompt]:

@@ -53,7 +53,7 @@ class RecipeSize:
     eval_batch: int
     latency_n: int
     policies: tuple[str, ...] = ("adaptive",)
-    always_block: int | None = None  # the "always" row's block (RealDemoConfig.always_block)
+    always_blocks: tuple[int, ...] = ()  # the "always" rows' blocks (RealDemoConfig.always_blocks)
     train_overrides: tuple[str, ...] = ()
 
     def data_config(self, work: Path, **kw) -> RealDemoConfig:
@@ -61,13 +61,14 @@ class RecipeSize:
 
 
 # cpu: what the committed adapter was trained with (1344 prompts, 500 steps of 4 rows), evaluated on 64 functions
-# (the "always" row at block 4: the widest call at block 16, 272 queries per row, takes hours at batch 16 on 2 cores);
+# (the "always" rows at blocks 2 and 4: the widest call at block 16, 272 queries per row, takes hours at batch 16 on
+# 2 cores);
 # gpu: the campaign's (an H100 or H200, 15 minutes of device time in all: ~30k windows, ~4M tokens, 1500 x 32 rows);
 # tiny: every stage and code path in a CPU minute (tests/test_demo_real.py; the numbers mean nothing)
 SIZES = {
     "cpu": RecipeSize(data=dict(prompt_tokens=192, n_heldout=64, n_humaneval=0), prompt_len=192, stride=None,
                       max_prompts=1344, max_new=128, decode_batch=32, steps=500, batch=4, dtype=None, eval_limit=64,
-                      eval_batch=16, latency_n=8, policies=("adaptive", "always"), always_block=4),
+                      eval_batch=16, latency_n=8, policies=("adaptive", "always"), always_blocks=(2, 4)),
     "gpu": RecipeSize(data=dict(prompt_tokens=256, n_heldout=128, n_humaneval=0), prompt_len=192, stride=48,
                       max_prompts=None, max_new=128, decode_batch=512, steps=1500, batch=32, dtype="bfloat16",
                       eval_limit=128, eval_batch=32, latency_n=8, policies=("adaptive", "always")),
@@ -173,7 +174,7 @@ def stage_eval(cfg: RealDemoConfig, base: Path, adapter: Path, held: list[dict],
 def eval_settings(size: RecipeSize, out: Path, **kw) -> RealDemoConfig:
     from .adapter_eval import settings
     return settings(out_dir=str(out), prompt_tokens=size.prompt_len, max_new_tokens=size.max_new,
-                    n_heldout=size.eval_limit, lossless_policies=size.policies, always_block=size.always_block,
+                    n_heldout=size.eval_limit, lossless_policies=size.policies, always_blocks=size.always_blocks,
                     eval_batch=size.eval_batch,
                     latency_n=size.latency_n, **kw)
 

@@ -41,15 +41,15 @@ def decoders(cfg) -> list[Decoder]:
             *sbd_decoders(cfg)]
 
 
-def sbd_decoders(cfg, name: str = "SBD fine-tune", model: str = "sbd", always_block: int | None = None) -> list[Decoder]:
+def sbd_decoders(cfg, name: str = "SBD fine-tune", model: str = "sbd", always_blocks: tuple[int, ...] = ()) -> list[Decoder]:
     """Model `model`'s SBD rows, labelled by `name`: lossless (verify), one per drafting policy of
-    `cfg.lossless_policies` (no gamma or rule: they play no part there; "always" at `always_block` when given),
+    `cfg.lossless_policies` (no gamma or rule: they play no part there; "always" once per `always_blocks` when given),
     then the paper's lossy EB rule at `cfg.gammas` and the threshold rule at `cfg.threshold_gammas`."""
-    def lossless(p):
-        block = always_block if p == "always" else None
+    def lossless(p, block=None):
         how = POLICY_LABELS[p] if block is None else f"every call drafting, block {block}"
         return Decoder(f"{name}, lossless (verify, {how})", model, "sbd", verify=True, policy=p, block_size=block)
-    out = [lossless(p) for p in cfg.lossless_policies]
+    out = [lossless(p, b) for p in cfg.lossless_policies for b in (always_blocks if p == "always" and always_blocks
+                                                                   else (None,))]
     out += [Decoder(f"{name}, SBD gamma={g:g} (lossy)", model, "sbd", g, "eb") for g in cfg.gammas]
     out += [Decoder(f"{name}, SBD threshold rule gamma={g:g} (lossy)", model, "sbd", g, "threshold")
             for g in cfg.threshold_gammas]
