@@ -42,7 +42,7 @@ def main(argv=None):
     ap.add_argument("--latency-n", type=int, default=8, help="prompts timed one at a time")
     ap.add_argument("--prompt-tokens", type=int, default=192)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--policies", nargs="+", default=["adaptive", "always"])
+    ap.add_argument("--policies", nargs="*", default=["adaptive", "always"], help="lossless rows (none: lossy rows only)")
     ap.add_argument("--always-blocks", type=int, nargs="*", default=[2, 4],
                     help="the 'always' rows' block sizes, one row each (none given: one row at the table's, 16)")
     ap.add_argument("--gammas", type=float, nargs="*", default=[0.35, 1.0])
