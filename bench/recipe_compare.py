@@ -252,5 +252,6 @@ def main(argv=None):
     if args.lossy:
         print_lossy(lossy(args, args.recipes, data), args.recipes)
 
+
 if __name__ == "__main__":
     main()

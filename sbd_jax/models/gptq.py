@@ -39,7 +39,7 @@ DAMP = 0.01  # of the mean diagonal, added to H's diagonal (the paper's dampenin
 @dataclasses.dataclass(frozen=True)
 class Observed(Weight):
     """A weight whose input activations are handed to `on_input` (on the host, `jax.debug.callback`) whenever it is
-    multiplied: how GPTQ calibration (sbd_jax/models/gptq.py) sees a layer's inputs, in a jitted forward."""
+    multiplied: how `calibration_hessians` sees a layer's inputs, in a jitted forward."""
 
     w: Any
     on_input: Any

@@ -27,6 +27,7 @@ from .config import ModelConfig
 from .layers import project
 from .params import PARAM_SPECS, ParamSpec, Weight, axis_sizes
 
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("w", "a", "b", "gate"),
                    meta_fields=("scale", "copy_only"))
 @dataclasses.dataclass(frozen=True)
