@@ -5,7 +5,7 @@ first-line exact, similarity and tokens per forward here and as recorded on the 
 functions are made from this interpreter's stdlib with the record's settings (refused, naming both fingerprints,
 if the corpus is not the record's).
 
-  python -m demos.real.reproduce [--limit N] [--batch B] [--out DIR] [--adapter DIR] [--no-latency]
+  python -m demos.real.reproduce [--limit N] [--batch B] [--out DIR] [--adapter DIR] [--no-latency] [--lossy-latency]
 """
 from __future__ import annotations
 
@@ -41,10 +41,11 @@ def load_record(adapter_dir: Path) -> dict:
 
 def reproduce(adapter_dir: Path = ADAPTER, out_dir: str = "results/real_eval", limit: int | None = None,
               batch: int | None = None, latency: bool = True, select=None, log=print,
-              max_new: int | None = None) -> list[dict]:
+              max_new: int | None = None, lossy_latency: bool = False) -> list[dict]:
     """The adapter's rows (those `select(decoder)` keeps, when given) decoded here on the record's first `limit`
     held-out functions (all: None), at `batch` rows (None: the record's), `max_new` tokens each (None: the
-    record's; fewer: compared with the recorded completions' first `max_new` tokens); -> rows, each with the
+    record's; fewer: compared with the recorded completions' first `max_new` tokens); the batch-1 pass (`latency`)
+    times the AR and lossless rows, the lossy ones too with `lossy_latency` (the slowest rows here); -> rows, each with the
     recorded figures on the same functions and tokens ("recorded") and the share of functions decoded token for
     token as recorded ("same_as_record"). Writes compare.md, compare.json and compare.png (`plot`) to `out_dir`."""
     rec = load_record(adapter_dir)
@@ -53,7 +54,7 @@ def reproduce(adapter_dir: Path = ADAPTER, out_dir: str = "results/real_eval", l
     if max_new is not None and not 1 <= max_new <= cfg.max_new_tokens:
         raise ConfigError(f"max_new must be in [1, {cfg.max_new_tokens}] (the record's), got {max_new}")
     cfg = dataclasses.replace(cfg, eval_batch=batch or cfg.eval_batch, latency_n=cfg.latency_n if latency else 0,
-                              max_new_tokens=max_new or cfg.max_new_tokens)
+                              latency_lossy=lossy_latency, max_new_tokens=max_new or cfg.max_new_tokens)
     mods = corpus.load(cfg.corpus_root)  # the record's corpus, or a refusal before anything is decoded
     if rec.get("corpus") is None:
         raise ConfigError(f"{adapter_dir}/{RECORD} names no corpus (recorded on a data stage's held-out file, "
@@ -149,12 +150,15 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="results/real_eval")
     ap.add_argument("--adapter", default=str(ADAPTER))
     ap.add_argument("--no-latency", action="store_true", help="skip the batch-1 timing pass")
+    ap.add_argument("--lossy-latency", action="store_true",
+                    help="time the lossy rows at batch 1 too (~4 more minutes at 16 functions on 2 cores)")
     ap.add_argument("--max-new", type=int, default=None, help="tokens per function (default: the record's)")
     args = ap.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         ap.error(f"--limit must be >= 1, got {args.limit}")
     try:
-        reproduce(Path(args.adapter), args.out, args.limit, args.batch, not args.no_latency, max_new=args.max_new)
+        reproduce(Path(args.adapter), args.out, args.limit, args.batch, not args.no_latency, max_new=args.max_new,
+                  lossy_latency=args.lossy_latency)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
 
