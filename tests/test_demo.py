@@ -52,10 +52,10 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     # the --quick pipeline with fewer steps and problems: every stage and table column, in a fraction of the time.
     # Smaller batches at a higher learning rate: the SBD fine-tune's MATP stream still learns enough that gamma=3
     # makes ~1.7-1.9 tokens per forward (seeds 0 and 1; the mean of the two gammas' must pass 1). The batch pass
-    # runs 8 slots over the 32 problems (slots refilled, as in decode.py). One lossless row: "always" (half the
+    # runs 8 slots over the 16 problems (slots refilled, as in decode.py). One lossless row: "always" (half the
     # compile time of "adaptive", which tests/test_verify.py, test_draft_policy.py and test_user_path.py cover).
     cfg = DemoConfig.quick(out_dir=str(tmp_path / "demo"), pretrain_steps=100, finetune_steps=80, batch_size=8,
-                           pretrain_lr=4e-3, finetune_lr=4e-3, n_test=32, eval_batch=8, lossless_policies=("always",))
+                           pretrain_lr=4e-3, finetune_lr=4e-3, n_test=16, eval_batch=8, lossless_policies=("always",))
     evaluate = pipeline.evaluate
 
     def evaluate_unoptimized(*a, **kw):
@@ -101,8 +101,8 @@ def test_quick_pipeline_end_to_end(tmp_path, capsys, monkeypatch):
     # a rerun with other training settings refuses to reuse the stale stage, naming the difference
     with pytest.raises(ConfigError, match=r"ft_ntp was made with other settings \(.*steps: 80 there, 81 now"):
         run(dataclasses.replace(cfg, finetune_steps=81), log=lambda *a: None)
-    with pytest.raises(ConfigError, match=r"data was made with other settings \(n_test: 32 there, 33 now"):
-        run(dataclasses.replace(cfg, n_test=33), log=lambda *a: None)
+    with pytest.raises(ConfigError, match=r"data was made with other settings \(n_test: 16 there, 17 now"):
+        run(dataclasses.replace(cfg, n_test=17), log=lambda *a: None)
     with pytest.raises(ConfigError, match="timing_rounds must be >= 1"):
         DemoConfig.quick(timing_rounds=0)
     # the diagnostics script runs on the finished run's output

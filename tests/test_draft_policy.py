@@ -66,12 +66,12 @@ def test_failing_drafts_cost_about_one_call_per_token(model):
 
 
 def test_calibrate_times_every_width_and_its_result_is_stated(model):
-    """`calibrate` (an explicit step, outside any trace) times every draft width, the widest (72 queries a row)
+    """`calibrate` (an explicit step, outside any trace) times every draft width, the widest (20 queries a row)
     dearer than an AR call (the narrowest, 6, is within timing noise of one on a busy CPU); its result is a valid
     `wide_cost`, used as given. Inside a trace it refuses (tests/test_decoding_errors.py): it would compile and
     time programs there."""
     params = model[0]
-    spec = DecodeSpec(mode="sbd", verify=True, block_size=8, max_new_tokens=MAX_NEW)  # widths 8, 4, 2
+    spec = DecodeSpec(mode="sbd", verify=True, block_size=4, max_new_tokens=MAX_NEW)  # widths 4, 2
     got = calibrate(params, CFG, spec, 2, 128)
     assert len(got) == len(spec.draft_widths) and all(np.isfinite(got)) and min(got) > 0 and got[0] > 1.0
     stated = DecodeSpec.make(spec, wide_cost=got)
