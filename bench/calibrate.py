@@ -64,18 +64,18 @@ def step_seconds(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_l
 
 
 def loop_seconds(runs, state, weights) -> list[float]:
-    """Seconds per step of `runs[i](state, weights)` run CALLS times in one compiled loop: the fastest of ROUNDS
-    rounds, the runs interleaved (a busy spell of a shared machine then hits them alike)."""
+    """Seconds per model call of `runs[i](state, weights)` run CALLS times in one compiled loop (a loop step may
+    make several calls, verify's run of same-width calls: the calls are counted by the state's `iters`): the
+    fastest of ROUNDS rounds, the runs interleaved (a busy spell of a shared machine then hits them alike)."""
     progs = [jax.jit(lambda s, w, r=r: jax.lax.fori_loop(0, CALLS, lambda _, x: r(x, w), s)).lower(state, weights)
              .compile() for r in runs]
-    for prog in progs:
-        jax.block_until_ready(prog(state, weights))
+    calls = [int(jax.block_until_ready(prog(state, weights)).iters) - int(state.iters) for prog in progs]
     best = [float("inf")] * len(progs)
     for _ in range(ROUNDS):
         for n, prog in enumerate(progs):
             t = time.perf_counter()
             jax.block_until_ready(prog(state, weights))
-            best[n] = min(best[n], (time.perf_counter() - t) / CALLS)
+            best[n] = min(best[n], (time.perf_counter() - t) / max(calls[n], 1))
     return best
 
 
