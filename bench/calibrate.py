@@ -19,7 +19,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sbd_jax.decoding.modes import ar  # noqa: E402
-from sbd_jax.decoding.modes.verify.step import admit, as_ar, from_ar, step as verify_step  # noqa: E402
+from sbd_jax.decoding.modes.verify.step import admit, as_ar, from_ar, wide_step  # noqa: E402
 from sbd_jax.decoding.modes.verify.state import DraftMemory, VerifyState  # noqa: E402
 from sbd_jax.decoding.spec import DecodeError, DecodeSpec  # noqa: E402
 from sbd_jax.decoding.state import make_env, new_state, prompt_seq  # noqa: E402
@@ -31,8 +31,9 @@ ROUNDS, CALLS = 5, 32
 def calibrate(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_len: int) -> tuple[float, ...]:
     """Each draft width's loop-step time over the AR step's on this device, fastest of ROUNDS (`loop_seconds`;
     greedy, every row mid-way through a cache of `cache_len` slots, `batch` rows): state the result as the spec's
-    `wide_cost`. A width's step is verify mode's own loop step (the policy's choice, the switch between call
-    kinds, the call) with costs that make the policy choose it. Compiles and runs programs: not inside a trace."""
+    `wide_cost`. A width's step is verify mode's wide call (its check and drafting; the policy's choice and the
+    switch between call kinds are paid once per run of same-width calls, `wide_run`, not per call). Compiles and
+    runs programs: not inside a trace."""
     seconds = step_seconds(params, cfg, spec, batch, cache_len)
     return tuple(round(t / seconds[0], 3) for t in seconds[1:])
 
@@ -45,37 +46,35 @@ def step_seconds(params, cfg: ModelConfig, spec: DecodeSpec, batch: int, cache_l
     spec = dataclasses.replace(spec, wide_cost=None)
     P = max(cache_len - spec.max_new_tokens, 1)
     lengths = jnp.full((batch,), max(P // 2, 1), jnp.int32)
-    env = make_env(params, cfg, spec, lengths, jnp.full((batch,), 1 << 30, jnp.int32),  # rows never end:
+    env = make_env(params, cfg, spec, lengths, jnp.full((batch,), 1 << 30, jnp.int32),
                    jnp.zeros((batch,)), jnp.zeros((batch,)), jax.random.split(jax.random.key(0), batch), None)
-    env = dataclasses.replace(env, eos=jnp.full((1,), -1, jnp.int32))  # no cap, no stop id (a finished row
-    # would make the policy fall back to AR calls inside the timed loop)
+    env = dataclasses.replace(env, eos=jnp.full((1,), -1, jnp.int32))  # no stop id; a row that reaches the cap
+    # keeps the call's shapes (finished rows are padding in the same program)
     state = admit(new_state(env, prompt_seq(jnp.zeros((batch, P), jnp.int32), lengths, spec, env), P,
                             VerifyState.new(batch, DraftMemory.empty(spec.block_size - 1))), env)
-    n = len(spec.draft_widths)
 
     def step_ar(s, w):  # AR mode's step on the same rows, as verify's runs of AR calls take it
         return from_ar(ar.step(as_ar(s), dataclasses.replace(env, params=w)), s.mode_state)
 
-    def wide(i):  # the loop's step, its policy made to choose width i by stated costs
-        forced = dataclasses.replace(spec, wide_cost=tuple(1e-3 if j == i else 1e9 for j in range(n)))
-        return lambda s, w: verify_step(s, dataclasses.replace(env, params=w, spec=forced))
+    def wide(width):  # verify's call at this draft width
+        return lambda s, w: wide_step(s, dataclasses.replace(env, params=w), width)
 
-    return loop_seconds([step_ar] + [wide(i) for i in range(n)], state, params)
+    return loop_seconds([step_ar] + [wide(width) for width in spec.draft_widths], state, params)
 
 
 def loop_seconds(runs, state, weights) -> list[float]:
-    """Seconds per model call of `runs[i](state, weights)` run CALLS times in one compiled loop (a loop step may
-    make several calls, verify's run of same-width calls: the calls are counted by the state's `iters`): the
-    fastest of ROUNDS rounds, the runs interleaved (a busy spell of a shared machine then hits them alike)."""
+    """Seconds per step of `runs[i](state, weights)` run CALLS times in one compiled loop: the fastest of ROUNDS
+    rounds, the runs interleaved (a busy spell of a shared machine then hits them alike)."""
     progs = [jax.jit(lambda s, w, r=r: jax.lax.fori_loop(0, CALLS, lambda _, x: r(x, w), s)).lower(state, weights)
              .compile() for r in runs]
-    calls = [int(jax.block_until_ready(prog(state, weights)).iters) - int(state.iters) for prog in progs]
+    for prog in progs:
+        jax.block_until_ready(prog(state, weights))
     best = [float("inf")] * len(progs)
     for _ in range(ROUNDS):
         for n, prog in enumerate(progs):
             t = time.perf_counter()
             jax.block_until_ready(prog(state, weights))
-            best[n] = min(best[n], (time.perf_counter() - t) / max(calls[n], 1))
+            best[n] = min(best[n], (time.perf_counter() - t) / CALLS)
     return best
 
 

@@ -210,6 +210,12 @@ def from_ar(ar_state: LoopState, vs: VerifyState) -> LoopState:
     return ar_state._replace(mode_state=vs._replace(block_offset=ar_state.mode_state.generated))
 
 
+def none_finished(state: LoopState, running) -> jax.Array:
+    """A run of calls inside one loop step goes on: no row of `running` (the rows running when it began) has
+    finished (the loop's own check between steps, and a continuous batch's slot refill, then see every finish)."""
+    return ~jnp.any(state.done & running)
+
+
 def ar_segment(state: LoopState, env: DecodeEnv) -> LoopState:
     """No running row holds a draft: AR mode's own step (one clean query, the token drawn by generated index, as
     here) until the policy's next exploration or until a row finishes (its choice cannot change before either)."""
@@ -218,7 +224,7 @@ def ar_segment(state: LoopState, env: DecodeEnv) -> LoopState:
 
     def more(carry):
         s, n = carry
-        return (n < budget) & ~jnp.all(s.done) & ~jnp.any(s.done & running)
+        return (n < budget) & none_finished(s, running)
 
     # the inner loop carries AR's state only
     stepped, n = jax.lax.while_loop(more, lambda c: (ar.step(c[0], env), c[1] + 1), (as_ar(state), jnp.int32(0)))
@@ -236,7 +242,7 @@ def wide_run(state: LoopState, env: DecodeEnv, kind: int, w: int) -> LoopState:
     def more(s):
         with jax.named_scope("draft_policy"):
             same = policy.choose(s, env) == kind
-        return same & ~jnp.all(s.done) & ~jnp.any(s.done & running)
+        return same & none_finished(s, running)
     return jax.lax.while_loop(more, lambda s: wide_step(s, env, w), wide_step(state, env, w))
 
 
