@@ -46,8 +46,8 @@ class Machine:
 # bench_decode's bare forwards on one H100 (8B bf16: weights at 2.5 TB/s, 410 TFLOP/s at 512 tokens per call); tpu:
 # stated from the v5e sheet, not measured
 MACHINES = {
-    "cpu": Machine(call_s=0.0, layer_s=0.0, wide_s=8.2e-4, flops={2: 5.7e10, 4: 1.15e11}, bandwidth=1.65e10,
-                   overlap=False, row_layer_s=6.6e-6, wide_row_s=0.0),
+    "cpu": Machine(call_s=0.0, layer_s=0.0, wide_s=3.0e-4, flops={2: 6.9e10, 4: 1.39e11}, bandwidth=1.9e10,
+                   overlap=False, row_layer_s=4.2e-6, wide_row_s=0.0),
     "gpu": Machine(call_s=30e-6, layer_s=20e-6, wide_s=100e-6, flops={2: 4.1e14, 4: 1.0e14}, bandwidth=2.5e12),
     "tpu": Machine(call_s=30e-6, layer_s=10e-6, wide_s=100e-6, flops={2: 1.6e14, 4: 4e13}, bandwidth=7e11),
 }
