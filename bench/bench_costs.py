@@ -4,7 +4,7 @@ that fit these timings best (least squares on log cost ratios and log AR-step se
 
     .venv/bin/python bench/bench_costs.py [--fit] [--out bench/results/costs_cpu]
 
-Random weights (timing needs no trained ones), greedy, block 16 (draft widths 16 / 8 / 4), a cache of 128 slots
+Random weights (timing needs no trained ones), greedy, block 16 (draft widths 16 / 8 / 4 / 2), a cache of 128 slots
 (80-token prompts + 48 new, rows mid-way). Writes a markdown table and JSON.
 """
 from __future__ import annotations
@@ -97,7 +97,8 @@ def fit(rows, spec, log) -> costs.Machine:
 
 
 def table(rows, spec, m: costs.Machine) -> str:
-    lines = ["| shape | batch | AR step us (timed / model) | timed w=16 / 8 / 4 | model w=16 / 8 / 4 | worst ratio error |",
+    ws = " / ".join(map(str, spec.draft_widths))
+    lines = [f"| shape | batch | AR step us (timed / model) | timed w={ws} | model w={ws} | worst ratio error |",
              "|---|---:|---:|---|---|---:|"]
     for r in rows:
         one, ratios = predicted(m, r, spec)
