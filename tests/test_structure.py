@@ -134,3 +134,34 @@ def test_size_limits():
                 if n > MAX_FUNCTION_LINES:
                     bad.append(f"{path.relative_to(ROOT)}::{node.name}: {n} lines (limit {MAX_FUNCTION_LINES})")
     assert not bad, "\n".join(bad)
+
+
+def _class_fields(module: str, cls: str) -> list[str]:
+    """The annotated fields of class `cls` in `module` (a NamedTuple's)."""
+    node = next(n for n in ast.walk(TREES[module]) if isinstance(n, ast.ClassDef) and n.name == cls)
+    return [s.target.id for s in node.body if isinstance(s, ast.AnnAssign)]
+
+
+def _attributes_read(modules) -> set[str]:
+    return {n.attr for m in modules for n in ast.walk(TREES[m]) if isinstance(n, ast.Attribute)}
+
+
+def test_each_mode_owns_its_state():
+    """The decode loop's shared state holds only what every mode and the shared code use; a mode's own fields live
+    in its `mode_state` (AR's, SBD's, verify's NamedTuples), which only the modes read: the shared code (loop,
+    outputs, continuous batching) reaches a mode through its hooks, and reads every shared field itself."""
+    shared = _class_fields("sbd_jax.decoding.state", "LoopState")
+    own = {cls: _class_fields(m, cls) for m, cls in (("sbd_jax.decoding.modes.ar", "ARState"),
+                                                     ("sbd_jax.decoding.modes.sbd", "SBDState"),
+                                                     ("sbd_jax.decoding.modes.verify.state", "VerifyState"))}
+    for cls, fields in own.items():
+        assert not set(fields) & set(shared), f"{cls} repeats loop-state fields {set(fields) & set(shared)}"
+    outside = [m for m in MODULES if m.startswith("sbd_jax.decoding") and ".modes" not in m]
+    read = _attributes_read(outside)
+    assert "mode_state" not in read, "shared decoding code reads a mode's state directly (use the Mode hooks)"
+    unused = [f for f in shared if f != "mode_state" and f not in read]
+    assert not unused, f"loop-state fields no shared code reads (a mode's own: move them to its state): {unused}"
+    verify_only = set(own["VerifyState"]) - set(own["SBDState"])
+    others = [m for m in MODULES if m.startswith("sbd_jax.decoding.modes") and ".verify" not in m]
+    leaked = verify_only & _attributes_read(others)
+    assert not leaked, f"verify's own fields read outside modes/verify: {leaked}"
