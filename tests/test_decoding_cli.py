@@ -278,6 +278,7 @@ def test_flags_are_the_dataclasses_fields_with_their_defaults():
     args = decode.build_parser().parse_args(["--model", "m", "--input", "i", "--output", "o"])
     for name in decode.SPEC_FLAGS + decode.OPTION_FLAGS:
         assert getattr(args, name) == {**spec_fields, **option_fields}[name], name
+    assert (not args.static) == option_fields["continuous"]
     args = decode.build_parser().parse_args(["--model", "m", "--input", "i", "--output", "o", "--block-size", "4",
                                              "--top-p", "0.5", "--seed", "3", "--verify"])
     assert (args.block_size, args.top_p, args.seed, args.verify) == (4, 0.5, 3, True)

@@ -36,6 +36,15 @@ def sampler():
     return Sampler({}, CFG, Tokenizer.from_callable(lambda s: [5] * len(s.split())))
 
 
+def test_sampler_options_take_the_dataclasses_defaults():
+    """Sampler.options is DecodeOptions / DecodeSpec by field name, every default theirs (continuous slots included),
+    the model's stop ids filled in."""
+    from sbd_jax.decoding.runner import DecodeOptions
+    s = sampler()
+    assert s.options(block_size=4, seed=3) == DecodeOptions(spec=DecodeSpec(block_size=4, eos_ids=s.eos_ids), seed=3)
+    assert s.options().continuous
+
+
 K16 = np.full(15, 1e4, np.float32)
 MEMORY16 = DraftMemory(hits=K16, trials=K16, stops=0.0, tokens=1e6, since_wide=0)  # a block-size-16 run's
 
@@ -98,6 +107,8 @@ CASES = {
     "sampler_empty_list": (lambda: sampler()([]), r"inputs is empty: pass at least one prompt"),
     "sampler_eos_beyond_vocab": (lambda: sampler()(["a b"], eos_ids=(70,)),
                                  r"eos id\(s\) \[70\] .* outside the vocabulary \[0, 64\)"),
+    "sampler_unknown_option": (lambda: sampler()(["a b"], blocksize=2),
+                               r"unknown decoding option\(s\) \['blocksize'\]; valid: \[.*'gamma'.*DecodeSpec's"),
     "sampler_bad_message": (lambda: sampler()([{"role": "user"}]), "input 0: expected a string"),
 }
 

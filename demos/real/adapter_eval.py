@@ -37,13 +37,14 @@ def evaluate_adapter(cfg: RealDemoConfig, base: Path, adapter: Path, records: li
 
 
 def table(rows: list[dict], batch: int) -> str:
-    """Markdown: one line per row, ratios to the base model's AR row (`batch`: the rows decoded at once); HumanEval
-    pass@1 when problems were decoded."""
+    """Markdown: one line per row, ratios to the base model's AR row (`batch`: the rows decoded at once; batch 1:
+    the prompts timed one at a time, with their own tokens per forward, which verify mode's policy sets per batch);
+    HumanEval pass@1 when problems were decoded."""
     ar = next(r for r in rows if r["model"] == "base")
     he = any(r.get("n_humaneval") for r in rows)
     head = (f"| decoding | first-line exact | similarity |{' HumanEval pass@1 |' if he else ''} = base AR | "
-            f"tokens / forward | tokens/s, batch {batch} | ratio | tokens/s, batch 1 | ratio |\n"
-            f"|---|---:|---:|{'---:|' if he else ''}---:|---:|---:|---:|---:|---:|\n")
+            f"tokens / forward | tokens/s, batch {batch} | ratio | tokens / forward, batch 1 | tokens/s, batch 1 | "
+            f"ratio |\n|---|---:|---:|{'---:|' if he else ''}---:|---:|---:|---:|---:|---:|---:|\n")
     out = []
     for r in rows:
         lat, ref = r["latency_tokens_per_s"], ar["latency_tokens_per_s"]
@@ -51,5 +52,6 @@ def table(rows: list[dict], batch: int) -> str:
                    + (f"{100 * r['humaneval_pass1']:.1f}% | " if he else "")
                    + f"{100 * r['same_as_base_ar']:.0f}% | {r['tokens_per_forward']:.2f} | {r['tokens_per_s']:.0f} | "
                    f"{r['tokens_per_s'] / ar['tokens_per_s']:.2f}x | "
-                   + (f"{lat:.1f} | {lat / ref:.2f}x |" if lat == lat else "| |"))
+                   + (f"{r.get('latency_tokens_per_forward', float('nan')):.2f} | {lat:.1f} | {lat / ref:.2f}x |"
+                      if lat == lat else "| | |"))
     return head + "\n".join(out) + "\n"

@@ -53,7 +53,8 @@ def run_decoder(d: Decoder, params, mcfg, tok: Tokenizer, held: list[dict], huma
             "accepted_per_forward": s.accepted.tolist(), "tokens_per_s": s.tokens_per_s,
             "compile_seconds": s.compile_seconds + (lat.compile_seconds if n_lat else 0.0),
             **{k: v for k, v in s.to_json().items() if k in ("drafts", "drafts_agreed", "draft_acceptance")},
-            "latency_n": n_lat, "latency_tokens_per_s": lat.tokens_per_s if n_lat else float("nan")}
+            "latency_n": n_lat, "latency_tokens_per_s": lat.tokens_per_s if n_lat else float("nan"),
+            "latency_tokens_per_forward": lat.tokens_per_forward if n_lat else float("nan")}
 
 
 def load_models(models: dict[str, Path | tuple[Path, Path]]) -> dict:

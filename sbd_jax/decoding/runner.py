@@ -52,8 +52,9 @@ class DecodeOptions:
     seed: int = 0
     compare_ar: bool = False  # also decode every prompt with AR and report the speedup
     # batch_size slots, a finished row's slot taking the next prompt at once (continuous.py); False: fixed
-    # batches, each waiting for its slowest row
-    continuous: bool = False
+    # batches, each waiting for its slowest row (what `decode_prompts` runs; a `BatchDecoder` built directly is
+    # fixed batches whatever this says)
+    continuous: bool = True
 
     def __post_init__(self):
         check_rate("gamma", self.gamma)
@@ -253,7 +254,7 @@ def run(main: Driver, prompts: Sequence[Prompt], on_row: Callable[[Prompt, RowRe
             hand(i, row)
         ar = _pass(baseline, prompts, pair)
     spec = main.opts.spec
-    return RunSummary(**vars(totals), mode=spec.mode, verify=spec.verify, continuous=main.opts.continuous,
+    return RunSummary(**vars(totals), mode=spec.mode, verify=spec.verify, continuous=isinstance(main, ContinuousDriver),
                       block_size=spec.block_size, draft_memory=main.draft_memory, ar=ar, differing=differ,
                       compile_seconds=main.compile_s + (baseline.compile_s if baseline is not None else 0.0))
 

@@ -17,7 +17,7 @@ from .prompts import Prompt, row_ids
 from .results import RowResult, RunSummary
 from .runner import DecodeOptions, decode_prompts
 from .checks import check_finite_params, check_model
-from .spec import DEFAULT_GAMMA, DEFAULT_TEMPERATURE, DecodeError, DecodeSpec
+from .spec import DecodeError, DecodeSpec
 
 
 def generation_eos(cfg: ModelConfig, model_dir) -> tuple[int, ...]:
@@ -84,17 +84,21 @@ class Sampler:
         tokenizer = (adapter is not None and Tokenizer.find(adapter)) or Tokenizer.find(model_dir)
         return cls(unstack_layers(params, delete=True), cfg, tokenizer, eos_ids=eos, mesh=mesh)
 
-    def options(self, *, gamma: float = DEFAULT_GAMMA, temperature: float = DEFAULT_TEMPERATURE, seed: int = 0,
-                batch_size: int = 8, pad_multiple: int = 16, continuous: bool = True, compare_ar: bool = False,
-                spec: DecodeSpec | None = None,
-                **spec_fields) -> DecodeOptions:
-        """`DecodeOptions` with this model's stop ids unless `eos_ids` is given; `spec_fields` are DecodeSpec
-        fields (mode, block_size, rule, max_new_tokens, top_k, top_p, tempered_entropy, eos_ids)."""
-        spec = dataclasses.replace(spec or DecodeSpec(), **spec_fields)
+    def options(self, *, spec: DecodeSpec | None = None, **fields) -> DecodeOptions:
+        """`DecodeOptions` from `fields`, each a DecodeOptions field (gamma, temperature, seed, batch_size,
+        pad_multiple, continuous, compare_ar) or a DecodeSpec field (mode, block_size, rule, verify,
+        max_new_tokens, top_k, ...; over `spec` when given), defaults as there; this model's stop ids unless
+        `eos_ids` is given. An unknown name is a DecodeError."""
+        run_names = {f.name for f in dataclasses.fields(DecodeOptions)} - {"spec"}
+        spec_names = {f.name for f in dataclasses.fields(DecodeSpec)}
+        unknown = sorted(set(fields) - run_names - spec_names)
+        if unknown:
+            raise DecodeError(f"unknown decoding option(s) {unknown}; valid: {sorted(run_names)} and DecodeSpec's "
+                              f"{sorted(spec_names)}")
+        spec = DecodeSpec.make(spec, **{k: v for k, v in fields.items() if k not in run_names})
         if spec.eos_ids is None:
             spec = dataclasses.replace(spec, eos_ids=self.eos_ids)
-        opts = DecodeOptions(spec=spec, gamma=gamma, temperature=temperature, batch_size=batch_size,
-                             pad_multiple=pad_multiple, seed=seed, compare_ar=compare_ar, continuous=continuous)
+        opts = DecodeOptions(spec=spec, **{k: v for k, v in fields.items() if k in run_names})
         check_model(self.cfg, opts.spec)
         return opts
 
