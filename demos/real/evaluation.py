@@ -67,9 +67,10 @@ def batch1_rounds(makers: dict, prompts: list[Prompt], log=print) -> dict:
     for i, p in enumerate(prompts):
         log(f"[batch 1] prompt {i + 1} of {len(prompts)}")
         for label, dec in decs.items():
-            s = decode_all(dec, [p])[1]
-            t = totals[label]
-            t.tokens, t.nfe, t.seconds = t.tokens + s.tokens, t.nfe + s.nfe, t.seconds + s.seconds
+            for row in decode_all(dec, [p])[0]:
+                totals[label].add(row)
+    for label, dec in decs.items():
+        totals[label].seconds = dec.seconds  # the runner's own decoding seconds over all its calls
     return {label: (totals[label], decs[label].compile_s) for label in decs}
 
 
